@@ -1,0 +1,1 @@
+"""Model definitions: one GPT-style decoder and the preset registries of each family."""

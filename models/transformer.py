@@ -1,0 +1,145 @@
+"""The GPT-style decoder shared by every preset, built on tensor-parallel layers.
+
+Pre-LayerNorm blocks, learned positions, tanh-GELU MLP, input and output embeddings tied. Parameter names follow
+Hugging Face GPT-2 (`wte`, `wpe`, `h.<i>.ln_1`, `h.<i>.attn.c_attn`, `h.<i>.attn.c_proj`, `h.<i>.ln_2`,
+`h.<i>.mlp.c_fc`, `h.<i>.mlp.c_proj`, `ln_f`), so import/export is a transpose table.
+
+Pipeline-friendly by construction: blocks live in a ModuleDict keyed by their *global* index, the embedding and
+the head are optional, and forward is a plain loop, so a pipeline stage builds only its own part.
+
+Shapes in comments: b batch, s sequence, d d_model, tp tensor-parallel size, V padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from models.config import ModelConfig
+from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker, VocabParallelEmbedding,
+                             copy_to_tp_region, vocab_parallel_cross_entropy)
+from parallel.topology import Topology
+
+
+class Attention(nn.Module):
+    """Causal self-attention over this rank's n_head / tp heads."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None):
+        super().__init__()
+        if cfg.n_head % topo.tp:
+            raise ValueError(f"parallel.tp = {topo.tp} does not divide model.n_head = {cfg.n_head} "
+                             f"({cfg.name}); valid tp: {divisors(cfg.n_head)}")
+        self.n_local_heads = cfg.n_head // topo.tp  # from the shard, never from a global
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.attn_dropout
+        self.rng = rng
+        d, group = cfg.d_model, topo.tp_group
+        # Fused QKV, column-parallel in 3 sections: rank r holds [Q_r; K_r; V_r] for whole heads.
+        self.c_attn = ColumnParallelLinear(d, 3 * d, group, sections=3, init_std=cfg.init_std,
+                                           device=device, dtype=dtype)
+        self.c_proj = RowParallelLinear(d, d, group, init_std=residual_std(cfg), device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
+        b, s, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
+        q, k, v = (t.view(b, s, self.n_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        # Attention probabilities belong to this rank's heads only: their dropout draws from the tp stream.
+        with self.rng.fork() if p > 0 else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (b, h/tp, s, hd)
+        return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """d -> d_ff column-parallel, tanh-GELU on the local slice, d_ff -> d row-parallel (one all-reduce)."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, device=None, dtype=None):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(cfg.d_model, cfg.d_ff, topo.tp_group, init_std=cfg.init_std,
+                                         device=device, dtype=dtype)
+        self.c_proj = RowParallelLinear(cfg.d_ff, cfg.d_model, topo.tp_group, init_std=residual_std(cfg),
+                                        device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
+        self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
+        self.mlp = MLP(cfg, topo, device=device, dtype=dtype)
+        self.dropout = nn.Dropout(cfg.dropout)  # residual stream is replicated: default stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """A decoder stage: optional embedding, blocks `layers` (global indices), optional final LN + tied head.
+
+    With the head, forward returns this rank's vocabulary shard of the logits, (b, s, V/tp); without it, the
+    hidden states (b, s, d). Parameters are allocated uninitialised on `device` (use init_weights, or
+    device="meta" to count without allocating).
+    """
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, *, layers: range | None = None,
+                 with_embedding: bool = True, with_head: bool = True, rng: TPRNGTracker | None = None,
+                 activation_checkpointing: bool = False, device=None, dtype=torch.float32):
+        super().__init__()
+        self.cfg, self.topo = cfg, topo
+        self.layers = range(cfg.n_layer) if layers is None else layers
+        self.with_embedding, self.with_head = with_embedding, with_head
+        self.activation_checkpointing = activation_checkpointing
+        self.rng = rng if rng is not None else TPRNGTracker(0, topo.tp_rank, topo.device)
+        self.vocab_padded = cfg.padded_vocab(topo.tp)
+        if with_embedding or with_head:  # the head reuses wte (tied)
+            self.wte = VocabParallelEmbedding(self.vocab_padded, cfg.d_model, topo.tp_group,
+                                              init_std=cfg.init_std, device=device, dtype=dtype)
+        if with_embedding:
+            self.wpe = nn.Embedding(cfg.n_positions, cfg.d_model, device=device, dtype=dtype)
+            self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleDict({str(i): Block(cfg, topo, self.rng, device=device, dtype=dtype)
+                                for i in self.layers})
+        if with_head:
+            self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.with_embedding:  # x: token ids (b, s)
+            s = x.shape[1]
+            if s > self.cfg.n_positions:
+                raise ValueError(f"sequence length {s} exceeds model.n_positions = {self.cfg.n_positions}")
+            pos = torch.arange(s, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (b, s, d)
+        for block in self.h.values():
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(self.rng.replayable(block), x, use_reentrant=False)
+            else:
+                x = block(x)
+        if not self.with_head:
+            return x
+        x = self.ln_f(x)
+        # Tied head: logits for this rank's vocab shard. dx is summed over tp in backward (copy_to_tp_region).
+        return F.linear(copy_to_tp_region(x, self.topo.tp_group), self.wte.weight)  # (b, s, V/tp)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits."""
+        per_token = vocab_parallel_cross_entropy(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
+        return per_token.sum() / (targets != -100).sum().clamp(min=1)
+
+
+def residual_std(cfg: ModelConfig) -> float:
+    """GPT-2's scaled init of the projections that write into the residual stream: 0.02 / sqrt(2 n_layer)."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layer)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

@@ -1,0 +1,1 @@
+"""Parallelism: the explicit Topology and one folder per strategy (tensor/, zero/, pipeline/)."""

@@ -1,0 +1,111 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Every layer receives its tensor-parallel process group (None for tp = 1) and allocates only its own shard.
+`shard_specs` maps each parameter name to its ShardSpec, which is all that initialisation, gathering full weights
+and checkpoint conversion need to know about the layout.
+
+Weights follow `torch.nn.Linear`'s (out_features, in_features) convention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel.tensor.comms import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+                                   scatter_to_tp_region)
+from parallel.tensor.shards import ShardSpec
+from parallel.topology import group_rank, group_size
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} = {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its output rows: rank r computes y's columns for its rows.
+
+    Forward: copy_to_tp_region (identity; all-reduce of dx in backward), local matmul, optionally all-gather
+    of y. With `sections` > 1 the output is that many equal blocks (fused QKV), each split across ranks.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True, sections: int = 1,
+                 gather_output: bool = False, init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        tp, rank = group_size(group), group_rank(group)
+        _divide(out_features, sections * tp, f"output features of a column-parallel layer (x {sections} sections)")
+        if gather_output and sections > 1:
+            raise ValueError("gather_output with sections > 1 would interleave the sections; gather per section")
+        self.group, self.gather_output, self.init_std = group, gather_output, init_std
+        self.in_features, self.out_features = in_features, out_features
+        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, sections, rank, tp)}
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device=device, dtype=dtype))
+        if bias:
+            self.shard_specs["bias"] = ShardSpec((out_features,), 0, sections, rank, tp)
+            self.bias = nn.Parameter(torch.empty(out_features // tp, device=device, dtype=dtype))
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out/tp) or (..., out)
+        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its input columns: rank r multiplies its slice of x.
+
+    Forward: (optional scatter of x), local matmul giving a partial sum, all-reduce over tp (identity in
+    backward), then the replicated bias, added once after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
+                 input_is_parallel: bool = True, init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        tp, rank = group_size(group), group_rank(group)
+        _divide(in_features, tp, "input features of a row-parallel layer")
+        self.group, self.input_is_parallel, self.init_std = group, input_is_parallel, init_std
+        self.in_features, self.out_features = in_features, out_features
+        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, 1, rank, tp)}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype))
+        if bias:
+            self.shard_specs["bias"] = ShardSpec((out_features,))
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in/tp) -> (..., out)
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split over tp ranks.
+
+    Each rank looks up the ids in its range [start, end) and writes zeros for the rest; the all-reduce in
+    forward (identity in backward) assembles full embeddings. `num_embeddings` must already be padded to a
+    multiple of tp (we pad to 128 * tp).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, *, init_std: float = 0.02,
+                 device=None, dtype=None):
+        super().__init__()
+        tp, rank = group_size(group), group_rank(group)
+        local = _divide(num_embeddings, tp, "padded vocabulary size")
+        self.group, self.init_std = group, init_std
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
+        self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, 1, rank, tp)}
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (b, s) -> (b, s, h)
+        if self.group is None:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.group)
