@@ -10,7 +10,8 @@ from pathlib import Path
 
 # Directories skipped at any depth: installed third-party code, the stdlib's test suites (huge, repetitive
 # fixtures) and bundled tools that are not ordinary library code.
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__",
+                           "encodings"})
 
 
 def stdlib_documents(max_bytes: int | None = None) -> list[tuple[str, str]]:

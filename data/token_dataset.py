@@ -50,9 +50,19 @@ class TokenSamples:
         return torch.from_numpy(self.tokens[positions].astype(np.int64))
 
 
-def synthetic_tokens(num_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
-    """Uniform random int64 tokens in [0, vocab_size), the same for the same seed (for tests)."""
-    return np.random.default_rng(seed).integers(0, vocab_size, size=num_tokens, dtype=np.int64)
+def synthetic_tokens(num_tokens: int, vocab_size: int, seed: int, successors: int = 4) -> np.ndarray:
+    """Deterministic int64 tokens in [0, vocab_size) for tests: a random first-order Markov chain in which each
+    token is followed by one of `successors` fixed tokens, so a model can learn it (the loss falls from
+    ln(vocab_size) towards ln(successors)) while every token id still occurs."""
+    rng = np.random.default_rng(seed)
+    table = rng.integers(0, vocab_size, size=(vocab_size, successors), dtype=np.int64)
+    choice = rng.integers(0, successors, size=num_tokens, dtype=np.int64)
+    tokens = np.empty(num_tokens, dtype=np.int64)
+    current = int(rng.integers(0, vocab_size))
+    for i in range(num_tokens):
+        tokens[i] = current
+        current = int(table[current, choice[i]])
+    return tokens
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise

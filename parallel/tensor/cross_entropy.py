@@ -28,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_size, ignore_index):
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
-        logits = logits.float().clone()  # fp32 softmax whatever the compute dtype
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # fp32 softmax (or fp64)
         valid_cols = vocab_size - start
         if valid_cols < local_vocab:
             logits[..., max(valid_cols, 0):] = float("-inf")

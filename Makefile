@@ -1,0 +1,26 @@
+# Two set-up commands (see README): `make demo` runs the embedded default job, `make test` the test suite.
+# Both create .venv on first use and install torch 2.13.0 (CPU wheel) first when torch is missing, then megazoo.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megazoo-installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/megazoo train recipes/demo.toml
+
+test: install
+	$(PY) -m pytest -q --durations=15
+
+clean:
+	rm -rf runs .pytest_cache

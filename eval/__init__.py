@@ -1,0 +1,1 @@
+"""Evaluation: WikiText-103 perplexity, LAMBADA accuracy (see the evaluation issue)."""

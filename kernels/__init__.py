@@ -1,0 +1,1 @@
+"""Fused kernels behind one dispatch (see the kernels issue)."""

@@ -1,0 +1,67 @@
+"""The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`.
+
+`train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, then
+runs one process in place or N local processes through torchrun (`python -m torch.distributed.run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from recipes.config import RecipeError, load_recipe
+from recipes.resolve import resolve
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        par = recipe.parallel
+        nproc = args.nproc if args.nproc is not None else par.dp * par.tp * par.pp
+        if nproc < 1:
+            raise RecipeError(f"--nproc {nproc} is invalid: it must be a positive integer")
+        resolve(recipe, world_size=nproc)
+    except RecipeError as err:
+        print(f"megazoo: error: {err}", file=sys.stderr)
+        return 2
+    sets = [arg for text in args.overrides for arg in ("--set", text)]
+    if nproc == 1:
+        from recipes.train import main as train_main
+        return train_main([args.recipe, *sets])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "recipes.train", args.recipe, *sets]
+    return subprocess.call(command)
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from models.config import presets
+    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'parameters':>18}")
+    for name, cfg in presets().items():
+        print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}"
+              f"{cfg.num_parameters():>18,}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megazoo", description="Giant GPT training recipes on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a recipe (TOML)")
+    train.add_argument("recipe", help="recipe file, e.g. recipes/demo.toml")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a recipe key, e.g. --set train.steps=20 (repeatable)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="local processes to start (default: dp x tp x pp from the recipe)")
+    train.set_defaults(func=_train)
+    listing = sub.add_parser("presets", help="list the model presets and their parameter counts")
+    listing.set_defaults(func=_presets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

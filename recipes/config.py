@@ -1,0 +1,177 @@
+"""Recipes: TOML files -> frozen dataclasses that reject unknown keys at every level.
+
+`load_recipe(path, overrides)` parses the file with stdlib tomllib, applies `--set section.key=value` overrides
+to the raw table (so an override of an unknown key is rejected like a typo in the file), and builds a `Recipe`.
+Derived values (global batch, padded vocabulary, the model config after overrides) are computed once, by
+`recipes.resolve.resolve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the field, the value and what would be valid."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = "gpt2-tiny"
+    # Optional overrides of the preset's fields (None keeps the preset's value).
+    n_layer: int | None = None
+    n_head: int | None = None
+    d_model: int | None = None
+    n_positions: int | None = None
+    vocab_size: int | None = None
+    dropout: float | None = None
+    attn_dropout: float | None = None
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    timeout_s: float = 600.0  # every collective; a dead or diverged rank ends the job instead of hanging it
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 100
+    micro_batch: int = 8
+    grad_accum: int = 1
+    global_batch: int | None = None  # optional cross-check: must equal micro_batch x grad_accum x dp
+    seq_len: int = 128
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 10
+    lr_decay_steps: int | None = None  # cosine decay ends here (default: steps)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
+    seed: int = 1234
+    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "fp32" | "bf16" | "fp64" (parity tests)
+    activation_checkpointing: bool = False
+    eval_every: int = 0  # validation loss every N steps (0: only at the end)
+    eval_batches: int = 8  # global batches of validation samples in one validation pass
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: str = "stdlib"  # "stdlib": the Python standard library's source | "synthetic": random tokens
+    vocab_size: int = 4096  # BPE vocabulary trained on the stdlib corpus
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.05
+    synthetic_tokens: int = 200_000
+
+
+@dataclass(frozen=True)
+class RunSection:
+    dir: str = "runs/default"
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    wandb: str = "off"  # "off" | "offline" | "online"
+    wandb_project: str = "megazoo"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class SampleSection:
+    prompt: str = "def "
+    tokens: int = 48  # 0 disables the closing sample
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    run: RunSection = field(default_factory=RunSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    sample: SampleSection = field(default_factory=SampleSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_type(value, annotation, where: str):
+    """Return value converted to the annotated scalar type, or raise a RecipeError naming the key."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if value is None and type(None) in options:
+        return None
+    for kind in options:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    names = " or ".join("none" if k is type(None) else k.__name__ for k in options)
+    raise RecipeError(f"recipe key {where} = {value!r} has the wrong type: expected {names}")
+
+
+def from_dict(cls, table: dict, where: str = ""):
+    """Build dataclass `cls` from a TOML table, rejecting unknown keys and wrongly typed values."""
+    if not isinstance(table, dict):
+        raise RecipeError(f"recipe entry {where or '<top>'} must be a table, got {table!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        scope = f"[{where}]" if where else "the top level (sections)"
+        raise RecipeError(f"unknown recipe key(s) {', '.join((where + '.' if where else '') + k for k in unknown)}; "
+                          f"valid keys in {scope}: {', '.join(fields)}")
+    values = {}
+    for name, value in table.items():
+        key = f"{where}.{name}" if where else name
+        hint = hints[name]
+        values[name] = (from_dict(hint, value, key) if dataclasses.is_dataclass(hint)
+                        else _check_type(value, hint, key))
+    return cls(**values)
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    """'train.lr=3e-4' -> (['train', 'lr'], 3e-4). Values are TOML literals; a bare word is a string."""
+    if "=" not in text:
+        raise RecipeError(f"--set {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise RecipeError(f"--set {text!r}: the key must be section.key (e.g. train.lr), got {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # an unquoted string such as runs/demo
+    return path, value
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise RecipeError(f"recipe file {path} is not valid TOML: {err}") from None
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        target = table.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise RecipeError(f"--set {text!r}: {section} is not a section")
+        target[key] = value
+    return from_dict(Recipe, table)

@@ -1,0 +1,119 @@
+"""resolve(): every derived value of a recipe, computed once, and every check that needs no process.
+
+Called before any process group exists, so a bad recipe fails fast with a message that names the field, the
+value and what would be valid. A topology can be checked at its real size here: only arithmetic is involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from models.config import ModelConfig, get_preset
+from models.transformer import divisors
+from recipes.config import Recipe, RecipeError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp64")
+DATA_SOURCES = ("stdlib", "synthetic")
+WANDB_MODES = ("off", "offline", "online")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    recipe: Recipe
+    model: ModelConfig  # preset after the recipe's overrides
+    padded_vocab: int  # vocabulary rounded up to a multiple of 128 * tp
+    global_batch: int  # sequences per optimizer step = micro_batch x grad_accum x dp
+    world_size: int  # dp x tp x pp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.recipe.train.seq_len
+
+    @property
+    def lr_decay_steps(self) -> int:
+        t = self.recipe.train
+        return t.lr_decay_steps if t.lr_decay_steps is not None else t.steps
+
+
+def _choice(where: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise RecipeError(f"{where} = {value!r} is invalid; valid: {', '.join(repr(v) for v in valid)}")
+
+
+def _positive(where: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise RecipeError(f"{where} = {value!r} is invalid: it must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def model_config(recipe: Recipe) -> ModelConfig:
+    section = recipe.model
+    try:
+        preset = get_preset(section.preset)
+        overrides = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                     if f.name != "preset" and getattr(section, f.name) is not None}
+        if recipe.data.source == "stdlib" and "vocab_size" not in overrides:
+            overrides["vocab_size"] = recipe.data.vocab_size  # the BPE trained on the corpus sets the vocabulary
+        return preset.replace(**overrides)
+    except RecipeError:
+        raise
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
+def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
+    """Check the recipe against its own topology (and `world_size`, if known) and derive what follows."""
+    par, train, data = recipe.parallel, recipe.train, recipe.data
+    for name in ("dp", "tp", "pp"):
+        _positive(f"parallel.{name}", getattr(par, name))
+    _positive("parallel.timeout_s", par.timeout_s)
+    cfg = model_config(recipe)
+
+    if cfg.n_head % par.tp:
+        raise RecipeError(f"parallel.tp = {par.tp} does not divide the head count of {cfg.name} "
+                          f"(n_head = {cfg.n_head}); valid tp: {', '.join(map(str, divisors(cfg.n_head)))}")
+    if cfg.d_ff % par.tp:
+        raise RecipeError(f"parallel.tp = {par.tp} does not divide the MLP width {cfg.d_ff} of {cfg.name}")
+    if par.pp > cfg.n_layer:
+        raise RecipeError(f"parallel.pp = {par.pp} is larger than the number of blocks of {cfg.name} "
+                          f"(n_layer = {cfg.n_layer}); valid pp: 1..{cfg.n_layer}")
+    if par.pp > 1:
+        raise RecipeError(f"parallel.pp = {par.pp}: pipeline parallelism is not available yet; valid pp: 1")
+    layout = par.dp * par.tp * par.pp
+    if world_size is not None and world_size != layout:
+        raise RecipeError(f"parallel dp={par.dp} x tp={par.tp} x pp={par.pp} = {layout} processes, but "
+                          f"{world_size} were started; start {layout} (--nproc {layout}) or change the layout")
+
+    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches"):
+        _positive(f"train.{name}", getattr(train, name))
+    for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "min_lr"):
+        _positive(f"train.{name}", getattr(train, name), allow_zero=True)
+    _positive("train.lr", train.lr)
+    if train.min_lr > train.lr:
+        raise RecipeError(f"train.min_lr = {train.min_lr} is larger than train.lr = {train.lr}")
+    if train.lr_decay_steps is not None:
+        _positive("train.lr_decay_steps", train.lr_decay_steps)
+    global_batch = train.micro_batch * train.grad_accum * par.dp
+    if train.global_batch is not None and train.global_batch != global_batch:
+        raise RecipeError(
+            f"train.global_batch = {train.global_batch} does not equal train.micro_batch x train.grad_accum x "
+            f"parallel.dp = {train.micro_batch} x {train.grad_accum} x {par.dp} = {global_batch}; set it to "
+            f"{global_batch}, remove it, or change micro_batch / grad_accum / dp")
+    if train.seq_len > cfg.n_positions:
+        raise RecipeError(f"train.seq_len = {train.seq_len} exceeds the {cfg.n_positions} positions of {cfg.name} "
+                          f"(model.n_positions); valid: 1..{cfg.n_positions}")
+    _choice("train.precision", train.precision, PRECISIONS)
+    _choice("data.source", data.source, DATA_SOURCES)
+    _choice("logging.wandb", recipe.logging.wandb, WANDB_MODES)
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise RecipeError(f"data.val_fraction = {data.val_fraction} is invalid; valid: 0 <= value < 1")
+    _positive("data.vocab_size", data.vocab_size)
+    _positive("data.max_bytes", data.max_bytes)
+    _positive("data.synthetic_tokens", data.synthetic_tokens)
+    if data.source == "stdlib" and cfg.vocab_size < data.vocab_size:
+        raise RecipeError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's data.vocab_size = "
+                          f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
+    _positive("sample.tokens", recipe.sample.tokens, allow_zero=True)
+    _positive("sample.top_k", recipe.sample.top_k, allow_zero=True)
+    return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
+                    world_size=layout)

@@ -1,0 +1,254 @@
+"""The training loop, and the torchrun entry point `python -m recipes.train RECIPE.toml [--set k=v ...]`.
+
+One optimizer step = grad_accum micro-batches per dp rank: forward (bf16 autocast on CUDA), vocab-parallel
+cross-entropy, backward of loss / grad_accum; then the dp gradient all-reduce, the global gradient norm (tp
+aware) and clipping, AdamW with the warmup + cosine schedule. The step number is the whole data position, so
+a run can resume at any step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from data import GlobalBatchSampler, TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
+from models.transformer import GPT
+from models.weights import init_weights, named_shards
+from parallel.data_parallel import all_reduce_gradients
+from parallel.grad_norm import clip_gradients_, global_grad_norm
+from parallel.tensor.random import TPRNGTracker, seed_default_stream
+from parallel.topology import Topology, init_distributed
+from recipes.config import RecipeError, load_recipe
+from recipes.generate import generate
+from recipes.metrics import MetricsLog, peak_memory_bytes
+from recipes.optim import build_adamw, lr_at
+from recipes.resolve import Resolved, resolve
+
+
+@dataclass(frozen=True)
+class TrainData:
+    train: TokenSamples
+    val: TokenSamples
+    tokenizer: Tokenizer | None = None
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    sample: str | None = None
+
+
+def load_data(res: Resolved, topo: Topology) -> TrainData:
+    """The recipe's corpus as fixed-length samples. For the stdlib corpus, rank 0 builds the tokenizer and token
+    cache under run.dir first; the other ranks wait at a barrier and then load it."""
+    data, seq = res.recipe.data, res.recipe.train.seq_len
+    if data.source == "synthetic":
+        n_val = max(seq + 1, data.synthetic_tokens // 10)
+        tokens = synthetic_tokens(data.synthetic_tokens + n_val, res.model.vocab_size, res.recipe.train.seed)
+        return TrainData(TokenSamples(tokens[:-n_val], seq), TokenSamples(tokens[-n_val:], seq))
+    cache = Path(res.recipe.run.dir) / "data_cache"
+    build = lambda: build_stdlib_corpus(cache, data.vocab_size, data.max_bytes, data.val_fraction, seed=0)  # noqa
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        corpus = build() if topo.rank == 0 else None
+        dist.barrier()
+        corpus = corpus or build()
+    else:
+        corpus = build()
+    if corpus.tokenizer.vocab_size > res.model.vocab_size:
+        raise RecipeError(f"the tokenizer has {corpus.tokenizer.vocab_size} tokens but model.vocab_size is "
+                          f"{res.model.vocab_size}; valid: model.vocab_size >= {corpus.tokenizer.vocab_size}")
+    return TrainData(TokenSamples(corpus.train_tokens, seq), TokenSamples(corpus.val_tokens, seq), corpus.tokenizer)
+
+
+def build_model(res: Resolved, topo: Topology) -> GPT:
+    """This rank's shard of the model, initialised from the recipe's seed (identical full weights for any tp)."""
+    train = res.recipe.train
+    rng = TPRNGTracker(train.seed, topo.tp_rank, topo.device)
+    dtype = torch.float64 if train.precision == "fp64" else torch.float32  # bf16 runs as autocast over fp32
+    model = GPT(res.model, topo, rng=rng, activation_checkpointing=train.activation_checkpointing,
+                device=topo.device, dtype=dtype)
+    init_weights(model, train.seed)
+    return model
+
+
+class Trainer:
+    def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None):
+        self.res, self.topo = res, topo
+        self.train_cfg = res.recipe.train
+        seed_default_stream(self.train_cfg.seed, topo.device)
+        self.data = data or load_data(res, topo)
+        self.model = build_model(res, topo)
+        self.named = list(named_shards(self.model))
+        self.optimizer = build_adamw(self.model, self.train_cfg)
+        t = self.train_cfg
+        self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
+                                          topo.dp_rank, topo.dp, seed=t.seed)
+        use_bf16 = t.precision == "bf16" or (t.precision == "auto" and topo.device.type == "cuda")
+        self.autocast = (lambda: torch.autocast(topo.device.type, dtype=torch.bfloat16)) if use_bf16 \
+            else contextlib.nullcontext
+
+    def _batch(self, samples: TokenSamples, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
+        return batch[:, :-1], batch[:, 1:]
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.topo.dp_group is not None:
+            dist.all_reduce(value, group=self.topo.dp_group)
+            value = value / self.topo.dp
+        return value.item()
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step; returns its metrics (the loss is averaged over micro-batches and dp ranks)."""
+        start = time.perf_counter()
+        t, model = self.train_cfg, self.model
+        lr = lr_at(step, t, self.res.lr_decay_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for indices in self.sampler.indices_for_step(step):
+            inputs, targets = self._batch(self.data.train, indices)
+            with self.autocast():
+                logits = model(inputs)
+            loss = model.loss(logits, targets)  # fp32 softmax inside
+            (loss / t.grad_accum).backward()
+            loss_sum += loss.detach()
+        all_reduce_gradients(model.parameters(), self.topo.dp_group)
+        norm = global_grad_norm(self.named, self.topo)
+        if t.grad_clip > 0:
+            clip_gradients_(model.parameters(), norm, t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = self._dp_mean(loss_sum / t.grad_accum)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
+                                     f"(try a lower train.lr or train.grad_clip)")
+        elapsed = time.perf_counter() - start
+        return {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm.item(),
+                "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
+                "peak_memory_bytes": peak_memory_bytes(self.topo.device)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the first eval_batches global batches of the validation set, split over dp
+        ranks: the same samples, so the same number, for every layout."""
+        t, model, val = self.train_cfg, self.model, self.data.val
+        model.eval()
+        per_rank = max(1, min(t.eval_batches * self.res.global_batch, len(val)) // self.topo.dp)
+        first = self.topo.dp_rank * per_rank
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        chunks = [list(range(i, min(i + t.micro_batch, first + per_rank)))
+                  for i in range(first, first + per_rank, t.micro_batch)]
+        for indices in chunks:
+            inputs, targets = self._batch(val, indices)
+            with self.autocast():
+                logits = model(inputs)
+            total += model.loss(logits, targets) * len(indices)
+        model.train()
+        return self._dp_mean(total / per_rank)
+
+    def sample(self) -> str | None:
+        s = self.res.recipe.sample
+        tok = self.data.tokenizer
+        if tok is None or s.tokens == 0:
+            return None
+        ids = generate(self.model, tok.encode(s.prompt), s.tokens, temperature=s.temperature, top_k=s.top_k,
+                       seed=self.train_cfg.seed)
+        return tok.decode(ids)
+
+    def fit(self, *, log: MetricsLog | None = None, progress: bool = False) -> TrainResult:
+        t, result = self.train_cfg, TrainResult()
+        steps = range(t.steps)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)
+        for step in steps:
+            metrics = self.train_step(step)
+            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+                metrics["val_loss"] = self.evaluate()
+            result.losses.append(metrics["loss"])
+            result.grad_norms.append(metrics["grad_norm"])
+            if log is not None:
+                log.write(metrics)
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        result.val_loss = self.evaluate()
+        result.sample = self.sample()
+        return result
+
+
+def run(res: Resolved, topo: Topology) -> TrainResult:
+    """Train as the recipe says, log on rank 0, and print the closing summary there."""
+    rank0 = topo.rank == 0
+    recipe = res.recipe
+    log = MetricsLog(recipe.run.dir, enabled=rank0, wandb_mode=recipe.logging.wandb,
+                     project=recipe.logging.wandb_project, config=recipe.to_dict())
+    trainer = Trainer(res, topo)
+    if rank0:
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        print(f"megazoo: {res.model.name} ({res.model.num_parameters():,} parameters; {n_params:,} on this rank) "
+              f"dp={topo.dp} tp={topo.tp} pp={topo.pp} on {topo.device}; {len(trainer.data.train):,} training "
+              f"samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}", flush=True)
+    try:
+        result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress)
+    finally:
+        log.close()
+    if rank0:
+        first, last = result.losses[0], result.losses[-1]
+        print(f"train loss {first:.4f} -> {last:.4f} over {len(result.losses)} steps")
+        print(f"validation loss {result.val_loss:.4f}, perplexity {math.exp(min(result.val_loss, 50)):.2f}")
+        if result.sample is not None:
+            print(f"sample:\n{result.sample}")
+        print(f"metrics: {Path(recipe.run.dir) / 'metrics.jsonl'}", flush=True)
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m recipes.train", description="Train a megazoo recipe.")
+    parser.add_argument("recipe", help="TOML recipe file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe key (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry point: reads the launcher's RANK/WORLD_SIZE, never library code."""
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        res = resolve(load_recipe(args.recipe, args.overrides), world_size=world_size)
+    except RecipeError as err:
+        print(f"megazoo: error: {err}", file=sys.stderr)
+        return 2
+    if world_size == 1:
+        run(res, Topology.build(res.recipe.parallel.dp, res.recipe.parallel.tp, res.recipe.parallel.pp))
+        return 0
+    init_distributed(rank, world_size, init_method="env://", timeout_s=res.recipe.parallel.timeout_s)
+    par = res.recipe.parallel
+    run(res, Topology.build(par.dp, par.tp, par.pp))
+    # torch 2.13 + gloo may abort at interpreter exit after all work is done: finish deterministically.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
