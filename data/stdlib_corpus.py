@@ -9,7 +9,8 @@ import sysconfig
 from pathlib import Path
 
 # Directories skipped at any depth: installed third-party code, the stdlib's test suites (huge, repetitive
-# fixtures) and bundled tools that are not ordinary library code.
+# fixtures), bundled tools that are not ordinary library code, and the codec tables of encodings/ (generated
+# character maps that would dominate a small sample).
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__",
                            "encodings"})
 

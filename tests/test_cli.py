@@ -1,0 +1,57 @@
+"""The README's main command, end to end (shortened), and early failure of bad launches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "recipes" / "demo.toml"
+
+
+def megazoo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_demo_runs_on_two_processes_and_loss_falls(tmp_path):
+    run_dir = tmp_path / "demo"
+    out = megazoo("train", str(DEMO), "--set", "train.steps=60", "--set", f"run.dir={run_dir}",
+                  "--set", "data.max_bytes=1500000", "--set", "train.eval_every=30", "--set", "sample.tokens=12",
+                  "--set", "train.warmup_steps=5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(60))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"):
+        assert all(key in r for r in records), key
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 1.5, (first, last)  # ln(4096) = 8.3 at the start
+    assert "val_loss" in records[29]
+    assert "dp=1 tp=2" in out.stdout and "validation loss" in out.stdout and "sample:" in out.stdout
+
+
+def test_bad_recipe_fails_before_any_process_starts(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npreset = "tnlg-17b"\n[parallel]\ntp = 8\n[data]\nsource = "synthetic"\n')
+    out = megazoo("train", str(bad), timeout=60)
+    assert out.returncode == 2
+    assert "parallel.tp = 8" in out.stderr and "n_head = 28" in out.stderr
+    assert "torch.distributed" not in out.stderr and not (tmp_path / "runs").exists()
+
+
+def test_nproc_must_match_layout():
+    out = megazoo("train", str(DEMO), "--nproc", "3", timeout=60)
+    assert out.returncode == 2 and "dp=1 x tp=2 x pp=1 = 2 processes, but 3" in out.stderr
+
+
+def test_unknown_override_key_fails():
+    out = megazoo("train", str(DEMO), "--set", "train.stepz=3", timeout=60)
+    assert out.returncode == 2 and "train.stepz" in out.stderr and "steps" in out.stderr
+
+
+def test_presets_lists_exact_counts():
+    out = megazoo("presets", timeout=60)
+    assert out.returncode == 0 and "17,176,845,728" in out.stdout and "1,557,611,200" in out.stdout
