@@ -65,6 +65,13 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class ZeroSection:
+    stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients
+    reduce_bucket_size: int = 1 << 24  # elements per gradient bucket (one reduce-scatter each)
+    offload: str = "none"  # "none" | "cpu" (ZeRO-Offload, with the ZeRO issue)
+
+
+@dataclass(frozen=True)
 class DataSection:
     source: str = "stdlib"  # "stdlib": the Python standard library's source | "synthetic": random tokens
     vocab_size: int = 4096  # BPE vocabulary trained on the stdlib corpus
@@ -98,6 +105,7 @@ class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
     data: DataSection = field(default_factory=DataSection)
     run: RunSection = field(default_factory=RunSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

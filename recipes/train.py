@@ -27,6 +27,7 @@ from parallel.data_parallel import all_reduce_gradients
 from parallel.grad_norm import clip_gradients_, global_grad_norm
 from parallel.tensor.random import TPRNGTracker, seed_default_stream
 from parallel.topology import Topology, init_distributed
+from parallel.zero.stage12 import ZeroStage12
 from recipes.config import RecipeError, load_recipe
 from recipes.generate import generate
 from recipes.metrics import MetricsLog, peak_memory_bytes
@@ -90,8 +91,13 @@ class Trainer:
         self.data = data or load_data(res, topo)
         self.model = build_model(res, topo)
         self.named = list(named_shards(self.model))
-        self.optimizer = build_adamw(self.model, self.train_cfg)
-        t = self.train_cfg
+        t, zero = self.train_cfg, res.recipe.zero
+        if zero.stage == 0:
+            self.zero, self.optimizer = None, build_adamw(self.model, t)
+        else:
+            self.zero = ZeroStage12(self.named, topo, stage=zero.stage, lr=t.lr, betas=(t.beta1, t.beta2),
+                                    eps=t.eps, weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size)
+            self.optimizer = self.zero.optimizer
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
         use_bf16 = t.precision == "bf16" or (t.precision == "auto" and topo.device.type == "cuda")
@@ -113,23 +119,33 @@ class Trainer:
         start = time.perf_counter()
         t, model = self.train_cfg, self.model
         lr = lr_at(step, t, self.res.lr_decay_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        for indices in self.sampler.indices_for_step(step):
+        micro_batches = self.sampler.indices_for_step(step)
+        for i, indices in enumerate(micro_batches):
+            if self.zero is not None:
+                self.zero.begin_micro_batch(last=i == len(micro_batches) - 1)
             inputs, targets = self._batch(self.data.train, indices)
             with self.autocast():
                 logits = model(inputs)
             loss = model.loss(logits, targets)  # fp32 softmax inside
             (loss / t.grad_accum).backward()
             loss_sum += loss.detach()
-        all_reduce_gradients(model.parameters(), self.topo.dp_group)
-        norm = global_grad_norm(self.named, self.topo)
-        if t.grad_clip > 0:
-            clip_gradients_(model.parameters(), norm, t.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            self.zero.finish_gradients()
+            norm = self.zero.grad_norm()
+            if t.grad_clip > 0:
+                self.zero.clip_(norm, t.grad_clip)
+            self.zero.step(lr)
+        else:
+            all_reduce_gradients(model.parameters(), self.topo.dp_group)
+            norm = global_grad_norm(self.named, self.topo)
+            if t.grad_clip > 0:
+                clip_gradients_(model.parameters(), norm, t.grad_clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         loss_value = self._dp_mean(loss_sum / t.grad_accum)
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "

@@ -64,28 +64,27 @@ def forward_backward(model):
     return full_logits[..., :V], loss.detach(), full_grads(model)
 
 
-@functools.lru_cache(maxsize=None)
-def solo_reference():
-    model = GPT(CFG, Topology.solo())
-    init_weights(model, SEED)
-    weights = full_state_dict(model)
-    logits, loss, grads = forward_backward(model)
-    init_weights(model, OTHER_SEED)
-    return dict(weights=weights, logits=logits, loss=loss, grads=grads, other=full_state_dict(model))
-
-
-def _tp_run(topo):
+def _run_model(topo):
+    """Full initial weights for SEED and OTHER_SEED, and the SEED model's full logits, loss and gradients."""
     model = GPT(CFG, topo)
     init_weights(model, SEED)
     weights = full_state_dict(model)
+    padded_wte = gather_full(model.wte.weight, model.wte.shard_specs["weight"], topo.tp_group)
+    assert padded_wte.shape[0] == CFG.padded_vocab(topo.tp)
+    assert torch.all(padded_wte[V:] == 0), "padding rows of the embedding start at zero"
     logits, loss, grads = forward_backward(model)
     init_weights(model, OTHER_SEED)
     return dict(weights=weights, logits=logits, loss=loss, grads=grads, other=full_state_dict(model))
+
+
+@functools.lru_cache(maxsize=None)
+def solo_reference():
+    return _run_model(Topology.solo())
 
 
 @functools.lru_cache(maxsize=None)
 def tp_results(tp):
-    return on_tp(tp, _tp_run)
+    return on_tp(tp, _run_model)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -126,35 +125,43 @@ def _dropout_run(topo, default_seed_per_rank):
     model = GPT(DROPOUT_CFG, topo, rng=TPRNGTracker(SEED, topo.tp_rank))
     init_weights(model, SEED)
     seed_default_stream(DROPOUT_SEED + (topo.tp_rank if default_seed_per_rank else 0))
-    hidden = {}
-    model.ln_f.register_forward_hook(lambda mod, inp, out: hidden.__setitem__("h", inp[0].detach().clone()))
+    hidden = []  # the residual stream entering ln_f, per forward
+    model.ln_f.register_forward_hook(lambda mod, inp, out: hidden.append(inp[0].detach().clone()))
+    tp_stream_start = model.rng.get_state()
     model.train()
     loss = model.loss(model(IDS), TARGETS)
     loss.backward()
+    tp_stream_after_train = model.rng.get_state()
     replicated = {name: p.grad.clone() for name, p, spec in named_shards(model) if spec.dim is None}
     model.eval()
     with torch.no_grad():
         eval_loss = model.loss(model(IDS), TARGETS)
-    return loss.item(), eval_loss.item(), hidden["h"], replicated
+    moved = (not torch.equal(tp_stream_start, tp_stream_after_train),
+             not torch.equal(tp_stream_after_train, model.rng.get_state()))
+    return dict(loss=loss.item(), eval_loss=eval_loss.item(), train_hidden=hidden[0], eval_hidden=hidden[1],
+                grads=replicated, tp_stream_moved=moved)
 
 
 def test_dropout_replicated_stream_is_identical_across_tp_ranks():
-    results = on_tp(2, _dropout_run, False)
-    (loss0, eval0, hidden0, grads0), (loss1, eval1, hidden1, grads1) = results
-    assert loss0 == loss1 and eval0 == eval1
-    assert abs(loss0 - eval0) > 1e-3, "dropout 0.1 in train mode must change the loss"
+    out0, out1 = on_tp(2, _dropout_run, False)
+    for out in (out0, out1):
+        assert not torch.allclose(out["train_hidden"], out["eval_hidden"], rtol=1e-2, atol=1e-3), "dropout is off"
+        assert out["loss"] != out["eval_loss"]
+        # Attention dropout draws from the tensor-parallel stream (train mode only), not the replicated one.
+        assert out["tp_stream_moved"] == (True, False)
+    assert out0["loss"] == out1["loss"] and out0["eval_loss"] == out1["eval_loss"]
     # The residual stream (dropout from the default stream) is the same tensor on both ranks...
-    assert torch.equal(hidden0, hidden1)
+    assert torch.equal(out0["train_hidden"], out1["train_hidden"])
     # ...so every replicated parameter (LayerNorms, positions, row-parallel biases) gets the same gradient.
-    assert grads0.keys() == grads1.keys() and len(grads0) > 0
-    for name in grads0:
-        torch.testing.assert_close(grads0[name], grads1[name], rtol=1e-6, atol=1e-9)
+    assert out0["grads"].keys() == out1["grads"].keys() and len(out0["grads"]) > 0
+    for name in out0["grads"]:
+        torch.testing.assert_close(out0["grads"][name], out1["grads"][name], rtol=1e-6, atol=1e-9)
 
 
 def test_dropout_with_differently_seeded_default_streams_diverges():
     """The control for the test above: the identity comes from the seeding, not from the all-reduces."""
-    (_, _, hidden0, _), (_, _, hidden1, _) = on_tp(2, _dropout_run, True)
-    assert not torch.allclose(hidden0, hidden1)
+    out0, out1 = on_tp(2, _dropout_run, True)
+    assert not torch.allclose(out0["train_hidden"], out1["train_hidden"])
 
 
 def _checkpointing_run(topo, checkpointing, replay=True):

@@ -384,6 +384,9 @@ def test_rng_tracker_streams(tp):
 
 def test_rng_tracker_replayable_replays_and_restores():
     tracker = TPRNGTracker(99, tp_rank=1)
+    fresh = TPRNGTracker(99, tp_rank=1)
+    with fresh.fork():
+        stream = torch.rand(14)  # the tp stream drawn in one go, for reference
 
     def draw(n):
         with tracker.fork():
@@ -392,15 +395,14 @@ def test_rng_tracker_replayable_replays_and_restores():
     run = tracker.replayable(draw)
     first = run(5)
     after_first = tracker.get_state()
-    with tracker.fork():
-        next_draw = torch.rand(3)  # what the stream gives after the first call...
-    tracker.set_state(after_first)
-    assert torch.equal(run(5), first)  # ...a replay draws the first call's numbers again
-    assert torch.equal(tracker.get_state(), after_first)  # and leaves the stream where the first call left it
+    assert torch.equal(first, stream[:5])
+    # A replay right after the first call draws the same numbers and leaves the stream where the first call did.
     assert torch.equal(run(5), first)
-    assert torch.equal(draw(3), next_draw)
-    # Without the replay wrapper the same call continues the stream instead.
-    fresh = TPRNGTracker(99, tp_rank=1)
-    with fresh.fork():
-        stream = torch.rand(10)
-    assert torch.equal(first, stream[:5]) and not torch.equal(first, stream[5:])
+    assert torch.equal(tracker.get_state(), after_first)
+    # Later draws (the following blocks' forward) move the stream on; a replay (the recompute in backward) still
+    # draws the first call's numbers, and leaves the stream where it found it.
+    assert torch.equal(draw(3), stream[5:8])
+    before_replay = tracker.get_state()
+    assert torch.equal(run(5), first)
+    assert torch.equal(tracker.get_state(), before_replay)
+    assert torch.equal(draw(6), stream[8:14])

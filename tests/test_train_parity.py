@@ -27,8 +27,8 @@ def _train(res, topo):
             "params": full_state_dict(trainer.model)}
 
 
-def _train_on_ranks(parallel: dict, train: dict | None = None):
-    res = tiny_resolved(parallel=parallel, train=train or {})
+def _train_on_ranks(parallel: dict, train: dict | None = None, zero: dict | None = None):
+    res = tiny_resolved(parallel=parallel, train=train or {}, zero=zero or {})
 
     def work():
         return _train(res, Topology.build(res.recipe.parallel.dp, res.recipe.parallel.tp))
@@ -91,3 +91,11 @@ def test_fp32_dp2_tp2_matches_fp32_reference():
         for name, value in ref["params"].items():
             assert value.dtype == torch.float32
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_dp2_with_accumulation_equals_reference(reference, stage):
+    results = _train_on_ranks({"dp": 2}, {"micro_batch": 2, "grad_accum": 2}, zero={"stage": stage,
+                                                                                 "reduce_bucket_size": 40_000})
+    for got in results:
+        assert_same_training(got, reference)
