@@ -1,0 +1,211 @@
+"""Hugging Face GPT-2 checkpoints <-> megazoo GPT weights.
+
+Our parameter names are HF GPT-2's without the `transformer.` prefix, so conversion is one rule: HF's `Conv1D`
+layers (`c_attn`, `c_proj`, `c_fc`) store weights as (in, out) and ours as torch.nn.Linear's (out, in), so those
+four weights are transposed. HF's fused `c_attn` output is already [Q; K; V] (each d_model wide, heads in
+order), exactly our full layout, which `shard_of` then cuts by whole heads per rank (ShardSpec sections=3).
+HF's `attn.bias` / `attn.masked_bias` causal-mask buffers (older checkpoints) and the tied `lm_head.weight` are
+dropped.
+
+"Full state" below means {our name: full, unsharded tensor} with the embedding at the true vocabulary size, the
+format of `models.weights.full_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+from models.transformer import GPT
+from models.weights import named_shards
+from parallel.tensor import shard_of
+from parallel.topology import Topology
+
+# Layers stored by HF as transformers.pytorch_utils.Conv1D, whose weight is (in, out).
+CONV1D_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# HF activations equal to ours (GELU with the tanh approximation).
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+HF_PREFIX = "transformer."
+DROPPED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def _is_conv1d_weight(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{layer}." in f".{name}" for layer in CONV1D_LAYERS)
+
+
+def hf_to_megazoo_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo state from an HF GPT2LMHeadModel / GPT2Model state dict (prefix `transformer.` optional)."""
+    full: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in hf_state.items():
+        if hf_name == "lm_head.weight" or hf_name.endswith(DROPPED_SUFFIXES):
+            continue  # tied to wte / causal-mask buffers we do not need
+        name = hf_name.removeprefix(HF_PREFIX)
+        full[name] = tensor.t().contiguous() if _is_conv1d_weight(name) else tensor
+    if "lm_head.weight" in hf_state and "wte.weight" in full:
+        if not torch.equal(hf_state["lm_head.weight"], full["wte.weight"]):
+            raise ValueError("lm_head.weight differs from transformer.wte.weight: megazoo GPTs tie the output "
+                             "head to the input embedding and cannot hold an untied checkpoint")
+    _check_names_and_shapes(full, cfg)
+    return full
+
+
+def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel state (without the tied `lm_head.weight`) from a full megazoo state."""
+    _check_names_and_shapes(full_state, cfg)
+    return {HF_PREFIX + name: (tensor.t() if _is_conv1d_weight(name) else tensor).contiguous()
+            for name, tensor in full_state.items()}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the full model with its full shape (embedding at the true vocabulary size)."""
+    d, f = cfg.d_model, cfg.d_ff
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (cfg.vocab_size, d), "wpe.weight": (cfg.n_positions, d)}
+    for i in range(cfg.n_layer):
+        block = {"ln_1.weight": (d,), "ln_1.bias": (d,), "attn.c_attn.weight": (3 * d, d), "attn.c_attn.bias": (3 * d,),
+                 "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
+                 "mlp.c_fc.weight": (f, d), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (d, f), "mlp.c_proj.bias": (d,)}
+        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
+    return shapes
+
+
+def _check_names_and_shapes(full: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    expected = expected_shapes(cfg)
+    missing, unexpected = sorted(set(expected) - set(full)), sorted(set(full) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"state does not match model {cfg.name} ({cfg.n_layer} layers): missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    wrong = [f"{n}: {tuple(full[n].shape)} != {s}" for n, s in expected.items() if tuple(full[n].shape) != s]
+    if wrong:
+        raise ValueError(f"state does not match model {cfg.name}: wrong shapes {wrong[:8]}")
+
+
+def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
+    """ModelConfig of an HF `GPT2Config`; refuses the variants our decoder does not compute."""
+    unsupported = []
+    if hf_config.activation_function not in TANH_GELUS:
+        unsupported.append(f"activation_function={hf_config.activation_function!r} (ours is tanh-GELU)")
+    if not getattr(hf_config, "scale_attn_weights", True) or getattr(hf_config, "scale_attn_by_inverse_layer_idx",
+                                                                      False):
+        unsupported.append("attention scaling other than 1/sqrt(head_dim)")
+    if not getattr(hf_config, "tie_word_embeddings", True):
+        unsupported.append("untied output head (tie_word_embeddings=False)")
+    if getattr(hf_config, "add_cross_attention", False):
+        unsupported.append("cross-attention")
+    if unsupported:
+        raise ValueError(f"unsupported GPT-2 variant: {'; '.join(unsupported)}")
+    return ModelConfig(
+        name=name or Path(getattr(hf_config, "name_or_path", "") or "hf-gpt2").name or "hf-gpt2",
+        n_layer=hf_config.n_layer, n_head=hf_config.n_head, d_model=hf_config.n_embd,
+        n_positions=hf_config.n_positions, vocab_size=hf_config.vocab_size,
+        d_ff=hf_config.n_inner or 4 * hf_config.n_embd,
+        # Dropout rates are kept for fine-tuning; evaluation runs in eval() mode, where they are inactive.
+        dropout=hf_config.resid_pdrop, attn_dropout=hf_config.attn_pdrop,
+        layer_norm_eps=hf_config.layer_norm_epsilon, init_std=hf_config.initializer_range,
+    )
+
+
+def config_to_hf(cfg: ModelConfig):
+    """The HF `GPT2Config` computing the same function as `cfg`."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_inner=cfg.d_ff, activation_function="gelu_new", resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout, attn_pdrop=cfg.attn_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
+        initializer_range=cfg.init_std, architectures=["GPT2LMHeadModel"], tie_word_embeddings=True,
+    )
+
+
+@torch.no_grad()
+def load_full_state_into(model: GPT, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shard of every parameter of `model` (any tp, any pipeline stage) from a full state.
+
+    The embedding is padded with zero rows from the true to the model's padded vocabulary (as init_weights
+    does: padding ids are never inputs and their logits are masked). Names of other stages are ignored.
+    """
+    missing = [name for name, _, _ in named_shards(model) if name not in full_state]
+    if missing:
+        raise ValueError(f"full state lacks {len(missing)} parameter(s) of the model, e.g. {missing[:8]}")
+    for name, param, spec in named_shards(model):
+        full = full_state[name]
+        if name == "wte.weight" and full.shape[0] < spec.global_shape[0]:
+            full = torch.cat([full, full.new_zeros(spec.global_shape[0] - full.shape[0], full.shape[1])])
+        param.copy_(shard_of(full.to(param.dtype), spec))
+
+
+def gpt_from_full_state(cfg: ModelConfig, full_state: dict[str, torch.Tensor], topology: Topology,
+                        dtype: torch.dtype = torch.float32) -> GPT:
+    """A whole (pp = 1) GPT for this rank of `topology`, holding its shards of `full_state`, in eval mode."""
+    model = GPT(cfg, topology, device=topology.device, dtype=dtype)
+    load_full_state_into(model, full_state)
+    return model.eval()
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of an HF checkpoint directory: model.safetensors, its sharded index, or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    single, index, pickle = (hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json",
+                             hf_dir / "pytorch_model.bin")
+    try:
+        if single.is_file():
+            return load_file(str(single))
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return {k: v for shard in shards for k, v in load_file(str(hf_dir / shard)).items()}
+        if pickle.is_file():
+            return torch.load(pickle, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors/torch raise several types for truncated or corrupt files
+        raise ValueError(f"cannot read the weights of HF checkpoint {hf_dir}: {error}") from error
+    raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no model.safetensors, "
+                            "model.safetensors.index.json or pytorch_model.bin")
+
+
+def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, full megazoo state) of an HF GPT-2 checkpoint directory (config.json + weights)."""
+    from transformers import GPT2Config
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
+    hf_config = GPT2Config.from_pretrained(str(hf_dir))
+    if hf_config.model_type != "gpt2":
+        raise ValueError(f"{hf_dir}/config.json is a {hf_config.model_type!r} model, not gpt2")
+    cfg = config_from_hf(hf_config, name=hf_dir.resolve().name)
+    return cfg, hf_to_megazoo_state(read_hf_state_dict(hf_dir), cfg)
+
+
+def import_hf_dir(hf_dir: str | Path, topology: Topology, dtype: torch.dtype = torch.float32) -> GPT:
+    """Our GPT, sharded over `topology`'s tp group, from an HF GPT-2 checkpoint directory."""
+    cfg, full_state = read_hf_dir(hf_dir)
+    return gpt_from_full_state(cfg, full_state, topology, dtype)
+
+
+def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+                  tokenizer_dir: str | Path | None = None) -> Path:
+    """Write an HF GPT-2 checkpoint (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads.
+
+    With `tokenizer_dir`, its GPT-2 BPE files are copied in as vocab.json + merges.txt, so the directory is
+    also a complete tokenizer.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_state = megazoo_to_hf_state(full_state, cfg)
+    config_to_hf(cfg).save_pretrained(str(out_dir))
+    # HF's own format: tied lm_head omitted, "pt" metadata so from_pretrained treats it as a torch checkpoint.
+    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        from data.gpt2_bpe import find_bpe_files
+
+        vocab, merges = find_bpe_files(tokenizer_dir)
+        (out_dir / "vocab.json").write_bytes(vocab.read_bytes())
+        (out_dir / "merges.txt").write_bytes(merges.read_bytes())
+    return out_dir

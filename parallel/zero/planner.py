@@ -1,0 +1,399 @@
+"""The ZeRO planner: per-device model-state memory and communication volume, by formula, before any process runs.
+
+Pure arithmetic (no torch, no torch.distributed), so a 100B-class layout can be planned on a laptop and the
+training code can test what it *measures* against what this file *claims* (DESIGN.md principle 6).
+
+Memory (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 5
+and Table 1). Psi is the parameter count one device holds before ZeRO (one tensor-parallel rank of the largest
+pipeline stage: `shard_parameters`), N the data-parallel degree, K the optimizer bytes per parameter. Mixed
+precision Adam: 2 bytes fp16/bf16 params + 2 bytes grads + K = 12 (fp32 master copy, momentum, variance):
+
+    stage 0 (baseline)   (2 + 2 + K) Psi
+    stage 1 (P_os)        2 Psi + 2 Psi + K Psi / N
+    stage 2 (P_os+g)      2 Psi + (2 + K) Psi / N
+    stage 3 (P_os+g+p)    (2 + 2 + K) Psi / N
+
+Plain fp32 Adam is the same arithmetic with 4 + 4 + K = 8 (no master copy): `FP32_ADAM`. With offload
+(ZeRO-Offload, Ren et al. 2021) the optimizer states live in CPU memory: `device_bytes` drops by exactly them and
+`cpu_bytes` holds them. Transient buffers (communication buckets, stage-3 prefetch and persistent parameters) are
+reported apart by `buffer_memory`, never added to the paper's model-state numbers. GB means 1e9 bytes.
+
+Communication volume: the number of elements *each rank sends* over the dp group in one optimizer step, with
+ring collectives (a reduce-scatter or an all-gather of Psi elements sends Psi (N-1)/N per rank; an all-reduce is
+both, 2 Psi (N-1)/N). Bytes = elements x the element size (2 for fp16/bf16, 4 for fp32 training).
+
+    stage 0      all-reduce of the gradients                                      2 Psi (N-1)/N
+    stage 1, 2   reduce-scatter of the gradients + all-gather of the new params   2 Psi (N-1)/N
+    stage 3      reduce-scatter of the gradients + all-gather of the params in
+                 forward + all-gather again in backward                           3 Psi (N-1)/N
+
+With gradient accumulation over `grad_accum` micro-batches: stages 0 and 1 accumulate full local gradients and
+reduce once per step; stage 2 reduce-scatters every micro-batch (it keeps only its gradient partition, as
+megazoo's stage12.py and DeepSpeed do); stage 3 gathers and reduce-scatters every micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+
+from models.config import ModelConfig
+
+GB = 1e9  # the paper's GB: 10^9 bytes
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+
+
+class PlanError(ValueError):
+    """A plan that cannot exist; the message names the input, the value and what would be valid."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each kind of model state. `optimizer` is the paper's K."""
+
+    params: int = 2
+    grads: int = 2
+    optimizer: int = 12
+
+    def __post_init__(self):
+        for name in ("params", "grads", "optimizer"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"{name} bytes per parameter = {getattr(self, name)} must be >= 0")
+
+
+MIXED_ADAM = StateBytes(2, 2, 12)  # fp16/bf16 params and grads; fp32 master + momentum + variance (K = 12)
+FP32_ADAM = StateBytes(4, 4, 8)  # fp32 params and grads; momentum + variance only (K = 8, no master copy)
+
+
+@dataclass(frozen=True)
+class ModelStateMemory:
+    """Model-state bytes per data-parallel rank for one ZeRO stage (the paper's Table 1 quantities)."""
+
+    stage: int
+    psi: int
+    dp: int
+    params_bytes: float  # on the device
+    grads_bytes: float  # on the device
+    optimizer_bytes: float  # this rank's optimizer states, wherever they live (CPU when offload)
+    offload: bool = False
+
+    @property
+    def device_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + (0.0 if self.offload else self.optimizer_bytes)
+
+    @property
+    def cpu_bytes(self) -> float:
+        return self.optimizer_bytes if self.offload else 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        """All model states of this rank, device + CPU (equals device_bytes without offload)."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """Elements one rank sends over the dp group per optimizer step, by collective (see the module docstring)."""
+
+    stage: int
+    psi: int
+    dp: int
+    all_reduce_elements: float  # stage 0 only
+    reduce_scatter_elements: float  # gradients, stages 1-3
+    all_gather_elements: float  # parameters, stages 1-3 (stage 3: forward and backward)
+    factor: int  # elements = factor x Psi (N-1)/N: 2 for stages 0-2, 3 for stage 3 (without accumulation)
+    grad_bytes: int = 2  # bytes per gradient element sent
+    param_bytes: int = 2  # bytes per parameter element sent
+
+    @property
+    def elements(self) -> float:
+        return self.all_reduce_elements + self.reduce_scatter_elements + self.all_gather_elements
+
+    @property
+    def bytes(self) -> float:
+        return ((self.all_reduce_elements + self.reduce_scatter_elements) * self.grad_bytes
+                + self.all_gather_elements * self.param_bytes)
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Transient communication buffers, in elements. Defaults are DeepSpeed's ZeRO defaults."""
+
+    reduce_bucket: int = 500_000_000  # reduce_bucket_size: gradients gathered for one reduce(-scatter)
+    allgather_bucket: int = 500_000_000  # allgather_bucket_size (stages 1-2): updated params per all-gather
+    prefetch: int = 50_000_000  # stage3_prefetch_bucket_size: gathered params in flight ahead of use
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold: smaller tensors stay whole
+
+
+@dataclass(frozen=True)
+class BufferMemory:
+    """Buffer bytes per rank for one stage: reported apart from (never added to) the model states."""
+
+    stage: int
+    reduce_bucket_bytes: float
+    allgather_bucket_bytes: float  # stages 1-2
+    prefetch_bytes: float  # stage 3
+    persistent_bytes: float | None  # stage 3: tensors below the threshold kept whole; None when unknown
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.reduce_bucket_bytes + self.allgather_bucket_bytes + self.prefetch_bytes
+                + (self.persistent_bytes or 0.0))
+
+
+def _check(stage: int, psi: int, dp: int) -> None:
+    if stage not in STAGES:
+        raise PlanError(f"zero stage {stage!r} is invalid; valid: 0, 1, 2, 3")
+    if not isinstance(dp, int) or dp < 1:
+        raise PlanError(f"dp = {dp!r} is invalid: it must be an integer >= 1")
+    if psi < 0:
+        raise PlanError(f"psi = {psi!r} is invalid: it must be >= 0")
+
+
+def model_state_memory(psi: int, dp: int, stage: int, state: StateBytes = MIXED_ADAM, *,
+                       offload: bool = False) -> ModelStateMemory:
+    """The paper's per-device model-state memory of `psi` parameters over `dp` ranks at ZeRO `stage`."""
+    _check(stage, psi, dp)
+    # Each stage partitions one more kind of state over dp: optimizer (>= 1), gradients (>= 2), params (3).
+    params = state.params * psi / (dp if stage >= 3 else 1)
+    grads = state.grads * psi / (dp if stage >= 2 else 1)
+    optimizer = state.optimizer * psi / (dp if stage >= 1 else 1)
+    return ModelStateMemory(stage, psi, dp, params, grads, optimizer, offload)
+
+
+def communication_volume(psi: int, dp: int, stage: int, state: StateBytes = MIXED_ADAM, *,
+                         grad_accum: int = 1) -> CommVolume:
+    """Elements (and bytes) each rank sends over dp in one optimizer step; ring collectives."""
+    _check(stage, psi, dp)
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise PlanError(f"grad_accum = {grad_accum!r} is invalid: it must be an integer >= 1")
+    one = psi * (dp - 1) / dp  # one reduce-scatter or one all-gather of psi elements, per rank
+    all_reduce = rs = ag = 0.0
+    if stage == 0:
+        all_reduce = 2 * one
+    elif stage == 1:
+        rs, ag = one, one
+    elif stage == 2:
+        rs, ag = grad_accum * one, one  # only the gradient partition survives a micro-batch
+    else:
+        rs, ag = grad_accum * one, grad_accum * 2 * one  # params gathered for forward and again for backward
+    factor = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
+    return CommVolume(stage, psi, dp, all_reduce, rs, ag, factor, state.grads, state.params)
+
+
+def buffer_memory(psi: int, stage: int, buffers: BufferConfig = BufferConfig(), *, element_bytes: int = 2,
+                  persistent_elements: int | None = None) -> BufferMemory:
+    """Bucket bytes per rank. A bucket never exceeds the model it buckets, hence min(bucket, psi).
+
+    Stage 0: one all-reduce bucket; stages 1-2: a reduce bucket and an all-gather bucket; stage 3: a reduce
+    bucket, the prefetch window and the persistent (never partitioned) small tensors, which need the tensor
+    list (`ModelShard.persistent_elements`) and are None when only a count is known.
+    """
+    _check(stage, psi, 1)
+    reduce = min(buffers.reduce_bucket, psi) * element_bytes
+    gather = min(buffers.allgather_bucket, psi) * element_bytes if stage in (1, 2) else 0.0
+    prefetch = min(buffers.prefetch, psi) * element_bytes if stage == 3 else 0.0
+    persistent = None
+    if stage == 3 and persistent_elements is not None:
+        persistent = persistent_elements * element_bytes
+    return BufferMemory(stage, reduce, gather, prefetch, persistent if stage == 3 else 0.0)
+
+
+# ---- Psi of one device from a preset --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorCount:
+    name: str  # the model's parameter name (models/transformer.py), e.g. "h.3.attn.c_attn.weight"
+    numel: int  # elements on one tp rank
+    tp_sharded: bool  # True: 1/tp of the global tensor; False: replicated on every tp rank
+
+
+@dataclass(frozen=True)
+class StageShard:
+    """The parameters of one tensor-parallel rank of one pipeline stage."""
+
+    pp_rank: int
+    layers: range
+    tensors: tuple[TensorCount, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def sharded(self) -> int:
+        return sum(t.numel for t in self.tensors if t.tp_sharded)
+
+    @property
+    def replicated(self) -> int:
+        return sum(t.numel for t in self.tensors if not t.tp_sharded)
+
+    def persistent_elements(self, threshold: int) -> int:
+        """Elements in tensors smaller than `threshold` (stage 3 keeps these whole on every dp rank)."""
+        return sum(t.numel for t in self.tensors if t.numel < threshold)
+
+
+@dataclass(frozen=True)
+class ModelShard:
+    """Per-device parameter counts of a preset under (tp, pp): `psi` is the largest stage's (the peak)."""
+
+    model: str
+    tp: int
+    pp: int
+    padded_vocab: int
+    stages: tuple[StageShard, ...]
+
+    @property
+    def peak(self) -> StageShard:
+        return max(self.stages, key=lambda s: s.numel)  # ties: the first such stage
+
+    @property
+    def psi(self) -> int:
+        return self.peak.numel
+
+    def describe(self) -> str:
+        peak = self.peak
+        sizes = ", ".join(f"{s.numel:,}" for s in self.stages)
+        text = (f"Psi = {self.psi:,} parameters per device: {self.model} with tp={self.tp} pp={self.pp}; "
+                f"padded vocab {self.padded_vocab:,} (a multiple of 128 x tp); tp-sharded {peak.sharded:,} "
+                f"({f'1/{self.tp}' if self.tp > 1 else 'all, at tp=1,'} of the QKV, MLP, attention/MLP output weights, "
+                f"column biases and word embedding) "
+                f"+ replicated {peak.replicated:,} (LayerNorms, row-parallel biases"
+                f"{', position embedding' if peak.pp_rank == 0 else ''})")
+        if self.pp > 1:
+            text += (f"; pipeline stage {peak.pp_rank} of {self.pp} (blocks {peak.layers.start}.."
+                     f"{peak.layers.stop - 1}) is the largest; every stage: [{sizes}]")
+        return text
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def stage_layers(n_layer: int, pp: int) -> list[range]:
+    """Blocks per pipeline stage, as even as possible; the first n_layer % pp stages get one more block."""
+    base, extra = divmod(n_layer, pp)
+    ranges, start = [], 0
+    for rank in range(pp):
+        stop = start + base + (1 if rank < extra else 0)
+        ranges.append(range(start, stop))
+        start = stop
+    return ranges
+
+
+def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> ModelShard:
+    """Exact per-rank parameter counts of `cfg` under tensor parallelism `tp` and pipeline parallelism `pp`.
+
+    Mirrors models/transformer.py tensor by tensor (tests compare names and sizes with a meta-device model):
+    - The *padded* vocabulary is counted, since the padded rows are allocated, trained (they get weight decay
+      and Adam state) and partitioned like any other row: padded_vocab(tp) / tp rows of wte per tp rank.
+    - Column-parallel weights and biases (c_attn in 3 head-aligned sections, mlp.c_fc) and row-parallel weights
+      (attn.c_proj, mlp.c_proj) hold 1/tp; row-parallel biases (added after the all-reduce), LayerNorms and the
+      position embedding are replicated on every tp rank.
+    - Pipeline: stage 0 holds wte and wpe, the last stage ln_f and its own copy of wte for the tied head (so with
+      pp > 1 the word embedding is counted on two stages, as it is allocated twice).
+    """
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} = {value!r} is invalid: it must be an integer >= 1")
+    if cfg.n_head % tp:
+        raise PlanError(f"tp = {tp} does not divide the {cfg.n_head} attention heads of {cfg.name}; "
+                        f"valid tp: {', '.join(map(str, divisors(cfg.n_head)))}")
+    if cfg.d_ff % tp:
+        raise PlanError(f"tp = {tp} does not divide the MLP width {cfg.d_ff} of {cfg.name}; "
+                        f"valid tp: {', '.join(str(k) for k in divisors(cfg.n_head) if cfg.d_ff % k == 0)}")
+    if pp > cfg.n_layer:
+        raise PlanError(f"pp = {pp} is larger than the {cfg.n_layer} blocks of {cfg.name}; "
+                        f"valid pp: 1..{cfg.n_layer}")
+    d, f, vocab = cfg.d_model, cfg.d_ff, cfg.padded_vocab(tp)
+
+    def block(i: int) -> list[TensorCount]:  # (name, elements on one tp rank, split over tp?)
+        sizes = [("ln_1.weight", d, False), ("ln_1.bias", d, False), ("attn.c_attn.weight", 3 * d * d // tp, True),
+                 ("attn.c_attn.bias", 3 * d // tp, True), ("attn.c_proj.weight", d * d // tp, True),
+                 ("attn.c_proj.bias", d, False), ("ln_2.weight", d, False), ("ln_2.bias", d, False),
+                 ("mlp.c_fc.weight", f * d // tp, True), ("mlp.c_fc.bias", f // tp, True),
+                 ("mlp.c_proj.weight", d * f // tp, True), ("mlp.c_proj.bias", d, False)]
+        return [TensorCount(f"h.{i}.{name}", numel, split) for name, numel, split in sizes]
+
+    stages = []
+    for rank, layers in enumerate(stage_layers(cfg.n_layer, pp)):
+        first, last = rank == 0, rank == pp - 1
+        tensors = []
+        if first or last:  # the tied head of the last stage owns its copy of the word embedding
+            tensors.append(TensorCount("wte.weight", vocab // tp * d, True))
+        if first:
+            tensors.append(TensorCount("wpe.weight", cfg.n_positions * d, False))
+        for i in layers:
+            tensors.extend(block(i))
+        if last:
+            tensors += [TensorCount("ln_f.weight", d, False), TensorCount("ln_f.bias", d, False)]
+        stages.append(StageShard(rank, layers, tuple(tensors)))
+    return ModelShard(cfg.name, tp, pp, vocab, tuple(stages))
+
+
+# ---- one plan for every stage ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StagePlan:
+    memory: ModelStateMemory
+    comm: CommVolume
+    buffers: BufferMemory
+
+    @property
+    def stage(self) -> int:
+        return self.memory.stage
+
+
+@dataclass(frozen=True)
+class Plan:
+    psi: int
+    dp: int
+    state: StateBytes
+    offload: bool
+    grad_accum: int
+    buffer_config: BufferConfig
+    derivation: str  # how psi was obtained
+    stages: tuple[StagePlan, ...]
+    shard: ModelShard | None = None
+
+
+def plan(psi: int, dp: int, stages=STAGES, *, state: StateBytes = MIXED_ADAM, offload: bool = False,
+         grad_accum: int = 1, buffers: BufferConfig = BufferConfig(), shard: ModelShard | None = None,
+         derivation: str = "") -> Plan:
+    """Memory, communication and buffers for each ZeRO stage in `stages`, for Psi = `psi` over `dp` ranks."""
+    persistent = shard.peak.persistent_elements(buffers.persistence_threshold) if shard else None
+    rows = tuple(StagePlan(model_state_memory(psi, dp, s, state, offload=offload),
+                           communication_volume(psi, dp, s, state, grad_accum=grad_accum),
+                           buffer_memory(psi, s, buffers, element_bytes=state.params,
+                                         persistent_elements=persistent)) for s in stages)
+    return Plan(psi, dp, state, offload, grad_accum, buffers,
+                derivation or f"Psi = {psi:,} parameters per device (given)", rows, shard)
+
+
+def plan_model(cfg: ModelConfig, dp: int, tp: int = 1, pp: int = 1, stages=STAGES, **kwargs) -> Plan:
+    """`plan` with Psi = the largest per-device shard of `cfg` under (tp, pp)."""
+    shard = shard_parameters(cfg, tp, pp)
+    return plan(shard.psi, dp, stages, shard=shard, derivation=shard.describe(), **kwargs)
+
+
+def format_sig(x: float, sig: int = 3) -> str:
+    """`x` to `sig` significant figures, half up, no exponent; integers from 10**(sig-1) up print whole.
+
+    120e9 / GB -> "120", 31.40625 -> "31.4", 16.640625 -> "16.6", 1.875 -> "1.88" (the paper's Table 1).
+    """
+    if x == 0:
+        return "0"
+    exact = Decimal(repr(float(x)))  # the shortest decimal of the float: 1.875 stays 1.875, then rounds up
+    digits = sig - 1 - math.floor(math.log10(abs(x)))
+    if digits <= 0:
+        return str(int(exact.quantize(Decimal(1), rounding=ROUND_HALF_UP)))
+    rounded = exact.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+    if abs(rounded) >= Decimal(10) ** (sig - digits):  # 9.996 -> 10.00: one digit too many after carrying
+        rounded = exact.quantize(Decimal(1).scaleb(-(digits - 1)), rounding=ROUND_HALF_UP)
+    return format(rounded, "f")
+
+
+def format_gb(nbytes: float) -> str:
+    return format_sig(nbytes / GB)

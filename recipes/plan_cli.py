@@ -1,0 +1,209 @@
+"""`megazoo plan`: the ZeRO planner (parallel/zero/planner.py) on the command line.
+
+    megazoo plan --model tnlg-17b --dp 64 --tp 4 --pp 1 --zero 3 [--offload] [--json]
+    megazoo plan --params 7.5e9 --dp 64            # the ZeRO paper's Table 1 row: 120, 31.4, 16.6, 1.88 GB
+
+Without --zero every stage 0-3 is printed. Output: a markdown table per device (GB = 1e9 bytes), how Psi was
+derived, and the buffer line (kept apart from the paper's model-state numbers); --json prints the same data.
+recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (tests, `python -m recipes.plan_cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from decimal import Decimal, InvalidOperation
+
+from parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
+                                   StateBytes, format_gb, format_sig, plan, plan_model)
+
+PRECISIONS = {"mixed": MIXED_ADAM, "fp32": FP32_ADAM}
+
+
+class UsageError(Exception):
+    """Bad flags: printed as `megazoo plan: error: ...`, exit code 2."""
+
+
+def _count(flag: str, text: str, minimum: int = 1) -> int:
+    """An integer flag; scientific notation allowed when it is exact (7.5e9), never a silent truncation."""
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise UsageError(f"{flag} {text!r} is not a number; valid: an integer >= {minimum}") from None
+    if not value.is_finite() or value != value.to_integral_value() or value < minimum:
+        raise UsageError(f"{flag} {text} is invalid; valid: an integer >= {minimum}")
+    return int(value)
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    """Validate the flags (every message names the flag and what is valid) and compute the plan."""
+    if (args.model is None) == (args.params is None):
+        raise UsageError("give exactly one of --model PRESET (Psi from the preset, tp and pp) or --params COUNT "
+                         "(Psi given directly)" + ("; both were given" if args.model else ""))
+    dp = _count("--dp", args.dp)
+    tp, pp = _count("--tp", args.tp), _count("--pp", args.pp)
+    grad_accum = _count("--grad-accum", args.grad_accum)
+    if args.zero is None:
+        stages = STAGES
+    else:
+        try:
+            stage = int(args.zero)
+        except ValueError:
+            stage = None
+        if stage not in STAGES:
+            raise UsageError(f"--zero {args.zero} is invalid; valid: 0, 1, 2, 3")
+        stages = (stage,)
+    state = PRECISIONS[args.precision]
+    if args.k is not None:
+        state = StateBytes(state.params, state.grads, _count("--k", args.k, minimum=0))
+    buffers = BufferConfig(_count("--reduce-bucket", args.reduce_bucket),
+                           _count("--allgather-bucket", args.allgather_bucket),
+                           _count("--prefetch", args.prefetch), _count("--persistence-threshold",
+                                                                       args.persistence_threshold, 0))
+    common = dict(state=state, offload=args.offload, grad_accum=grad_accum, buffers=buffers)
+    if args.params is not None:
+        if tp != 1 or pp != 1:  # a raw count has no layers to split: it is already one device's count
+            raise UsageError(f"--tp {tp} / --pp {pp} need --model; with --params give the per-device count "
+                             "(valid: --tp 1 --pp 1)")
+        return plan(_count("--params", args.params), dp, stages, **common)
+    from models.config import presets
+    registry = presets()
+    if args.model not in registry:
+        raise UsageError(f"--model {args.model!r} is not a known preset; valid: {', '.join(registry)}")
+    try:
+        return plan_model(registry[args.model], dp, tp, pp, stages, **common)
+    except PlanError as err:  # the planner names "tp"/"pp"; the user typed "--tp"/"--pp"
+        message = str(err)
+        for name in ("tp", "pp"):
+            message = message.replace(f"{name} = ", f"--{name} ", 1).replace(f"valid {name}:", f"valid --{name}:")
+        raise UsageError(message) from None
+
+
+def to_dict(p: Plan) -> dict:
+    """The plan as plain JSON data: the inputs, Psi and its derivation, one object per stage (bytes, elements)."""
+    rows = []
+    for s in p.stages:
+        m, c, b = s.memory, s.comm, s.buffers
+        rows.append(dict(stage=s.stage, name=STAGE_NAMES[s.stage], params_bytes=m.params_bytes,
+                         grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes, device_bytes=m.device_bytes,
+                         cpu_bytes=m.cpu_bytes, total_bytes=m.total_bytes, comm_elements=c.elements,
+                         comm_bytes=c.bytes, all_reduce_elements=c.all_reduce_elements,
+                         reduce_scatter_elements=c.reduce_scatter_elements,
+                         all_gather_elements=c.all_gather_elements, comm_factor=c.factor,
+                         buffer_reduce_bucket_bytes=b.reduce_bucket_bytes,
+                         buffer_allgather_bucket_bytes=b.allgather_bucket_bytes, buffer_prefetch_bytes=b.prefetch_bytes,
+                         buffer_persistent_bytes=b.persistent_bytes, buffer_total_bytes=b.total_bytes))
+    inputs = dict(psi=p.psi, dp=p.dp, params_bytes_per_param=p.state.params, grads_bytes_per_param=p.state.grads,
+                  k=p.state.optimizer, offload=p.offload, grad_accum=p.grad_accum,
+                  buffers=dict(vars(p.buffer_config)))
+    out = dict(inputs=inputs, psi=p.psi, psi_derivation=p.derivation, stages=rows)
+    if p.shard is not None:
+        inputs.update(model=p.shard.model, tp=p.shard.tp, pp=p.shard.pp)
+        out["shard"] = dict(padded_vocab=p.shard.padded_vocab, peak_stage=p.shard.peak.pp_rank,
+                            stage_psi=[st.numel for st in p.shard.stages], sharded=p.shard.peak.sharded,
+                            replicated=p.shard.peak.replicated)
+    return out
+
+
+def _elements(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return format_sig(x / scale) + unit
+    return format_sig(x)
+
+
+def to_markdown(p: Plan) -> str:
+    """The readable report: title, Psi derivation, the per-device table, the buffer lines, the units."""
+    st = p.state
+    where = f"{p.shard.model}, tp={p.shard.tp} pp={p.shard.pp}, " if p.shard else ""
+    extras = (", optimizer states offloaded to CPU" if p.offload else "") + (
+        f", grad_accum = {p.grad_accum}" if p.grad_accum > 1 else "")
+    lines = [f"ZeRO plan: {where}dp (N) = {p.dp}, {st.params} + {st.grads} + K={st.optimizer} bytes per parameter "
+             f"(params + grads + optimizer states){extras}", "", p.derivation, ""]
+    head = ["stage", "params GB", "grads GB", "optimizer GB", "total GB"]
+    if p.offload:
+        head[-1] = "device GB"
+        head.append("CPU GB")
+    head += ["comm/step (elements sent)", "comm/step GB"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "|".join([":---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for s in p.stages:
+        m, c = s.memory, s.comm
+        cells = [f"{s.stage} ({STAGE_NAMES[s.stage]})", format_gb(m.params_bytes), format_gb(m.grads_bytes),
+                 format_gb(m.optimizer_bytes), format_gb(m.device_bytes)]
+        if p.offload:
+            cells.append(format_gb(m.cpu_bytes))
+        cells += [f"{_elements(c.elements)} = {c.factor}Psi(N-1)/N", format_gb(c.bytes)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    cfg = p.buffer_config
+    for s in p.stages:
+        b = s.buffers
+        parts = [f"reduce bucket {format_gb(b.reduce_bucket_bytes)}"]
+        if s.stage in (1, 2):
+            parts.append(f"all-gather bucket {format_gb(b.allgather_bucket_bytes)}")
+        if s.stage == 3:
+            parts.append(f"prefetch {format_gb(b.prefetch_bytes)}")
+            parts.append("persistent params " + (format_gb(b.persistent_bytes) if b.persistent_bytes is not None
+                                                 else "n/a (needs --model)"))
+        total = f" = {format_gb(b.total_bytes)}" if len(parts) > 1 else ""
+        lines.append(f"Buffers GB, stage {s.stage} (not model states, not in the totals): {', '.join(parts)}{total}")
+    source = "DeepSpeed's defaults" if cfg == BufferConfig() else "set by flags"
+    lines += [f"  buffers = elements x {st.params} bytes, each capped at Psi: reduce_bucket {cfg.reduce_bucket:,}, "
+              f"allgather_bucket {cfg.allgather_bucket:,}, stage-3 prefetch {cfg.prefetch:,}, "
+              f"param_persistence_threshold {cfg.persistence_threshold:,} ({source})",
+              "GB = 1e9 bytes, per device. comm/step = elements each rank sends over the dp group per optimizer "
+              f"step (ring collectives), x {st.grads} bytes per gradient / {st.params} per parameter element."]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags."""
+    try:
+        p = build_plan(args)
+    except (UsageError, PlanError) as err:
+        print(f"megazoo plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_dict(p), indent=2) if args.json else to_markdown(p))
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Numbers are read as text and checked by build_plan, so every error names its flag the same way.
+    parser.add_argument("--model", default=None, help="preset name (see `megazoo presets`)")
+    parser.add_argument("--params", default=None, help="Psi directly, e.g. 7.5e9 (instead of --model)")
+    parser.add_argument("--dp", default="1", help="data-parallel degree N (default 1)")
+    parser.add_argument("--tp", default="1", help="tensor-parallel degree, with --model (default 1)")
+    parser.add_argument("--pp", default="1", help="pipeline stages, with --model (default 1)")
+    parser.add_argument("--zero", default=None, help="ZeRO stage 0-3 (default: print every stage)")
+    parser.add_argument("--offload", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed",
+                        help="mixed: 2+2+12 bytes per parameter (default); fp32: 4+4+8")
+    parser.add_argument("--k", default=None, help="optimizer-state bytes per parameter (overrides the precision's)")
+    parser.add_argument("--grad-accum", default="1", help="micro-batches per step (stage 2/3 comm grows with it)")
+    defaults = BufferConfig()
+    parser.add_argument("--reduce-bucket", default=str(defaults.reduce_bucket), help="elements (default 5e8)")
+    parser.add_argument("--allgather-bucket", default=str(defaults.allgather_bucket), help="elements (default 5e8)")
+    parser.add_argument("--prefetch", default=str(defaults.prefetch), help="stage-3 prefetch elements (default 5e7)")
+    parser.add_argument("--persistence-threshold", default=str(defaults.persistence_threshold),
+                        help="stage 3 keeps tensors below this many elements whole (default 1e5)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add `plan` to the `megazoo` subcommands; its func returns the exit code."""
+    parser = subparsers.add_parser("plan", help="ZeRO memory and communication plan per device",
+                                   description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megazoo plan", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
