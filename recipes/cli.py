@@ -1,4 +1,5 @@
-"""The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`.
+"""The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`,
+`megazoo plan ...` (ZeRO memory and communication planner).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, then
 runs one process in place or N local processes through torchrun (`python -m torch.distributed.run`).
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 from recipes.config import RecipeError, load_recipe
+from recipes.plan_cli import register as register_plan
 from recipes.resolve import resolve
 
 
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     listing = sub.add_parser("presets", help="list the model presets and their parameter counts")
     listing.set_defaults(func=_presets)
+    register_plan(sub)
     return parser
 
 

@@ -52,7 +52,6 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes per parameter of each kind of model state. `optimizer` is the paper's K."""
-
     params: int = 2
     grads: int = 2
     optimizer: int = 12
@@ -69,8 +68,11 @@ FP32_ADAM = StateBytes(4, 4, 8)  # fp32 params and grads; momentum + variance on
 
 @dataclass(frozen=True)
 class ModelStateMemory:
-    """Model-state bytes per data-parallel rank for one ZeRO stage (the paper's Table 1 quantities)."""
+    """Model-state bytes per data-parallel rank for one ZeRO stage (the paper's Table 1 quantities).
 
+    Psi / N is exact division, as in the paper; an implementation pads each partition to whole elements
+    (megazoo pads every bucket to a multiple of dp), so measured bytes may exceed these by < dp elements a bucket.
+    """
     stage: int
     psi: int
     dp: int
@@ -96,7 +98,6 @@ class ModelStateMemory:
 @dataclass(frozen=True)
 class CommVolume:
     """Elements one rank sends over the dp group per optimizer step, by collective (see the module docstring)."""
-
     stage: int
     psi: int
     dp: int
@@ -120,7 +121,6 @@ class CommVolume:
 @dataclass(frozen=True)
 class BufferConfig:
     """Transient communication buffers, in elements. Defaults are DeepSpeed's ZeRO defaults."""
-
     reduce_bucket: int = 500_000_000  # reduce_bucket_size: gradients gathered for one reduce(-scatter)
     allgather_bucket: int = 500_000_000  # allgather_bucket_size (stages 1-2): updated params per all-gather
     prefetch: int = 50_000_000  # stage3_prefetch_bucket_size: gathered params in flight ahead of use
@@ -130,7 +130,6 @@ class BufferConfig:
 @dataclass(frozen=True)
 class BufferMemory:
     """Buffer bytes per rank for one stage: reported apart from (never added to) the model states."""
-
     stage: int
     reduce_bucket_bytes: float
     allgather_bucket_bytes: float  # stages 1-2
