@@ -10,6 +10,7 @@ from test_train_parity import _train, assert_same_training
 
 from models.weights import full_state_dict
 from parallel.topology import Topology
+from parallel.zero.planner import StateBytes, model_state_memory
 from recipes.train import Trainer
 
 
@@ -48,9 +49,18 @@ def test_optimizer_state_is_partitioned(stage):
     stage 2 also holds only its quarter of the gradients between steps, stage 1 the full gradient buffers."""
     results = _zero_run({"dp": 4}, {"micro_batch": 1, "grad_accum": 2, "precision": "fp32"},
                         {"stage": stage, "reduce_bucket_size": 50_000}, steps=2)
+    # Our fp32 runs keep an fp32 master copy of the owned chunk too: 4 + 4 + 4 bytes of optimizer state per
+    # owned parameter, i.e. K = 12 as in the paper's mixed-precision accounting, with 4-byte params and grads.
+    state = StateBytes(params=4, grads=4, optimizer=12)
     for got in results:
         n, mem = got["n_params"], got["memory"]
         per_rank = n / 4
+        plan = model_state_memory(n, 4, stage, state)
+        assert mem["params"] == pytest.approx(plan.params_bytes, rel=0.01)
+        assert mem["optimizer"] == pytest.approx(plan.optimizer_bytes, rel=0.01)
+        # stage 1 holds the planned full gradient plus the owned fp32 chunk it reduces into (a documented buffer)
+        owned_chunk = 4 * per_rank if stage == 1 else 0
+        assert mem["grads"] - owned_chunk == pytest.approx(plan.grads_bytes, rel=0.01)
         assert mem["params"] >= 4 * n and mem["params"] <= 4 * (n + 64)  # full fp32 params (+ padding)
         assert 3 * 4 * per_rank <= mem["optimizer"] <= 3 * 4 * (per_rank + 64)
         if stage == 2:
