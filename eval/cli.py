@@ -27,25 +27,28 @@ TASKS = ("wikitext103", "lambada")
 class ModelSource:
     cfg: object  # models.config.ModelConfig
     name: str
-    tokenizer_dir: Path
+    tokenizer: object  # data.gpt2_bpe.GPT2BPETokenizer
 
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
-    """Validate model, tokenizer and data paths (cheaply) before any process or model is created."""
-    from data.gpt2_bpe import find_bpe_files
+    """Validate model config, tokenizer and data path before any process is started or weights are read."""
+    from data.gpt2_bpe import GPT2BPETokenizer
     from models.gpt2.convert_cli import load_consolidated_config
 
     if args.hf is not None:
-        from models.gpt2.hf import config_from_hf
-        from transformers import GPT2Config
+        from models.gpt2.hf import read_hf_config
 
         model_dir = Path(args.hf)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"--hf {model_dir}: no config.json there (not a Hugging Face model directory)")
-        cfg = config_from_hf(GPT2Config.from_pretrained(str(model_dir)), name=model_dir.resolve().name)
+        cfg = read_hf_config(model_dir)
     else:
         model_dir = Path(args.checkpoint)
         cfg = load_consolidated_config(model_dir)
+    stride = getattr(args, "stride", None)
+    if stride is not None and not 1 <= stride <= cfg.n_positions:
+        raise ValueError(f"--stride {stride} must be between 1 and the model's context {cfg.n_positions}")
+    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} is invalid: it must be a positive integer")
     if args.backend == "transformers" and args.hf is None:
         raise ValueError("--backend transformers needs --hf DIR (a megazoo checkpoint runs through megazoo)")
     if args.backend == "transformers" and args.tp > 1:
@@ -54,13 +57,16 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
     try:
-        find_bpe_files(tokenizer_dir)
+        tokenizer = GPT2BPETokenizer.from_dir(tokenizer_dir)
     except FileNotFoundError as error:
         hint = "" if args.tokenizer else " (pass --tokenizer DIR with the GPT-2 BPE files)"
         raise FileNotFoundError(f"{error}{hint}") from error
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {model_dir}) does not match the tokenizer "
+                         f"in {tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: file not found")
-    return ModelSource(cfg, cfg.name, tokenizer_dir)
+    return ModelSource(cfg, cfg.name, tokenizer)
 
 
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topology):
@@ -78,14 +84,10 @@ def _logits_fn(args: argparse.Namespace, source: ModelSource, topology):
 
 def evaluate(args: argparse.Namespace, topology) -> dict:
     """Run the evaluation on this rank; rank 0 prints the summary and writes the JSON. Returns the result."""
-    from data.gpt2_bpe import GPT2BPETokenizer
     from eval import lambada, wikitext103
 
     source = check_inputs(args)
-    tokenizer = GPT2BPETokenizer.from_dir(source.tokenizer_dir)
-    if tokenizer.vocab_size != source.cfg.vocab_size:
-        raise ValueError(f"the model's vocabulary ({source.cfg.vocab_size} ids) does not match the tokenizer in "
-                         f"{source.tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
+    tokenizer = source.tokenizer
     lead = topology.rank == 0
     common = dict(context=source.cfg.n_positions, pad_id=tokenizer.eod_id, batch_size=args.batch_size,
                   limit=args.limit, progress=lead, model_name=source.name)
@@ -124,8 +126,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     from parallel.topology import Topology
 
     try:
-        check_inputs(args)
         if args.tp > 1:
+            check_inputs(args)  # in this process: bad input fails before any worker starts
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc-per-node={args.tp}", "-m", "eval.cli", *_forwarded_argv(args)]
             return subprocess.call(command)

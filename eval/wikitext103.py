@@ -107,8 +107,10 @@ def evaluate_wikitext(logits_fn: LogitsFn, data: WikiTextData, *, context: int, 
             piece = tokens[w.start: w.start + context + 1]
             rows[row, : len(piece)] = piece
             mask[row, w.first_scored: w.end_scored] = True
-        nll, _ = score_targets(logits_fn(rows[:, :-1]), rows[:, 1:])
-        total_nll += nll[mask].sum().item()
+        # Later windows score only their last s positions: skip the softmax over the rest (a (b, W, V) tensor).
+        lo = min(w.first_scored for w in group)
+        nll, _ = score_targets(logits_fn(rows[:, :-1])[:, lo:], rows[:, 1 + lo:])
+        total_nll += nll[mask[:, lo:]].sum().item()
         total_scored += int(mask.sum())
         bar.update(len(group))
     bar.close()

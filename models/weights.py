@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from models.transformer import GPT
-from parallel.tensor import ShardSpec, gather_full, normal_shard_
+from parallel.tensor import ShardSpec, VocabParallelEmbedding, gather_full, normal_shard_
 
 
 def shard_spec(module: nn.Module, param_name: str, param: torch.Tensor) -> ShardSpec:
@@ -28,26 +28,32 @@ def named_shards(model: nn.Module):
 
 
 @torch.no_grad()
+def init_parameter_(model: GPT, module: nn.Module, name: str, param: torch.Tensor, spec: ShardSpec,
+                    seed: int) -> None:
+    """GPT-2 initialisation of one parameter shard, by its global `name`: N(0, 0.02) weights,
+    0.02/sqrt(2L) for residual projections, zero biases, unit LayerNorm, zero padded vocabulary rows."""
+    if isinstance(module, nn.LayerNorm):
+        param.fill_(1.0 if name.endswith("weight") else 0.0)
+    elif name.endswith("bias"):
+        param.zero_()
+    else:
+        std = getattr(module, "init_std", model.cfg.init_std)
+        normal_shard_(param, spec, std=std, seed=seed, name=name)
+    if isinstance(module, VocabParallelEmbedding):
+        # Padding ids are never inputs and their logits are masked: zero rows keep them inert.
+        first_pad = model.cfg.vocab_size - module.vocab_start
+        if first_pad < param.shape[0]:
+            param[max(first_pad, 0):].zero_()
+
+
+@torch.no_grad()
 def init_weights(model: GPT, seed: int) -> None:
-    """GPT-2 initialisation: N(0, 0.02) weights, 0.02/sqrt(2L) for residual projections, zero biases, unit LN."""
-    owners = {name: module for name, module in model.named_modules()}
+    """Initialise every parameter shard of `model` (built on a real device) from `seed`."""
+    owners = dict(model.named_modules())
     for name, param, spec in named_shards(model):
         if param.is_meta:
             raise ValueError("cannot initialise a model on the meta device: build it on a real device")
-        module = owners[name.rpartition(".")[0]]
-        if isinstance(module, nn.LayerNorm):
-            param.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:
-            std = getattr(module, "init_std", model.cfg.init_std)
-            normal_shard_(param.data, spec, std=std, seed=seed, name=name)
-    if hasattr(model, "wte"):
-        # Padding ids are never inputs and their logits are masked: zero rows keep them inert.
-        wte = model.wte
-        first_pad = model.cfg.vocab_size - wte.vocab_start
-        if first_pad < wte.weight.shape[0]:
-            wte.weight[max(first_pad, 0):].zero_()
+        init_parameter_(model, owners[name.rpartition(".")[0]], name, param.data, spec, seed)
 
 
 def full_state_dict(model: GPT) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`,
-`megazoo plan ...` (ZeRO memory and communication planner).
+`megazoo plan ...` (ZeRO memory and communication planner), `megazoo eval wikitext103|lambada ...`,
+`megazoo convert hf-to-megazoo|megazoo-to-hf ...`.
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, then
 runs one process in place or N local processes through torchrun (`python -m torch.distributed.run`).
@@ -11,6 +12,8 @@ import argparse
 import subprocess
 import sys
 
+from eval.cli import register as register_eval
+from models.gpt2.convert_cli import register as register_convert
 from recipes.config import RecipeError, load_recipe
 from recipes.plan_cli import register as register_plan
 from recipes.resolve import resolve
@@ -58,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     listing = sub.add_parser("presets", help="list the model presets and their parameter counts")
     listing.set_defaults(func=_presets)
     register_plan(sub)
+    register_eval(sub)
+    register_convert(sub)
     return parser
 
 

@@ -66,7 +66,7 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class ZeroSection:
-    stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients
+    stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients; 3: + parameters
     reduce_bucket_size: int = 1 << 24  # elements per gradient bucket (one reduce-scatter each)
     offload: str = "none"  # "none" | "cpu" (ZeRO-Offload, with the ZeRO issue)
 

@@ -102,9 +102,8 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if train.seq_len > cfg.n_positions:
         raise RecipeError(f"train.seq_len = {train.seq_len} exceeds the {cfg.n_positions} positions of {cfg.name} "
                           f"(model.n_positions); valid: 1..{cfg.n_positions}")
-    if recipe.zero.stage not in (0, 1, 2):
-        raise RecipeError(f"zero.stage = {recipe.zero.stage} is not available; valid: 0, 1, 2 (stage 3 lands "
-                          "with the rest of the ZeRO issue)")
+    if recipe.zero.stage not in (0, 1, 2, 3):
+        raise RecipeError(f"zero.stage = {recipe.zero.stage} is invalid; valid: 0, 1, 2, 3")
     _positive("zero.reduce_bucket_size", recipe.zero.reduce_bucket_size)
     _choice("zero.offload", recipe.zero.offload, ("none",))
     _choice("train.precision", train.precision, PRECISIONS)

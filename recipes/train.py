@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from data import GlobalBatchSampler, TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
 from models.transformer import GPT
-from models.weights import init_weights, named_shards
+from models.weights import full_state_dict, init_parameter_, init_weights, named_shards
 from parallel.data_parallel import all_reduce_gradients
 from parallel.grad_norm import clip_gradients_, global_grad_norm
 from parallel.tensor.random import TPRNGTracker, seed_default_stream
 from parallel.topology import Topology, init_distributed
+from parallel.zero.stage3 import ZeroStage3
 from parallel.zero.stage12 import ZeroStage12
 from recipes.config import RecipeError, load_recipe
 from recipes.generate import generate
@@ -72,14 +73,16 @@ def load_data(res: Resolved, topo: Topology) -> TrainData:
     return TrainData(TokenSamples(corpus.train_tokens, seq), TokenSamples(corpus.val_tokens, seq), corpus.tokenizer)
 
 
-def build_model(res: Resolved, topo: Topology) -> GPT:
-    """This rank's shard of the model, initialised from the recipe's seed (identical full weights for any tp)."""
+def build_model(res: Resolved, topo: Topology, device=None) -> GPT:
+    """This rank's tp shard of the model, initialised from the recipe's seed (identical full weights for any
+    tp). With device="meta" nothing is allocated: ZeRO-3 materialises it unit by unit."""
     train = res.recipe.train
     rng = TPRNGTracker(train.seed, topo.tp_rank, topo.device)
     dtype = torch.float64 if train.precision == "fp64" else torch.float32  # bf16 runs as autocast over fp32
     model = GPT(res.model, topo, rng=rng, activation_checkpointing=train.activation_checkpointing,
-                device=topo.device, dtype=dtype)
-    init_weights(model, train.seed)
+                device=device or topo.device, dtype=dtype)
+    if device != "meta":
+        init_weights(model, train.seed)
     return model
 
 
@@ -89,11 +92,19 @@ class Trainer:
         self.train_cfg = res.recipe.train
         seed_default_stream(self.train_cfg.seed, topo.device)
         self.data = data or load_data(res, topo)
-        self.model = build_model(res, topo)
-        self.named = list(named_shards(self.model))
         t, zero = self.train_cfg, res.recipe.zero
+        self.model = build_model(res, topo, device="meta" if zero.stage == 3 else None)
+        self.named = list(named_shards(self.model))
         if zero.stage == 0:
             self.zero, self.optimizer = None, build_adamw(self.model, t)
+        elif zero.stage == 3:
+            model = self.model
+            self.zero = ZeroStage3(
+                model, self.named, list(model.h.values()), topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                weight_decay=t.weight_decay,
+                init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
+            self.named = list(named_shards(model))  # materialised parameters
+            self.optimizer = self.zero.optimizer
         else:
             self.zero = ZeroStage12(self.named, topo, stage=zero.stage, lr=t.lr, betas=(t.beta1, t.beta2),
                                     eps=t.eps, weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size)
@@ -173,6 +184,12 @@ class Trainer:
             total += model.loss(logits, targets) * len(indices)
         model.train()
         return self._dp_mean(total / per_rank)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) parameters of this rank's stage, whatever the tp and ZeRO layout."""
+        gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
+        with gathered:
+            return full_state_dict(self.model)
 
     def sample(self) -> str | None:
         s = self.res.recipe.sample

@@ -12,7 +12,6 @@ import torch
 from harness import run_distributed
 from recipe_helpers import tiny_resolved
 
-from models.weights import full_state_dict
 from parallel.topology import Topology
 from recipes.train import Trainer
 
@@ -24,7 +23,7 @@ def _train(res, topo):
     trainer = Trainer(res, topo)
     result = trainer.fit()
     return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
-            "params": full_state_dict(trainer.model)}
+            "params": trainer.full_state_dict()}
 
 
 def _train_on_ranks(parallel: dict, train: dict | None = None, zero: dict | None = None):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
-from recipe_helpers import tiny_resolved
+from recipe_helpers import tiny_recipe, tiny_resolved
 from test_train_parity import _train, assert_same_training
 
-from models.weights import full_state_dict
 from parallel.topology import Topology
 from parallel.zero.planner import StateBytes, model_state_memory
+from recipes.config import RecipeError
+from recipes.resolve import resolve
 from recipes.train import Trainer
 
 
@@ -26,8 +27,9 @@ def _zero_run(parallel: dict, train: dict, zero: dict, steps: int | None = None)
         trainer = Trainer(res, Topology.build(res.recipe.parallel.dp, res.recipe.parallel.tp))
         result = trainer.fit()
         return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
-                "params": full_state_dict(trainer.model), "memory": trainer.zero.memory_bytes(),
-                "full_grads": [g is not None for g in trainer.zero.full_grads],
+                "params": trainer.full_state_dict(), "memory": trainer.zero.memory_bytes(),
+                "full_grads": [g is not None for g in getattr(trainer.zero, "full_grads", [])]
+                + [g is not None for u in getattr(trainer.zero, "units", []) for g in u.grad_flats],
                 "n_params": sum(p.numel() for p in trainer.model.parameters())}
 
     return run_distributed(work, res.world_size)
@@ -71,9 +73,59 @@ def test_optimizer_state_is_partitioned(stage):
             assert mem["grads"] >= 4 * (n + per_rank)
 
 
-def test_zero_stage3_is_refused_clearly():
-    from recipes.config import RecipeError
-    from recipes.resolve import resolve
-    from recipe_helpers import tiny_recipe
-    with pytest.raises(RecipeError, match="zero.stage = 3"):
-        resolve(tiny_recipe(zero={"stage": 3}))
+def test_zero_stage_must_exist():
+    with pytest.raises(RecipeError, match=r"zero.stage = 4 is invalid; valid: 0, 1, 2, 3"):
+        resolve(tiny_recipe(zero={"stage": 4}))
+
+
+def test_zero3_solo_equals_reference(reference):
+    assert_same_training(_train(tiny_resolved(train={"micro_batch": 8}, zero={"stage": 3}), Topology.solo()),
+                         reference)
+
+
+@pytest.mark.parametrize("parallel, train", [
+    ({"dp": 2}, {"micro_batch": 2, "grad_accum": 2}),
+    ({"dp": 2, "tp": 2}, {"micro_batch": 4}),
+    ({"dp": 4}, {"micro_batch": 1, "grad_accum": 2, "activation_checkpointing": True}),
+])
+def test_zero3_equals_reference(reference, parallel, train):
+    for got in _zero_run(parallel, train, {"stage": 3}):
+        assert_same_training(got, reference)
+
+
+def test_zero3_holds_a_quarter_of_the_model_state_at_dp4():
+    """Between steps a stage-3 rank holds only its chunks: params, grads and optimizer states are about a
+    quarter of stage 0's (fp32: 4 + 4 + 12 bytes per parameter -> (4 + 4 + 12) / 4)."""
+    for got in _zero_run({"dp": 4}, {"micro_batch": 1, "grad_accum": 2, "precision": "fp32"}, {"stage": 3},
+                         steps=2):
+        n, mem = got["n_params"], got["memory"]
+        plan = model_state_memory(n, 4, 3, StateBytes(params=4, grads=4, optimizer=12))
+        stage0 = model_state_memory(n, 4, 0, StateBytes(params=4, grads=4, optimizer=12))
+        assert not any(got["full_grads"])
+        for kind in ("params", "grads", "optimizer"):
+            assert mem[kind] == pytest.approx(getattr(plan, f"{kind}_bytes"), rel=0.01), kind
+        assert sum(mem.values()) == pytest.approx(stage0.total_bytes / 4, rel=0.01)
+
+
+def _diverging_ranks(how: str):
+    """dp rank 1 skips the first block (or runs it without using its parameters): ZeRO-3 must say so instead
+    of hanging or crashing in mismatched collectives."""
+    res = tiny_resolved(parallel={"dp": 2}, train={"micro_batch": 4}, zero={"stage": 3})
+    topo = Topology.build(2, 1)
+    trainer = Trainer(res, topo)
+    if topo.dp_rank == 1:
+        if how == "skip":
+            del trainer.model.h["0"]
+        else:
+            trainer.model.h["0"].forward = lambda x: x * 1.0
+    try:
+        trainer.train_step(0)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["skip", "unused"])
+def test_zero3_different_module_sequences_fail_clearly(how):
+    for msg in run_distributed(_diverging_ranks, 2, how):
+        assert "different module sequences" in msg and "h.0" in msg, msg

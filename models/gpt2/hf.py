@@ -166,17 +166,26 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
                             "model.safetensors.index.json or pytorch_model.bin")
 
 
-def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, full megazoo state) of an HF GPT-2 checkpoint directory (config.json + weights)."""
-    from transformers import GPT2Config
+def read_hf_config(hf_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF GPT-2 directory's config.json, named after the directory (weights not read)."""
+    from transformers import AutoConfig
 
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
+    config = hf_dir / "config.json"
+    if not config.is_file():
         raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
-    hf_config = GPT2Config.from_pretrained(str(hf_dir))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_dir))
+    except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
+        raise ValueError(f"cannot read HF config {config}: {error}") from error
     if hf_config.model_type != "gpt2":
-        raise ValueError(f"{hf_dir}/config.json is a {hf_config.model_type!r} model, not gpt2")
-    cfg = config_from_hf(hf_config, name=hf_dir.resolve().name)
+        raise ValueError(f"{config} describes a {hf_config.model_type!r} model, not gpt2")
+    return config_from_hf(hf_config, name=hf_dir.resolve().name)
+
+
+def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, full megazoo state) of an HF GPT-2 checkpoint directory (config.json + weights)."""
+    cfg = read_hf_config(hf_dir)
     return cfg, hf_to_megazoo_state(read_hf_state_dict(hf_dir), cfg)
 
 

@@ -1,0 +1,277 @@
+"""Tokenize raw text into an indexed dataset (PREFIX.bin/.idx), streaming, on several processes.
+
+    megazoo preprocess --input a.jsonl b.txt --tokenizer ../shared/data/gpt2_bpe --output-prefix data/corpus
+
+Inputs, one document each (as in Megatron-LM's tools/preprocess_data.py):
+- `.jsonl` (or `.json`, read as JSON lines like Megatron): one JSON object per line, the document in the
+  `--text-key` field (default "text"). Blank lines are skipped. A line that is not a JSON object, or lacks the
+  key, or whose value is not a string, stops the run with an error naming the file and the line number.
+- `.txt`: the whole file is ONE document (Megatron's convention; split a corpus into one file per document or
+  convert it to jsonl to get more). Such a file is read whole, so keep single .txt documents reasonably small.
+
+Every document is followed by the tokenizer's end-of-document id (`append_eod=True`), so documents never run
+into each other once samples cross their boundaries. Memory does not grow with the corpus: lines are read
+one at a time, encoded in chunks by a pool of `workers` processes with a bounded number of chunks in flight,
+and written as soon as their turn comes, so the output order (and every output byte) is the same for any
+number of workers. Nothing appears under the output prefix unless the whole run succeeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data.indexed_dataset import IndexedDatasetWriter, data_paths
+from data.tokenizer import Tokenizer
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".txt",)
+CHUNK_DOCS = 256  # a chunk ends at this many documents or CHUNK_BYTES of text, whichever comes first
+CHUNK_BYTES = 1 << 20  # big enough to amortise inter-process pickling, small enough to keep memory flat
+
+
+class PreprocessError(ValueError):
+    """Bad input (file, line, tokenizer, output): reported as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class PreprocessStats:
+    documents: int
+    tokens: int
+    input_bytes: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """A GPT-2 BPE directory (vocab.json + merges.txt, or encoder.json + vocab.bpe) or a tokenizers json file."""
+    from data.gpt2_bpe import GPT2BPETokenizer
+    from data.tokenizer import BPETokenizer
+
+    path = Path(spec)
+    if path.is_dir():
+        return GPT2BPETokenizer.from_dir(path)
+    if path.is_file():
+        return BPETokenizer.load(path)
+    raise FileNotFoundError(f"tokenizer {path} not found: give a GPT-2 BPE directory or a tokenizer.json file")
+
+
+def check_inputs(inputs: list[str | Path]) -> list[Path]:
+    """Every input exists and has a supported suffix: checked before any work starts."""
+    if not inputs:
+        raise PreprocessError("no input files given")
+    paths = [Path(p) for p in inputs]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"input file not found: {path}")
+        if path.suffix.lower() not in JSONL_SUFFIXES + TEXT_SUFFIXES:
+            raise PreprocessError(f"input {path} has an unsupported suffix {path.suffix!r}: use "
+                                  f"{', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)}")
+    return paths
+
+
+def iter_documents(paths: list[Path], text_key: str = "text") -> Iterator[tuple[str | None, int]]:
+    """(document text, input bytes it came from), in input order, reading one line at a time. A blank jsonl
+    line gives (None, its bytes): no document, but the progress bar still moves past it."""
+    for path in paths:
+        if path.suffix.lower() in TEXT_SUFFIXES:
+            raw = path.read_bytes()
+            yield _decode(raw, path, None), len(raw)
+            continue
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                line = _decode(raw, path, line_no)
+                if not line.strip():
+                    yield None, len(raw)
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise PreprocessError(f"{path}:{line_no}: not valid JSON ({error.msg})") from None
+                if not isinstance(record, dict):
+                    raise PreprocessError(f"{path}:{line_no}: expected a JSON object with a {text_key!r} field, "
+                                          f"got {type(record).__name__}")
+                if text_key not in record:
+                    keys = ", ".join(map(repr, list(record)[:5])) or "none"
+                    raise PreprocessError(f"{path}:{line_no}: no {text_key!r} field (keys: {keys}); "
+                                          f"choose the field with --text-key")
+                text = record[text_key]
+                if not isinstance(text, str):
+                    raise PreprocessError(f"{path}:{line_no}: field {text_key!r} is {type(text).__name__}, "
+                                          f"not a string")
+                yield text, len(raw)
+
+
+def _decode(raw: bytes, path: Path, line_no: int | None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        where = f"{path}:{line_no}" if line_no is not None else str(path)
+        raise PreprocessError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start})") from None
+
+
+def _chunks(documents: Iterator[tuple[str | None, int]]) -> Iterator[tuple[list[str], int]]:
+    """Group documents into (texts, input bytes) chunks; blank jsonl lines only add bytes."""
+    texts, text_bytes, input_bytes = [], 0, 0
+    for text, nbytes in documents:
+        input_bytes += nbytes
+        if text is not None:
+            texts.append(text)
+            text_bytes += len(text)
+        if len(texts) >= CHUNK_DOCS or text_bytes >= CHUNK_BYTES:
+            yield texts, input_bytes
+            texts, text_bytes, input_bytes = [], 0, 0
+    if texts or input_bytes:
+        yield texts, input_bytes
+
+
+# Per-process encoder state: set in the parent for workers=1, in each pool process by the initializer.
+_TOKENIZER: Tokenizer | None = None
+_EOD: int | None = None
+
+
+def _init_worker(tokenizer: Tokenizer, eod: int | None) -> None:
+    global _TOKENIZER, _EOD
+    _TOKENIZER, _EOD = tokenizer, eod
+
+
+def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(concatenated ids, per-document lengths). numpy arrays pickle far faster than lists of lists.
+    Plain `encode` per document (not encode_batch): parallelism comes from the process pool, and Rust
+    threads inside forked workers would oversubscribe the cores (and make tokenizers warn)."""
+    encoded = [_TOKENIZER.encode(text) for text in texts]
+    if _EOD is not None:
+        for ids in encoded:
+            ids.append(_EOD)
+    lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.fromiter((i for ids in encoded for i in ids), dtype=np.int64, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def preprocess(
+    inputs: list[str | Path],
+    tokenizer: Tokenizer,
+    output_prefix: str | Path,
+    *,
+    workers: int = 1,
+    text_key: str = "text",
+    append_eod: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PreprocessStats:
+    """Tokenize `inputs` (see the module docstring for formats) into `output_prefix`.bin/.idx.
+
+    Output is byte-identical for any `workers`. Raises FileNotFoundError / FileExistsError / PreprocessError
+    with the path (and line) named; on any error the output prefix is left untouched.
+    """
+    if workers < 1:
+        raise PreprocessError(f"workers must be >= 1, got {workers}")
+    paths = check_inputs(inputs)
+    total_bytes = sum(p.stat().st_size for p in paths)
+    eod = tokenizer.eod_id if append_eod else None
+    start = time.perf_counter()
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
+               file=sys.stderr)
+    pool = None
+    try:
+        with IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, overwrite=overwrite) as writer:
+            def write(result: tuple[np.ndarray, np.ndarray], nbytes: int) -> None:
+                writer.add_documents(*result)
+                bar.update(nbytes)
+                bar.set_postfix(docs=writer.num_documents, tokens=writer.num_tokens, refresh=False)
+
+            chunks = _chunks(iter_documents(paths, text_key))
+            if workers == 1:
+                _init_worker(tokenizer, eod)
+                for texts, nbytes in chunks:
+                    write(_encode_chunk(texts), nbytes)
+            else:
+                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer, eod))
+                # At most 2 chunks per worker in flight: workers stay busy while memory stays bounded
+                # (Pool.imap would read the whole input ahead). Results are taken in submission order.
+                pending: collections.deque = collections.deque()
+                for texts, nbytes in chunks:
+                    pending.append((pool.apply_async(_encode_chunk, (texts,)), nbytes))
+                    if len(pending) >= 2 * workers:
+                        result, done_bytes = pending.popleft()
+                        write(result.get(), done_bytes)
+                while pending:
+                    result, done_bytes = pending.popleft()
+                    write(result.get(), done_bytes)
+            documents, tokens = writer.num_documents, writer.num_tokens
+    finally:
+        if pool is not None:
+            pool.terminate()  # on error: stop encoding at once; on success: the pool is idle anyway
+            pool.join()
+        bar.close()
+        _init_worker(None, None)
+    return PreprocessStats(documents, tokens, total_bytes, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line: `megazoo preprocess ...` (recipes/cli.py calls register), or `python -m data.preprocess ...`.
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `preprocess` subcommand to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "preprocess", help="tokenize jsonl/txt files into an indexed dataset (PREFIX.bin + PREFIX.idx)",
+        description="Tokenize jsonl (one {\"text\": ...} per line) and txt (whole file = one document) inputs "
+                    "into PREFIX.bin + PREFIX.idx, an end-of-document token after every document.")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help=".jsonl/.json or .txt files")
+    parser.add_argument("--tokenizer", required=True, metavar="PATH",
+                        help="GPT-2 BPE directory (vocab.json + merges.txt or encoder.json + vocab.bpe) "
+                             "or a tokenizers .json file")
+    parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                        help="output path without extension; writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="encoding processes (default: the CPU count)")
+    parser.add_argument("--text-key", default="text", help="jsonl field holding the document (default: text)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run a parsed `preprocess` command: 0 on success, 2 with one `error:` line on bad input."""
+    try:
+        if args.workers < 1:
+            raise PreprocessError(f"--workers {args.workers} is invalid: it must be a positive integer")
+        paths = check_inputs(args.input)
+        existing = [str(p) for p in data_paths(args.output_prefix) if p.exists()]
+        if existing and not args.overwrite:  # checked before loading the tokenizer: fail fast
+            raise FileExistsError(f"output {' and '.join(existing)} already exists; pass --overwrite to replace it")
+        tokenizer = load_tokenizer(args.tokenizer)
+        stats = preprocess(paths, tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key,
+                           overwrite=args.overwrite)
+    except (OSError, ValueError) as error:  # includes FileNotFoundError, FileExistsError, PreprocessError
+        print(f"megazoo preprocess: error: {error}", file=sys.stderr)
+        return 2
+    bin_path, idx_path = data_paths(args.output_prefix)
+    print(f"wrote {bin_path} and {idx_path}: {stats.documents:,} documents, {stats.tokens:,} tokens in "
+          f"{stats.seconds:.1f} s ({stats.tokens_per_second:,.0f} tokens/s, {args.workers} workers)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megazoo")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["preprocess", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

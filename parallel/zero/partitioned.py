@@ -1,0 +1,122 @@
+"""What every ZeRO stage shares: owned fp32 chunks, their optimizer, the gradient reducer, norm and clipping.
+
+Each stage lays parameters out in flat dp-partitioned buckets (buckets.py). A rank owns one chunk of each
+bucket and keeps for it an fp32 master copy, an fp32 gradient accumulator and the AdamW moments: the optimizer
+never sees a full parameter. How gradients reach the owned chunks and how parameters come back differ per stage
+(stage12.py, stage3.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import reduce_scatter_flat
+from parallel.topology import Topology
+from parallel.zero.buckets import Bucket
+
+MAX_REDUCTIONS_IN_FLIGHT = 2  # full-size gradient buffers alive at once while reductions overlap backward
+
+
+class GradientReducer:
+    """Reduce-scatters full-size gradient buffers over dp, asynchronously, into owned fp32 chunks.
+
+    Collective: reduce-scatter (sum) over dp per launched buffer; the owner then divides by dp. At most
+    MAX_REDUCTIONS_IN_FLIGHT buffers are in flight: launching another first finishes the oldest, so the
+    full-size buffers are freed during backward, not all at its end.
+    """
+
+    def __init__(self, group, dp: int):
+        self.group, self.dp = group, dp
+        self._pending: deque = deque()
+
+    def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor, on_done: Callable[[], object] | None = None) -> None:
+        """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done."""
+        while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
+            self._finish_oldest()
+        out = torch.empty(flat.numel() // self.dp, dtype=flat.dtype, device=flat.device)
+        if self.group is None:
+            out.copy_(flat)
+            work = None
+        else:
+            work = reduce_scatter_flat(out, flat, self.group, async_op=True)
+        self._pending.append((work, out, owned_grad, on_done))
+
+    def _finish_oldest(self) -> None:
+        work, out, owned_grad, on_done = self._pending.popleft()
+        if work is not None:
+            work.wait()
+        owned_grad.add_(out.to(owned_grad.dtype), alpha=1.0 / self.dp)
+        if on_done is not None:
+            on_done()
+
+    def in_flight_bytes(self) -> int:
+        return sum(item[1].numel() * item[1].element_size() * (self.dp + 1) for item in self._pending)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._finish_oldest()
+
+
+class PartitionedOptimizer:
+    """AdamW over the owned chunks of `buckets`, with the gradient norm computed across dp and tp."""
+
+    def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float):
+        self.topo, self.group = topo, topo.dp_group
+        self.buckets = buckets
+        # fp32 masters of the owned chunks (fp64 when the model is fp64, for parity tests).
+        self.masters = [s.detach().to(torch.promote_types(s.dtype, torch.float32), copy=True) for s in shards]
+        self.owned_grads = [torch.zeros_like(m) for m in self.masters]
+        for master, grad in zip(self.masters, self.owned_grads):
+            master.grad = grad
+        groups = [{"params": [m for m, b in zip(self.masters, buckets) if b.weight_decay],
+                   "weight_decay": weight_decay},
+                  {"params": [m for m, b in zip(self.masters, buckets) if not b.weight_decay],
+                   "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        self.reducer = GradientReducer(self.group, topo.dp)
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm. Owned chunks partition every bucket: sum over dp. tp-sharded buckets also sum over
+        tp; replicated ones are counted once. Collectives: one all-reduce over dp, one over tp."""
+        dtype = torch.float64 if any(m.dtype == torch.float64 for m in self.masters) else torch.float32
+        sq = torch.zeros(2, dtype=dtype, device=self.topo.device)  # [tp-sharded, replicated]
+        for b, g in zip(self.buckets, self.owned_grads):
+            sq[0 if b.tp_sharded else 1] += g.to(dtype).pow(2).sum()
+        if self.group is not None:
+            dist.all_reduce(sq, group=self.group)
+        if self.topo.tp_group is not None:
+            sharded = sq[:1].clone()
+            dist.all_reduce(sharded, group=self.topo.tp_group)
+            sq[0] = sharded[0]
+        return sq.sum().sqrt()
+
+    @torch.no_grad()
+    def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        for g in self.owned_grads:
+            g.mul_(coef.to(g.dtype))
+
+    @torch.no_grad()
+    def update_owned(self, lr: float) -> list[torch.Tensor]:
+        """AdamW on the owned fp32 chunks; returns them cast to each bucket's dtype and clears the gradients."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for g in self.owned_grads:
+            g.zero_()
+        return [m.to(b.dtype) for m, b in zip(self.masters, self.buckets)]
+
+    def optimizer_bytes(self) -> int:
+        total = sum(m.numel() * m.element_size() for m in self.masters)
+        for state in self.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
+        return total
+
+    def owned_grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.owned_grads)

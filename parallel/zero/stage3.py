@@ -1,0 +1,239 @@
+"""ZeRO stage 3: parameters themselves partitioned over dp, gathered one unit at a time.
+
+The model is split into units: each given submodule (for a GPT, each block) and a root unit holding every other
+parameter (embeddings, final LayerNorm). A unit's parameters live in flat dp-partitioned buckets (buckets.py);
+between uses a rank keeps only its owned chunk and the full buffer's storage is freed (resized to 0 bytes, so
+the parameters stay the same tensors and autograd's saved references stay valid).
+
+Collectives (all over dp), per micro-batch:
+  forward     all-gather a unit just before its forward (the next unit's gather is launched early: prefetch),
+              free it right after.
+  backward    all-gather it again before its backward (prefetching the unit before it), then, once all its
+              gradients exist, reduce-scatter them into the owners' chunks and free the parameters and gradients.
+  step        AdamW on the owned chunks only; nothing is gathered until the next forward.
+So 3 x params x (dp-1)/dp elements per rank per micro-batch: 1.5 x plain data parallelism.
+
+The root unit is gathered when the model's forward starts and freed when its gradients are reduced (the tied
+embedding is used at both ends of the model). Model construction creates only shards: a model built on the
+meta device is materialised one unit at a time, so the peak is one full unit, never the full model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel.collectives import all_gather_flat
+from parallel.tensor import ShardSpec
+from parallel.topology import Topology
+from parallel.zero.buckets import Bucket, build_buckets
+from parallel.zero.partitioned import PartitionedOptimizer
+
+Named = list[tuple[str, nn.Parameter, ShardSpec]]
+InitFn = Callable[[nn.Module, str, torch.Tensor, ShardSpec], None]  # (owner module, global name, tensor, spec)
+UNBOUNDED = 1 << 62
+OPS = ("all-gather", "reduce-scatter")  # the collectives whose order the first step verifies
+
+
+class Unit:
+    """One gather/free unit: its buckets, this rank's chunk of each, and where its gathers stand."""
+
+    def __init__(self, index: int, name: str, buckets: list[Bucket]):
+        self.index, self.name, self.buckets = index, name, buckets
+        self.shards = [b.flat_params[b.owned].clone() for b in buckets]
+        self.params = [p for b in buckets for p in b.params]
+        self.works: list = []
+        self.gathered = True  # built full; freed right after construction
+        self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)
+        self.ready = 0
+
+
+def _materialise(model: nn.Module, named: Named, init_fn: InitFn | None, device) -> Named:
+    """Replace meta parameters by initialised real ones (the caller does this one unit at a time)."""
+    owners = dict(model.named_modules())
+    out = []
+    for name, param, spec in named:
+        if param.is_meta:
+            if init_fn is None:
+                raise ValueError(f"parameter {name} is on the meta device and no init_fn was given")
+            owner_name, _, attr = name.rpartition(".")
+            tensor = torch.empty(param.shape, dtype=param.dtype, device=device)
+            init_fn(owners[owner_name], name, tensor, spec)
+            param = nn.Parameter(tensor, requires_grad=param.requires_grad)
+            setattr(owners[owner_name], attr, param)
+        out.append((name, param, spec))
+    return out
+
+
+class ZeroStage3(PartitionedOptimizer):
+    def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
+                 check_order: bool = True):
+        self.dp_group = topo.dp_group
+        module_names = {m: n for n, m in model.named_modules()}
+        prefixes = [module_names[u] + "." for u in units]
+        per_unit: list[Named] = [[] for _ in range(len(units) + 1)]  # the last is the root unit
+        for entry in named:
+            owner = next((i for i, pre in enumerate(prefixes) if entry[0].startswith(pre)), len(units))
+            per_unit[owner].append(entry)
+        self.units: list[Unit] = []
+        for i, unit_named in enumerate(per_unit):
+            unit_named = _materialise(model, unit_named, init_fn, topo.device)
+            buckets = build_buckets(unit_named, topo.dp, topo.dp_rank, UNBOUNDED) if unit_named else []
+            unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets)
+            self.units.append(unit)
+            self._free(unit)
+        all_buckets = [b for u in self.units for b in u.buckets]
+        super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
+                         eps=eps, weight_decay=weight_decay)
+        self._owned_grad_of = {}
+        k = 0
+        for u in self.units:
+            for j in range(len(u.buckets)):
+                self._owned_grad_of[(u.index, j)] = self.owned_grads[k]
+                k += 1
+        self._where = {}
+        for u in self.units:
+            for j, b in enumerate(u.buckets):
+                for p, off in zip(b.params, b.offsets):
+                    self._where[p] = (u, j, off)
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.root = self.units[-1]
+        self.blocks = self.units[:-1]
+        for i, module in enumerate(units):
+            module.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
+            module.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i))
+            module.register_full_backward_pre_hook(lambda m, grad_out, i=i: self._pre_backward(i))
+        model.register_forward_pre_hook(lambda m, args: self._gather(self.root))
+        model.register_forward_hook(lambda m, args, out: self._after_model_forward())
+        self._in_backward = False
+        self._check_order = check_order  # the first step verifies every dp rank gathers the same units
+
+    # ---- gather / free ------------------------------------------------------------------------------------
+    def _verify_same_unit(self, unit: Unit, op: str) -> None:
+        """First step only: every dp rank must be at the same (unit, operation), else fail with a message
+        instead of hanging or crashing in mismatched collectives. Collective: a tiny all-gather over dp."""
+        code = 2 * unit.index + OPS.index(op)
+        mine = torch.tensor([code], dtype=torch.int64, device=self.topo.device)
+        everyone = torch.empty(self.topo.dp, dtype=torch.int64, device=self.topo.device)
+        all_gather_flat(everyone, mine, self.dp_group)
+        if (everyone != code).any():
+            where = {r: f"{OPS[c % 2]} {self.units[c // 2].name}" for r, c in enumerate(everyone.tolist())}
+            raise RuntimeError(f"ZeRO-3: data-parallel ranks run different module sequences (dp rank -> next "
+                               f"collective: {where}). Every dp rank must run the same modules in the same order "
+                               "and use the same parameters (no rank-dependent control flow around sharded "
+                               "modules)")
+
+    def _gather(self, unit: Unit, wait: bool = True) -> None:
+        if not unit.gathered and not unit.works:
+            if self._check_order and self.dp_group is not None:
+                self._verify_same_unit(unit, "all-gather")
+            for b, shard in zip(unit.buckets, unit.shards):
+                flat = b.flat_params
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+                if self.dp_group is None:
+                    flat.copy_(shard)
+                else:
+                    unit.works.append(all_gather_flat(flat, shard, self.dp_group, async_op=True))
+            if not unit.works:
+                unit.gathered = True
+        if wait and unit.works:
+            for work in unit.works:
+                work.wait()
+            unit.works.clear()
+            unit.gathered = True
+
+    def _free(self, unit: Unit) -> None:
+        for work in unit.works:  # finish a prefetch in flight before freeing its buffer
+            work.wait()
+        unit.works.clear()
+        for b in unit.buckets:
+            b.flat_params.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _pre_forward(self, i: int) -> None:
+        self._gather(self.blocks[i])
+        if i + 1 < len(self.blocks) and not self._in_backward:
+            self._gather(self.blocks[i + 1], wait=False)  # prefetch: overlaps this block's compute
+
+    def _post_forward(self, i: int) -> None:
+        if not self._in_backward:  # during backward this forward is a checkpoint recomputation: keep it
+            self._free(self.blocks[i])
+
+    def _pre_backward(self, i: int) -> None:
+        self._in_backward = True
+        self._gather(self.blocks[i])
+        if i > 0:
+            self._gather(self.blocks[i - 1], wait=False)
+
+    def _after_model_forward(self) -> None:
+        if not torch.is_grad_enabled():  # no backward will follow (evaluation, generation)
+            self._free(self.root)
+
+    # ---- gradients ----------------------------------------------------------------------------------------
+    def begin_micro_batch(self, last: bool) -> None:
+        """Stage 3 reduces every micro-batch; kept for the same interface as stages 1-2."""
+        self._in_backward = False
+        for u in self.units:
+            u.ready = 0
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        unit, j, off = self._where[param]
+        bucket = unit.buckets[j]
+        if unit.grad_flats[j] is None:
+            unit.grad_flats[j] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=param.device)
+        unit.grad_flats[j][off:off + param.numel()].copy_(param.grad.view(-1))
+        param.grad = None
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._reduce_and_free(unit)
+
+    def _reduce_and_free(self, unit: Unit) -> None:
+        if self._check_order and self.dp_group is not None:
+            self._verify_same_unit(unit, "reduce-scatter")
+        for j, b in enumerate(unit.buckets):
+            flat = unit.grad_flats[j]
+            if flat is None:  # no gradient reached this bucket
+                flat = torch.zeros(b.numel, dtype=b.dtype, device=b.flat_params.device)
+            # The reducer owns the buffer from here: the next micro-batch's gradients go to a new one.
+            unit.grad_flats[j] = None
+            self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)])
+        unit.ready = -1  # reduced for this micro-batch
+        self._free(unit)
+
+    def finish_gradients(self) -> None:
+        for unit in self.units:
+            if unit.ready >= 0 and unit.buckets:  # unused parameters: reduce zeros, on every rank alike
+                self._reduce_and_free(unit)
+        self.reducer.drain()
+        self._in_backward = False
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        owned = iter(self.update_owned(lr))
+        for unit in self.units:
+            for shard in unit.shards:
+                shard.copy_(next(owned))
+        self._check_order = False
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's full parameters, for reading full weights (export, tests); freed again afterwards."""
+        for unit in self.units:
+            self._gather(unit)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                self._free(unit)
+
+    def memory_bytes(self) -> dict[str, int]:
+        params = sum(s.numel() * s.element_size() for u in self.units for s in u.shards)
+        params += sum(b.flat_params.untyped_storage().nbytes() for b in self.buckets)  # gathered right now
+        grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()
+        grads += sum(g.numel() * g.element_size() for u in self.units for g in u.grad_flats if g is not None)
+        return {"params": params, "grads": grads, "optimizer": self.optimizer_bytes()}
