@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from parallel.collectives import CommLedger, all_reduce
+
 BUCKET_ELEMENTS = 1 << 24  # 16 M elements (64 MB fp32) per all-reduce
 
 
@@ -28,7 +30,8 @@ def _buckets(grads: list[torch.Tensor], limit: int):
 
 
 @torch.no_grad()
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group, bucket_elements: int = BUCKET_ELEMENTS):
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group, bucket_elements: int = BUCKET_ELEMENTS,
+                         ledger: CommLedger | None = None):
     """Average .grad over the data-parallel `group` (None: nothing to do). Collective: all-reduce (sum)."""
     if group is None:
         return
@@ -36,7 +39,7 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group, bucket_ele
     grads = [p.grad for p in params if p.grad is not None]
     for bucket in _buckets(grads, bucket_elements):
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group, ledger=ledger)
         flat.div_(size)
         offset = 0
         for g in bucket:

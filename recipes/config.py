@@ -58,7 +58,10 @@ class TrainSection:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
     seed: int = 1234
-    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "fp32" | "bf16" | "fp64" (parity tests)
+    # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16" | "fp16" (dynamic loss scaling) | "fp64" (parity tests).
+    # bf16/fp16 compute under autocast; with ZeRO >= 1 the parameters and gradients are stored in bf16/fp16 too
+    # (2 bytes each) and the fp32 master weights live in the partitioned optimizer.
+    precision: str = "auto"
     activation_checkpointing: bool = False
     eval_every: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8  # global batches of validation samples in one validation pass
@@ -68,7 +71,18 @@ class TrainSection:
 class ZeroSection:
     stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients; 3: + parameters
     reduce_bucket_size: int = 1 << 24  # elements per gradient bucket (one reduce-scatter each)
-    offload: str = "none"  # "none" | "cpu" (ZeRO-Offload, with the ZeRO issue)
+    offload: str = "none"  # "none" | "cpu" (ZeRO-Offload: fp32 masters + Adam moments in CPU memory, update on CPU)
+
+
+@dataclass(frozen=True)
+class LossScaleSection:
+    """Dynamic loss scaling, used when train.precision = "fp16" (parallel/zero/loss_scaler.py)."""
+
+    initial_scale: float = 65536.0
+    growth_interval: int = 1000  # good steps before the scale doubles
+    hysteresis: int = 2  # overflowing steps before the scale halves
+    min_scale: float = 1.0
+    max_consecutive_skips: int = 20  # abort the run after this many overflowing steps in a row
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,7 @@ class Recipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
+    loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     data: DataSection = field(default_factory=DataSection)
     run: RunSection = field(default_factory=RunSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

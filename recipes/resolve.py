@@ -13,7 +13,7 @@ from models.config import ModelConfig, get_preset
 from models.transformer import divisors
 from recipes.config import Recipe, RecipeError
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp64")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
 DATA_SOURCES = ("stdlib", "synthetic")
 WANDB_MODES = ("off", "offline", "online")
 
@@ -105,7 +105,13 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if recipe.zero.stage not in (0, 1, 2, 3):
         raise RecipeError(f"zero.stage = {recipe.zero.stage} is invalid; valid: 0, 1, 2, 3")
     _positive("zero.reduce_bucket_size", recipe.zero.reduce_bucket_size)
-    _choice("zero.offload", recipe.zero.offload, ("none",))
+    _choice("zero.offload", recipe.zero.offload, ("none", "cpu"))
+    if recipe.zero.offload == "cpu" and recipe.zero.stage == 0:
+        raise RecipeError("zero.offload = 'cpu' needs zero.stage >= 1 (only partitioned optimizer states are "
+                          "offloaded); valid: zero.stage = 1, 2 or 3, or zero.offload = 'none'")
+    ls = recipe.loss_scale
+    for name in ("initial_scale", "min_scale", "growth_interval", "hysteresis", "max_consecutive_skips"):
+        _positive(f"loss_scale.{name}", getattr(ls, name))
     _choice("train.precision", train.precision, PRECISIONS)
     _choice("data.source", data.source, DATA_SOURCES)
     _choice("logging.wandb", recipe.logging.wandb, WANDB_MODES)

@@ -23,16 +23,15 @@ import torch.distributed as dist
 from data import GlobalBatchSampler, TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
 from models.transformer import GPT
 from models.weights import full_state_dict, init_parameter_, init_weights, named_shards
-from parallel.data_parallel import all_reduce_gradients
-from parallel.grad_norm import clip_gradients_, global_grad_norm
 from parallel.tensor.random import TPRNGTracker, seed_default_stream
 from parallel.topology import Topology, init_distributed
+from parallel.zero.build import build_zero
+from parallel.zero.loss_scaler import DynamicLossScaler
 from parallel.zero.stage3 import ZeroStage3
-from parallel.zero.stage12 import ZeroStage12
 from recipes.config import RecipeError, load_recipe
 from recipes.generate import generate
 from recipes.metrics import MetricsLog, peak_memory_bytes
-from recipes.optim import build_adamw, lr_at
+from recipes.optim import lr_at
 from recipes.resolve import Resolved, resolve
 
 
@@ -73,12 +72,11 @@ def load_data(res: Resolved, topo: Topology) -> TrainData:
     return TrainData(TokenSamples(corpus.train_tokens, seq), TokenSamples(corpus.val_tokens, seq), corpus.tokenizer)
 
 
-def build_model(res: Resolved, topo: Topology, device=None) -> GPT:
+def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32) -> GPT:
     """This rank's tp shard of the model, initialised from the recipe's seed (identical full weights for any
     tp). With device="meta" nothing is allocated: ZeRO-3 materialises it unit by unit."""
     train = res.recipe.train
     rng = TPRNGTracker(train.seed, topo.tp_rank, topo.device)
-    dtype = torch.float64 if train.precision == "fp64" else torch.float32  # bf16 runs as autocast over fp32
     model = GPT(res.model, topo, rng=rng, activation_checkpointing=train.activation_checkpointing,
                 device=device or topo.device, dtype=dtype)
     if device != "meta":
@@ -86,34 +84,40 @@ def build_model(res: Resolved, topo: Topology, device=None) -> GPT:
     return model
 
 
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in: "auto" is bf16 on CUDA and fp32 on CPU."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[precision]
+
+
 class Trainer:
     def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None):
         self.res, self.topo = res, topo
-        self.train_cfg = res.recipe.train
-        seed_default_stream(self.train_cfg.seed, topo.device)
+        t, zero = res.recipe.train, res.recipe.zero
+        self.train_cfg = t
+        seed_default_stream(t.seed, topo.device)
         self.data = data or load_data(res, topo)
-        t, zero = self.train_cfg, res.recipe.zero
-        self.model = build_model(res, topo, device="meta" if zero.stage == 3 else None)
-        self.named = list(named_shards(self.model))
-        if zero.stage == 0:
-            self.zero, self.optimizer = None, build_adamw(self.model, t)
-        elif zero.stage == 3:
-            model = self.model
-            self.zero = ZeroStage3(
-                model, self.named, list(model.h.values()), topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                weight_decay=t.weight_decay,
-                init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
-            self.named = list(named_shards(model))  # materialised parameters
-            self.optimizer = self.zero.optimizer
-        else:
-            self.zero = ZeroStage12(self.named, topo, stage=zero.stage, lr=t.lr, betas=(t.beta1, t.beta2),
-                                    eps=t.eps, weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size)
-            self.optimizer = self.zero.optimizer
+        compute = compute_dtype(t.precision, topo.device)
+        half = compute in (torch.float16, torch.bfloat16)
+        # Under ZeRO the fp32 masters live in the partitioned optimizer: store parameters in the compute dtype.
+        # Stage 0 keeps fp32 parameters and runs half precision as autocast (torch AMP style).
+        param_dtype = compute if (half and zero.stage >= 1) or compute == torch.float64 else torch.float32
+        self.model = build_model(res, topo, device="meta" if zero.stage == 3 else None, dtype=param_dtype)
+        model = self.model
+        self.zero = build_zero(
+            zero.stage, model, list(named_shards(model)), topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+            weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
+            units=list(model.h.values()),
+            init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
+        self.optimizer = self.zero.optimizer
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
-        use_bf16 = t.precision == "bf16" or (t.precision == "auto" and topo.device.type == "cuda")
-        self.autocast = (lambda: torch.autocast(topo.device.type, dtype=torch.bfloat16)) if use_bf16 \
-            else contextlib.nullcontext
+        self.autocast = (lambda: torch.autocast(topo.device.type, dtype=compute)) if half else contextlib.nullcontext
+        ls = res.recipe.loss_scale
+        self.scaler = DynamicLossScaler(ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) \
+            if compute == torch.float16 else None
+        self.consecutive_skips = 0
 
     def _batch(self, samples: TokenSamples, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
@@ -126,45 +130,60 @@ class Trainer:
         return value.item()
 
     def train_step(self, step: int) -> dict:
-        """One optimizer step; returns its metrics (the loss is averaged over micro-batches and dp ranks)."""
+        """One optimizer step; returns its metrics (the loss is averaged over micro-batches and dp ranks).
+
+        Under fp16 the loss is multiplied by the loss scale before backward; a step whose gradients overflow on
+        any rank is skipped everywhere (parameters untouched) and the scaler backs off.
+        """
         start = time.perf_counter()
-        t, model = self.train_cfg, self.model
+        t, model, zero = self.train_cfg, self.model, self.zero
         lr = lr_at(step, t, self.res.lr_decay_steps)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        zero.comm.reset()
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         micro_batches = self.sampler.indices_for_step(step)
         for i, indices in enumerate(micro_batches):
-            if self.zero is not None:
-                self.zero.begin_micro_batch(last=i == len(micro_batches) - 1)
+            zero.begin_micro_batch(last=i == len(micro_batches) - 1)
             inputs, targets = self._batch(self.data.train, indices)
             with self.autocast():
                 logits = model(inputs)
             loss = model.loss(logits, targets)  # fp32 softmax inside
-            (loss / t.grad_accum).backward()
+            (loss * (scale / t.grad_accum)).backward()
             loss_sum += loss.detach()
-        if self.zero is not None:
-            self.zero.finish_gradients()
-            norm = self.zero.grad_norm()
-            if t.grad_clip > 0:
-                self.zero.clip_(norm, t.grad_clip)
-            self.zero.step(lr)
+        zero.finish_gradients()
+        skipped = False
+        if self.scaler is not None:
+            skipped = self.scaler.found_overflow(zero.gradients(), self.topo.device)
+            self.scaler.update(skipped)
+        if skipped:
+            zero.zero_grads_()
+            norm = torch.tensor(float("nan"))
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.res.recipe.loss_scale.max_consecutive_skips:
+                raise FloatingPointError(
+                    f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "
+                    f"{self.scaler.scale:g}): the run diverged; lower train.lr, or use precision = \"bf16\"")
         else:
-            all_reduce_gradients(model.parameters(), self.topo.dp_group)
-            norm = global_grad_norm(self.named, self.topo)
+            self.consecutive_skips = 0
+            if scale != 1.0:
+                zero.scale_grads_(1.0 / scale)
+            norm = zero.grad_norm()
             if t.grad_clip > 0:
-                clip_gradients_(model.parameters(), norm, t.grad_clip)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                zero.clip_(norm, t.grad_clip)
+            zero.step(lr)
         loss_value = self._dp_mean(loss_sum / t.grad_accum)
-        if not math.isfinite(loss_value):
+        if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
                                      f"(try a lower train.lr or train.grad_clip)")
         elapsed = time.perf_counter() - start
-        return {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm.item(),
-                "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
-                "peak_memory_bytes": peak_memory_bytes(self.topo.device)}
+        metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm.item(),
+                   "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
+                   "peak_memory_bytes": peak_memory_bytes(self.topo.device),
+                   "comm_bytes": zero.comm.summary()["total_bytes"]}
+        if self.scaler is not None:
+            metrics.update(loss_scale=scale, skipped=skipped)
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> float:

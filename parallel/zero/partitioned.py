@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel.collectives import reduce_scatter_flat
+from parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
 from parallel.topology import Topology
 from parallel.zero.buckets import Bucket
 
@@ -29,8 +29,8 @@ class GradientReducer:
     full-size buffers are freed during backward, not all at its end.
     """
 
-    def __init__(self, group, dp: int):
-        self.group, self.dp = group, dp
+    def __init__(self, group, dp: int, ledger: CommLedger):
+        self.group, self.dp, self.ledger = group, dp, ledger
         self._pending: deque = deque()
 
     def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor, on_done: Callable[[], object] | None = None) -> None:
@@ -42,14 +42,14 @@ class GradientReducer:
             out.copy_(flat)
             work = None
         else:
-            work = reduce_scatter_flat(out, flat, self.group, async_op=True)
+            work = reduce_scatter_flat(out, flat, self.group, async_op=True, ledger=self.ledger)
         self._pending.append((work, out, owned_grad, on_done))
 
     def _finish_oldest(self) -> None:
         work, out, owned_grad, on_done = self._pending.popleft()
         if work is not None:
             work.wait()
-        owned_grad.add_(out.to(owned_grad.dtype), alpha=1.0 / self.dp)
+        owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
         if on_done is not None:
             on_done()
 
@@ -62,14 +62,29 @@ class GradientReducer:
 
 
 class PartitionedOptimizer:
-    """AdamW over the owned chunks of `buckets`, with the gradient norm computed across dp and tp."""
+    """AdamW over the owned chunks of `buckets`, with the gradient norm computed across dp and tp.
+
+    With `offload="cpu"` (ZeRO-Offload) the fp32 masters, owned gradients and Adam moments live in CPU memory
+    (pinned when CUDA is present, so the copies are asynchronous DMA) and the AdamW update runs on the CPU;
+    only the updated chunk, cast to the model's dtype, goes back to the device.
+    """
 
     def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float):
+                 betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none"):
+        if offload not in ("none", "cpu"):
+            raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
         self.topo, self.group = topo, topo.dp_group
         self.buckets = buckets
+        self.comm = CommLedger()
+        self.offload = offload
+        state_device = torch.device("cpu") if offload == "cpu" else topo.device
+        pin = offload == "cpu" and torch.cuda.is_available()
         # fp32 masters of the owned chunks (fp64 when the model is fp64, for parity tests).
-        self.masters = [s.detach().to(torch.promote_types(s.dtype, torch.float32), copy=True) for s in shards]
+        self.masters = []
+        for s in shards:
+            master = torch.empty(s.shape, dtype=torch.promote_types(s.dtype, torch.float32), device=state_device,
+                                 pin_memory=pin)
+            self.masters.append(master.copy_(s.detach()))
         self.owned_grads = [torch.zeros_like(m) for m in self.masters]
         for master, grad in zip(self.masters, self.owned_grads):
             master.grad = grad
@@ -78,7 +93,7 @@ class PartitionedOptimizer:
                   {"params": [m for m, b in zip(self.masters, buckets) if not b.weight_decay],
                    "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-        self.reducer = GradientReducer(self.group, topo.dp)
+        self.reducer = GradientReducer(self.group, topo.dp, self.comm)
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
@@ -87,20 +102,33 @@ class PartitionedOptimizer:
         dtype = torch.float64 if any(m.dtype == torch.float64 for m in self.masters) else torch.float32
         sq = torch.zeros(2, dtype=dtype, device=self.topo.device)  # [tp-sharded, replicated]
         for b, g in zip(self.buckets, self.owned_grads):
-            sq[0 if b.tp_sharded else 1] += g.to(dtype).pow(2).sum()
-        if self.group is not None:
-            dist.all_reduce(sq, group=self.group)
+            sq[0 if b.tp_sharded else 1] += g.to(self.topo.device, dtype).pow(2).sum()
+        all_reduce(sq, self.group, ledger=self.comm)
         if self.topo.tp_group is not None:
             sharded = sq[:1].clone()
             dist.all_reduce(sharded, group=self.topo.tp_group)
             sq[0] = sharded[0]
         return sq.sum().sqrt()
 
+    def gradients(self) -> list[torch.Tensor]:
+        return self.owned_grads
+
+    @torch.no_grad()
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply the owned gradients (e.g. by 1 / loss scale)."""
+        for g in self.owned_grads:
+            g.mul_(factor)
+
+    def zero_grads_(self) -> None:
+        """Drop this step's gradients (a step skipped on overflow)."""
+        for g in self.owned_grads:
+            g.zero_()
+
     @torch.no_grad()
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
         for g in self.owned_grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
 
     @torch.no_grad()
     def update_owned(self, lr: float) -> list[torch.Tensor]:
@@ -110,7 +138,7 @@ class PartitionedOptimizer:
         self.optimizer.step()
         for g in self.owned_grads:
             g.zero_()
-        return [m.to(b.dtype) for m, b in zip(self.masters, self.buckets)]
+        return [m.to(b.flat_params.device, b.dtype, non_blocking=True) for m, b in zip(self.masters, self.buckets)]
 
     def optimizer_bytes(self) -> int:
         total = sum(m.numel() * m.element_size() for m in self.masters)

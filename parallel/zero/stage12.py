@@ -32,12 +32,12 @@ class ZeroStage12(PartitionedOptimizer):
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, stage: int,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS):
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none"):
         if stage not in (1, 2):
             raise ValueError(f"ZeroStage12 implements zero stage 1 or 2, not {stage}")
         buckets = build_buckets(named, topo.dp, topo.dp_rank, bucket_elements)
         super().__init__(buckets, [b.flat_params[b.owned] for b in buckets], topo, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay)
+                         weight_decay=weight_decay, offload=offload)
         self.stage = stage
         # stage 1 keeps full-size gradient buffers for the whole step; stage 2 allocates one per reduction.
         self.full_grads: list[torch.Tensor | None] = [
@@ -101,7 +101,7 @@ class ZeroStage12(PartitionedOptimizer):
         for b, owned in zip(self.buckets, self.update_owned(lr)):
             b.flat_params[b.owned].copy_(owned)
             if self.group is not None:
-                all_gather_flat(b.flat_params, owned, self.group)
+                all_gather_flat(b.flat_params, owned, self.group, ledger=self.comm)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (fp32 masters + Adam moments)."""

@@ -72,7 +72,7 @@ def _materialise(model: nn.Module, named: Named, init_fn: InitFn | None, device)
 class ZeroStage3(PartitionedOptimizer):
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
-                 check_order: bool = True):
+                 check_order: bool = True, offload: str = "none"):
         self.dp_group = topo.dp_group
         module_names = {m: n for n, m in model.named_modules()}
         prefixes = [module_names[u] + "." for u in units]
@@ -89,7 +89,7 @@ class ZeroStage3(PartitionedOptimizer):
             self._free(unit)
         all_buckets = [b for u in self.units for b in u.buckets]
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
-                         eps=eps, weight_decay=weight_decay)
+                         eps=eps, weight_decay=weight_decay, offload=offload)
         self._owned_grad_of = {}
         k = 0
         for u in self.units:
@@ -138,7 +138,7 @@ class ZeroStage3(PartitionedOptimizer):
                 if self.dp_group is None:
                     flat.copy_(shard)
                 else:
-                    unit.works.append(all_gather_flat(flat, shard, self.dp_group, async_op=True))
+                    unit.works.append(all_gather_flat(flat, shard, self.dp_group, async_op=True, ledger=self.comm))
             if not unit.works:
                 unit.gathered = True
         if wait and unit.works:

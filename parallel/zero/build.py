@@ -1,0 +1,38 @@
+"""One constructor for every ZeRO stage, so training loops (ours and users') hold one object.
+
+Every returned optimizer has the same interface: begin_micro_batch(last), finish_gradients(), gradients(),
+grad_norm(), clip_(norm, max_norm), scale_grads_(factor), zero_grads_(), step(lr), memory_bytes(), `.comm`
+(a CommLedger of this rank's traffic) and `.optimizer` (the torch AdamW over what this rank owns).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.nn as nn
+
+from parallel.tensor import ShardSpec
+from parallel.topology import Topology
+from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
+from parallel.zero.stage0 import DataParallelAdamW
+from parallel.zero.stage3 import InitFn, ZeroStage3
+from parallel.zero.stage12 import ZeroStage12
+
+
+def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter, ShardSpec]], topo: Topology, *,
+               lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+               bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
+               units: Sequence[nn.Module] = (), init_fn: InitFn | None = None):
+    """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
+    a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`."""
+    if stage == 0:
+        if offload != "none":
+            raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")
+        return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if stage in (1, 2):
+        return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                           bucket_elements=bucket_elements, offload=offload)
+    if stage == 3:
+        return ZeroStage3(model, named, list(units), topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                          init_fn=init_fn, offload=offload)
+    raise ValueError(f"zero.stage = {stage} is invalid; valid: 0, 1, 2, 3")

@@ -1,0 +1,64 @@
+"""ZeRO stage 0: plain data parallelism behind the same interface as stages 1-3.
+
+Every rank keeps full parameters, gradients and optimizer states; after backward one bucketed all-reduce
+(sum, then / dp) over the dp group averages the gradients (parallel/data_parallel.py), and every rank takes the
+same AdamW step. Used by the Trainer so that one loop drives every stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.collectives import CommLedger
+from parallel.data_parallel import all_reduce_gradients
+from parallel.grad_norm import clip_gradients_, global_grad_norm
+from parallel.tensor import ShardSpec
+from parallel.topology import Topology
+
+
+class DataParallelAdamW:
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float):
+        self.named, self.topo = named, topo
+        self.params = [p for _, p, _ in named if p.requires_grad]
+        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        # No weight decay on biases and LayerNorm parameters (every 1-D tensor), as GPT-2.
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        self.comm = CommLedger()
+
+    def begin_micro_batch(self, last: bool) -> None:
+        """Gradients accumulate in .grad over the micro-batches; the all-reduce runs once per step."""
+
+    def finish_gradients(self) -> None:
+        all_reduce_gradients(self.params, self.topo.dp_group, ledger=self.comm)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(self.named, self.topo)
+
+    def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        clip_gradients_(self.params, total_norm, max_norm)
+
+    @torch.no_grad()
+    def scale_grads_(self, factor: float) -> None:
+        for g in self.gradients():
+            g.mul_(factor)
+
+    def zero_grads_(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def memory_bytes(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        grads = sum(g.numel() * g.element_size() for g in self.gradients())
+        states = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.dim())
+        return {"params": params, "grads": grads, "optimizer": states}
