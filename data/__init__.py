@@ -17,3 +17,19 @@ __all__ = [
     "stdlib_documents",
     "synthetic_tokens",
 ]
+
+# Indexed datasets (Megatron-style .bin/.idx), GPT samples over them, and blending.
+from data.blending import BlendedDataset, blend_counts, blend_order  # noqa: E402
+from data.gpt_dataset import GPTDataset  # noqa: E402
+from data.indexed_dataset import IndexedDataset, IndexedDatasetWriter  # noqa: E402
+# data.preprocess is not imported here: a `preprocess` name in the package would shadow the submodule, and
+# `python -m data.preprocess` warns when the package has imported it already. Import it from data.preprocess.
+
+__all__ += [
+    "BlendedDataset",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "blend_counts",
+    "blend_order",
+]

@@ -129,6 +129,10 @@ class IndexedDataset:
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if bin_bytes else np.zeros(0, self.dtype)
         self.num_tokens = bin_bytes // self.dtype.itemsize
 
+    def __reduce__(self):
+        # Pickle (e.g. to a DataLoader worker) as the prefix and reopen there, instead of copying the memmaps.
+        return IndexedDataset, (self.prefix,)
+
     def __len__(self) -> int:
         return len(self.lengths)
 

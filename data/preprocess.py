@@ -10,10 +10,11 @@ Inputs, one document each (as in Megatron-LM's tools/preprocess_data.py):
   convert it to jsonl to get more). Such a file is read whole, so keep single .txt documents reasonably small.
 
 Every document is followed by the tokenizer's end-of-document id (`append_eod=True`), so documents never run
-into each other once samples cross their boundaries. Memory does not grow with the corpus: lines are read
-one at a time, encoded in chunks by a pool of `workers` processes with a bounded number of chunks in flight,
-and written as soon as their turn comes, so the output order (and every output byte) is the same for any
-number of workers. Nothing appears under the output prefix unless the whole run succeeds.
+into each other once samples cross their boundaries. Memory does not grow with the corpus: the main process
+reads raw lines one at a time, a pool of `workers` processes parses and encodes them in chunks (a bounded
+number in flight), and each chunk is written as soon as its turn comes, so the output order (and every
+output byte) is the same for any number of workers. Parallelism is across documents: one big .txt document
+is encoded by one worker. Nothing appears under the output prefix unless the whole run succeeds.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from data.tokenizer import Tokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
-CHUNK_DOCS = 256  # a chunk ends at this many documents or CHUNK_BYTES of text, whichever comes first
-CHUNK_BYTES = 1 << 20  # big enough to amortise inter-process pickling, small enough to keep memory flat
+CHUNK_DOCS = 256  # a chunk ends at this many records (lines / .txt files) or CHUNK_BYTES, whichever is first
+CHUNK_BYTES = 1 << 17  # big enough to amortise inter-process pickling, small enough to balance the workers
 
 
 class PreprocessError(ValueError):
@@ -84,79 +85,85 @@ def check_inputs(inputs: list[str | Path]) -> list[Path]:
     return paths
 
 
-def iter_documents(paths: list[Path], text_key: str = "text") -> Iterator[tuple[str | None, int]]:
-    """(document text, input bytes it came from), in input order, reading one line at a time. A blank jsonl
-    line gives (None, its bytes): no document, but the progress bar still moves past it."""
+# A record is one unit of input, parsed and encoded in a worker: (path, line number or None for a whole .txt
+# file, raw bytes). Reading raw lines is all the main process does, so it never becomes the bottleneck for
+# many workers (JSON parsing is about as costly as a fast tokenizer), and parsing errors still name the line.
+Record = tuple[str, "int | None", bytes]
+
+
+def iter_records(paths: list[Path]) -> Iterator[Record]:
+    """Records of every input in order, reading .jsonl files one line at a time."""
     for path in paths:
         if path.suffix.lower() in TEXT_SUFFIXES:
-            raw = path.read_bytes()
-            yield _decode(raw, path, None), len(raw)
+            yield str(path), None, path.read_bytes()
             continue
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
-                line = _decode(raw, path, line_no)
-                if not line.strip():
-                    yield None, len(raw)
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise PreprocessError(f"{path}:{line_no}: not valid JSON ({error.msg})") from None
-                if not isinstance(record, dict):
-                    raise PreprocessError(f"{path}:{line_no}: expected a JSON object with a {text_key!r} field, "
-                                          f"got {type(record).__name__}")
-                if text_key not in record:
-                    keys = ", ".join(map(repr, list(record)[:5])) or "none"
-                    raise PreprocessError(f"{path}:{line_no}: no {text_key!r} field (keys: {keys}); "
-                                          f"choose the field with --text-key")
-                text = record[text_key]
-                if not isinstance(text, str):
-                    raise PreprocessError(f"{path}:{line_no}: field {text_key!r} is {type(text).__name__}, "
-                                          f"not a string")
-                yield text, len(raw)
+                yield str(path), line_no, raw
 
 
-def _decode(raw: bytes, path: Path, line_no: int | None) -> str:
+def parse_record(record: Record, text_key: str) -> str | None:
+    """The document text of a record; None for a blank jsonl line; PreprocessError naming file:line."""
+    path, line_no, raw = record
+    where = path if line_no is None else f"{path}:{line_no}"
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        where = f"{path}:{line_no}" if line_no is not None else str(path)
         raise PreprocessError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start})") from None
+    if line_no is None:
+        return text
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PreprocessError(f"{where}: not valid JSON ({error.msg})") from None
+    if not isinstance(obj, dict):
+        raise PreprocessError(f"{where}: expected a JSON object with a {text_key!r} field, got {type(obj).__name__}")
+    if text_key not in obj:
+        keys = ", ".join(map(repr, list(obj)[:5])) or "none"
+        raise PreprocessError(f"{where}: no {text_key!r} field (keys: {keys}); choose the field with --text-key")
+    if not isinstance(obj[text_key], str):
+        raise PreprocessError(f"{where}: field {text_key!r} is {type(obj[text_key]).__name__}, not a string")
+    return obj[text_key]
 
 
-def _chunks(documents: Iterator[tuple[str | None, int]]) -> Iterator[tuple[list[str], int]]:
-    """Group documents into (texts, input bytes) chunks; blank jsonl lines only add bytes."""
-    texts, text_bytes, input_bytes = [], 0, 0
-    for text, nbytes in documents:
-        input_bytes += nbytes
-        if text is not None:
-            texts.append(text)
-            text_bytes += len(text)
-        if len(texts) >= CHUNK_DOCS or text_bytes >= CHUNK_BYTES:
-            yield texts, input_bytes
-            texts, text_bytes, input_bytes = [], 0, 0
-    if texts or input_bytes:
-        yield texts, input_bytes
+def _chunks(records: Iterator[Record]) -> Iterator[tuple[list[Record], int]]:
+    """Group records into (records, input bytes) chunks of at most CHUNK_DOCS records or ~CHUNK_BYTES."""
+    chunk, nbytes = [], 0
+    for record in records:
+        chunk.append(record)
+        nbytes += len(record[2])
+        if len(chunk) >= CHUNK_DOCS or nbytes >= CHUNK_BYTES:
+            yield chunk, nbytes
+            chunk, nbytes = [], 0
+    if chunk:
+        yield chunk, nbytes
 
 
 # Per-process encoder state: set in the parent for workers=1, in each pool process by the initializer.
-_TOKENIZER: Tokenizer | None = None
-_EOD: int | None = None
+_STATE: tuple[Tokenizer, int | None, str] | None = None
 
 
-def _init_worker(tokenizer: Tokenizer, eod: int | None) -> None:
-    global _TOKENIZER, _EOD
-    _TOKENIZER, _EOD = tokenizer, eod
+def _init_worker(state: tuple[Tokenizer, int | None, str] | None) -> None:
+    global _STATE
+    _STATE = state
 
 
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_chunk(records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
     """(concatenated ids, per-document lengths). numpy arrays pickle far faster than lists of lists.
     Plain `encode` per document (not encode_batch): parallelism comes from the process pool, and Rust
     threads inside forked workers would oversubscribe the cores (and make tokenizers warn)."""
-    encoded = [_TOKENIZER.encode(text) for text in texts]
-    if _EOD is not None:
-        for ids in encoded:
-            ids.append(_EOD)
+    tokenizer, eod, text_key = _STATE
+    encoded = []
+    for record in records:
+        text = parse_record(record, text_key)
+        if text is None:
+            continue
+        ids = tokenizer.encode(text)
+        if eod is not None:
+            ids.append(eod)
+        encoded.append(ids)
     lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
     flat = np.fromiter((i for ids in encoded for i in ids), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths
@@ -194,18 +201,19 @@ def preprocess(
                 bar.update(nbytes)
                 bar.set_postfix(docs=writer.num_documents, tokens=writer.num_tokens, refresh=False)
 
-            chunks = _chunks(iter_documents(paths, text_key))
+            chunks = _chunks(iter_records(paths))
+            state = (tokenizer, eod, text_key)
             if workers == 1:
-                _init_worker(tokenizer, eod)
-                for texts, nbytes in chunks:
-                    write(_encode_chunk(texts), nbytes)
+                _init_worker(state)
+                for records, nbytes in chunks:
+                    write(_encode_chunk(records), nbytes)
             else:
-                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer, eod))
+                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(state,))
                 # At most 2 chunks per worker in flight: workers stay busy while memory stays bounded
                 # (Pool.imap would read the whole input ahead). Results are taken in submission order.
                 pending: collections.deque = collections.deque()
-                for texts, nbytes in chunks:
-                    pending.append((pool.apply_async(_encode_chunk, (texts,)), nbytes))
+                for records, nbytes in chunks:
+                    pending.append((pool.apply_async(_encode_chunk, (records,)), nbytes))
                     if len(pending) >= 2 * workers:
                         result, done_bytes = pending.popleft()
                         write(result.get(), done_bytes)
@@ -218,7 +226,7 @@ def preprocess(
             pool.terminate()  # on error: stop encoding at once; on success: the pool is idle anyway
             pool.join()
         bar.close()
-        _init_worker(None, None)
+        _init_worker(None)
     return PreprocessStats(documents, tokens, total_bytes, time.perf_counter() - start)
 
 

@@ -1,6 +1,6 @@
 """The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`,
 `megazoo plan ...` (ZeRO memory and communication planner), `megazoo eval wikitext103|lambada ...`,
-`megazoo convert hf-to-megazoo|megazoo-to-hf ...`.
+`megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, then
 runs one process in place or N local processes through torchrun (`python -m torch.distributed.run`).
@@ -12,6 +12,7 @@ import argparse
 import subprocess
 import sys
 
+from data.preprocess import register as register_preprocess
 from eval.cli import register as register_eval
 from models.gpt2.convert_cli import register as register_convert
 from recipes.config import RecipeError, load_recipe
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_plan(sub)
     register_eval(sub)
     register_convert(sub)
+    register_preprocess(sub)
     return parser
 
 
