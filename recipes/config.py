@@ -87,11 +87,18 @@ class LossScaleSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    source: str = "stdlib"  # "stdlib": the Python standard library's source | "synthetic": random tokens
-    vocab_size: int = 4096  # BPE vocabulary trained on the stdlib corpus
-    max_bytes: int = 4_000_000
-    val_fraction: float = 0.05
+    # "stdlib": the Python standard library's own source, BPE trained on it (the embedded demo corpus)
+    # "indexed": datasets written by `megazoo preprocess` (paths = their prefixes, blended by weights)
+    # "synthetic": a learnable random Markov chain (tests)
+    source: str = "stdlib"
+    vocab_size: int = 4096  # stdlib: BPE vocabulary trained on the corpus
+    max_bytes: int = 4_000_000  # stdlib: corpus size
+    val_fraction: float = 0.05  # stdlib: share of files held out for validation
     synthetic_tokens: int = 200_000
+    paths: tuple[str, ...] = ()  # indexed: training dataset prefixes (P for P.bin + P.idx)
+    weights: tuple[float, ...] = ()  # indexed: blending weights, one per path (default: equal)
+    valid_paths: tuple[str, ...] = ()  # indexed: validation dataset prefixes (none: no validation)
+    tokenizer: str = ""  # indexed: GPT-2 BPE directory or tokenizer.json, for the closing sample
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,12 @@ class Recipe:
 
 
 def _check_type(value, annotation, where: str):
-    """Return value converted to the annotated scalar type, or raise a RecipeError naming the key."""
+    """Return value converted to the annotated type, or raise a RecipeError naming the key."""
+    if typing.get_origin(annotation) is tuple:  # tuple[X, ...]: a TOML array of X
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"recipe key {where} = {value!r} has the wrong type: expected an array")
+        inner = typing.get_args(annotation)[0]
+        return tuple(_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if value is None and type(None) in options:
         return None

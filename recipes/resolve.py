@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from models.config import ModelConfig, get_preset
 from models.transformer import divisors
 from recipes.config import Recipe, RecipeError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
-DATA_SOURCES = ("stdlib", "synthetic")
+DATA_SOURCES = ("stdlib", "indexed", "synthetic")
 WANDB_MODES = ("off", "offline", "online")
 
 
@@ -44,6 +45,27 @@ def _choice(where: str, value: str, valid: tuple[str, ...]) -> None:
 def _positive(where: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise RecipeError(f"{where} = {value!r} is invalid: it must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _check_indexed(data) -> None:
+    """Every dataset file exists before any process starts (the readers verify magic, sizes and checksums)."""
+    if not data.paths:
+        raise RecipeError("data.source = 'indexed' needs data.paths: the prefixes written by megazoo preprocess "
+                          "(e.g. paths = [\"data/wiki_text_document\"])")
+    if data.weights and len(data.weights) != len(data.paths):
+        raise RecipeError(f"data.weights has {len(data.weights)} entries but data.paths has {len(data.paths)}; "
+                          "give one weight per path or none (equal weights)")
+    if any(w <= 0 for w in data.weights):
+        raise RecipeError(f"data.weights = {list(data.weights)} is invalid: every weight must be > 0")
+    for key in ("paths", "valid_paths"):
+        for prefix in getattr(data, key):
+            for suffix in (".bin", ".idx"):
+                if not Path(prefix + suffix).is_file():
+                    raise RecipeError(f"data.{key}: {prefix + suffix} does not exist (write it with "
+                                      f"megazoo preprocess --output-prefix {prefix})")
+    if data.tokenizer and not Path(data.tokenizer).exists():
+        raise RecipeError(f"data.tokenizer = {data.tokenizer!r} does not exist: give a GPT-2 BPE directory "
+                          "or a tokenizer.json")
 
 
 def model_config(recipe: Recipe) -> ModelConfig:
@@ -120,6 +142,8 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     _positive("data.vocab_size", data.vocab_size)
     _positive("data.max_bytes", data.max_bytes)
     _positive("data.synthetic_tokens", data.synthetic_tokens)
+    if data.source == "indexed":
+        _check_indexed(data)
     if data.source == "stdlib" and cfg.vocab_size < data.vocab_size:
         raise RecipeError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's data.vocab_size = "
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
