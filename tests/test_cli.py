@@ -7,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "recipes" / "demo.toml"
+DEMO_TP2 = REPO / "recipes" / "demo_tp2.toml"
 
 
 def megazoo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -16,9 +19,10 @@ def megazoo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_demo_runs_on_two_processes_and_loss_falls(tmp_path):
+@pytest.mark.parametrize("recipe, layout", [(DEMO, "dp=2 tp=1"), (DEMO_TP2, "dp=1 tp=2")], ids=["zero2", "tp2"])
+def test_demo_runs_on_two_processes_and_loss_falls(tmp_path, recipe, layout):
     run_dir = tmp_path / "demo"
-    out = megazoo("train", str(DEMO), "--set", "train.steps=60", "--set", f"run.dir={run_dir}",
+    out = megazoo("train", str(recipe), "--set", "train.steps=60", "--set", f"run.dir={run_dir}",
                   "--set", "data.max_bytes=1500000", "--set", "train.eval_every=30", "--set", "sample.tokens=12",
                   "--set", "train.warmup_steps=5")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -30,7 +34,7 @@ def test_demo_runs_on_two_processes_and_loss_falls(tmp_path):
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last < first - 1.5, (first, last)  # ln(4096) = 8.3 at the start
     assert "val_loss" in records[29]
-    assert "dp=1 tp=2" in out.stdout and "validation loss" in out.stdout and "sample:" in out.stdout
+    assert layout in out.stdout and "validation loss" in out.stdout and "sample:" in out.stdout
 
 
 def test_bad_recipe_fails_before_any_process_starts(tmp_path):
@@ -44,7 +48,7 @@ def test_bad_recipe_fails_before_any_process_starts(tmp_path):
 
 def test_nproc_must_match_layout():
     out = megazoo("train", str(DEMO), "--nproc", "3", timeout=60)
-    assert out.returncode == 2 and "dp=1 x tp=2 x pp=1 = 2 processes, but 3" in out.stderr
+    assert out.returncode == 2 and "dp=2 x tp=1 x pp=1 = 2 processes, but 3" in out.stderr
 
 
 def test_unknown_override_key_fails():

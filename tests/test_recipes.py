@@ -29,9 +29,12 @@ def test_every_recipe_resolves_at_its_real_size(path):
     assert recipe.train.seq_len <= cfg.n_positions
 
 
-def test_demo_recipe_is_dp1_tp2_gpt2_tiny():
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "demo.toml")
-    assert (recipe.model.preset, recipe.parallel.dp, recipe.parallel.tp) == ("gpt2-tiny", 1, 2)
+def test_demo_recipes_are_gpt2_tiny_at_dp2_zero2_and_tp2():
+    folder = Path(__file__).resolve().parents[1] / "recipes"
+    demo, tp2 = load_recipe(folder / "demo.toml"), load_recipe(folder / "demo_tp2.toml")
+    assert (demo.model.preset, demo.parallel.dp, demo.parallel.tp, demo.zero.stage) == ("gpt2-tiny", 2, 1, 2)
+    assert (tp2.model.preset, tp2.parallel.dp, tp2.parallel.tp, tp2.zero.stage) == ("gpt2-tiny", 1, 2, 0)
+    assert resolve(demo).global_batch == resolve(tp2).global_batch == 16
 
 
 def test_overrides_are_typed_and_applied(tmp_path):
