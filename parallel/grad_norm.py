@@ -3,7 +3,8 @@
 A tp-sharded parameter's squared gradient norm is split across the tp ranks: sum those pieces with an
 all-reduce over tp. A replicated parameter (LayerNorm, row-parallel bias, positions) has the same gradient on
 every tp rank: count it once, locally. After the dp all-reduce every dp rank holds the same gradients, so no dp
-reduction is needed.
+reduction is needed. Pipeline stages hold different parameters: their sums add up over pp (a tied embedding
+present on two stages is counted on one of them only).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from parallel.topology import Topology
 
 
 @torch.no_grad()
-def global_grad_norm(named: Iterable[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology) -> torch.Tensor:
-    """L2 norm of all gradients of the full model. Collective: one all-reduce (sum) over tp."""
-    named = [(param, spec) for _, param, spec in named if param.grad is not None]
+def global_grad_norm(named: Iterable[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology,
+                     skip: frozenset[str] = frozenset()) -> torch.Tensor:
+    """L2 norm of all gradients of the full model (parameters named in `skip` left out). Collectives: one
+    all-reduce (sum) over tp, one over pp."""
+    named = [(param, spec) for name, param, spec in named if param.grad is not None and name not in skip]
     dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p, _ in named) else torch.float32
     sharded = torch.zeros((), dtype=dtype, device=topo.device)
     replicated = torch.zeros((), dtype=dtype, device=topo.device)
@@ -32,7 +35,10 @@ def global_grad_norm(named: Iterable[tuple[str, torch.nn.Parameter, ShardSpec]],
             replicated += sq
     if topo.tp_group is not None:
         dist.all_reduce(sharded, group=topo.tp_group)
-    return (sharded + replicated).sqrt()
+    total = sharded + replicated
+    if topo.pp_group is not None:
+        dist.all_reduce(total, group=topo.pp_group)
+    return total.sqrt()
 
 
 @torch.no_grad()

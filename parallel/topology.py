@@ -62,6 +62,8 @@ class Topology:
     dp_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, in stage order
+    embedding_group: dist.ProcessGroup | None = None  # first + last stage of this pipeline (tied embeddings)
 
     @property
     def world_size(self) -> int:
@@ -103,9 +105,20 @@ class Topology:
         def group(dim: str, size: int) -> dist.ProcessGroup | None:
             return mesh.get_group(dim) if size > 1 else None
 
+        grid = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+        embedding_group = None
+        if pp > 1:
+            # Every rank takes part in creating every group (new_group is collective), in the same order.
+            for d in range(dp):
+                for t in range(tp):
+                    ranks = [int(grid[0, d, t]), int(grid[pp - 1, d, t])]
+                    created = dist.new_group(ranks)
+                    if (d, t) == (dp_rank, tp_rank):
+                        embedding_group = created
         return cls(
             dp=dp, tp=tp, pp=pp, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, rank=dist.get_rank(),
             device=device, mesh=mesh, dp_group=group("dp", dp), tp_group=group("tp", tp), pp_group=group("pp", pp),
+            pp_ranks=tuple(int(r) for r in grid[:, dp_rank, tp_rank]), embedding_group=embedding_group,
         )
 
     def describe(self) -> str:

@@ -27,46 +27,37 @@ Usage (launch with `torchrun --nproc-per-node 2 train.py`)::
 accumulation boundary (every `grad_accum` backward calls, or a backward with `last=True`) and returns the
 global gradient norm there (before clipping, as `clip_grad_norm_`), None otherwise.
 
-Stages: 0 = plain data parallelism (all-reduce the gradients, torch AdamW), 1 = optimizer states partitioned,
-2 = + gradients, 3 = + parameters, gathered per unit. Stage 3's units default to the children of the model's
+Stages (parallel/zero/build.py): 0 = plain data parallelism (all-reduce the gradients, torch AdamW),
+1 = optimizer states partitioned, 2 = + gradients, 3 = + parameters, gathered per unit. Stage 3's units default to the children of the model's
 largest `nn.ModuleList` / `nn.ModuleDict` (GPT-2: `transformer.h`), every other parameter forms the root unit.
 AdamW decays every parameter with >= 2 dims (matrices, embeddings), never biases or LayerNorm weights.
+
+fp16: store the model in fp16 (`model.half()`), use stage >= 1 (the partitioned optimizer keeps fp32 masters) and
+pass `loss_scaler=DynamicLossScaler()` (parallel/zero/loss_scaler.py): the loss is multiplied by the scale in
+`backward`, and a step whose gradients overflow on any rank is skipped everywhere (`step()` returns NaN).
+bf16 needs no scaler: keep fp32 parameters and run the forward under `torch.autocast`, or store bf16 (stage >= 1).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from models.weights import named_shards
-from parallel.data_parallel import all_reduce_gradients
-from parallel.grad_norm import clip_gradients_, global_grad_norm
 from parallel.tensor import gather_full
 from parallel.topology import Topology
 from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
+from parallel.zero.build import build_zero
+from parallel.zero.loss_scaler import DynamicLossScaler
 from parallel.zero.stage3 import InitFn, ZeroStage3
-from parallel.zero.stage12 import ZeroStage12
-
-
-class LossScaler(Protocol):
-    """The hook for fp16 loss scaling (implemented by parallel/zero's mixed-precision work, not here).
-
-    `scale` multiplies the loss before backward. `unscale` sees the step's global norm of the *scaled*
-    gradients and returns (factor, ok): the engine multiplies the gradients (and the norm) by `factor`
-    (1 / scale) when ok, or drops this step's gradients when not (inf/NaN); the scaler updates its scale.
-    """
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
-
-    def unscale(self, norm: torch.Tensor) -> tuple[float, bool]: ...
 
 
 def unique_named_shards(model: nn.Module):
-    """(names, aliases): `named_shards` with each parameter once, under its first name, plus the other names
+    """(unique, aliases): `named_shards` with each parameter once, under its first name, plus the other names
     of shared (tied) parameters as {alias: first name}. Hugging Face GPT-2 yields wte.weight twice
     (as transformer.wte.weight and lm_head.weight); the optimizer and ZeRO must see it once."""
     seen: dict[int, str] = {}
@@ -95,15 +86,16 @@ class ZeroEngine:
 
     `lr` is read at every step (settable: `engine.lr = ...`), unless `lr_schedule(step) -> lr` is given.
     `units` (stage 3): modules or their qualified names. `init_fn(owner, name, tensor, spec)` initialises a
-    model built on the meta device, one unit at a time (stage 3 only). `loss_scaler`: see LossScaler.
+    model built on the meta device, one unit at a time (stage 3 only). `offload="cpu"`: ZeRO-Offload (stage
+    >= 1). `loss_scaler`: fp16 dynamic loss scaling. `engine.comm` counts this rank's communication.
     """
 
     def __init__(self, model: nn.Module, topology: Topology, *, stage: int = 2, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  grad_clip: float = 0.0, grad_accum: int = 1, lr_schedule: Callable[[int], float] | None = None,
-                 units: list[nn.Module | str] | None = None, init_fn: InitFn | None = None,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, loss_scaler: LossScaler | None = None,
-                 broadcast_parameters: bool = True):
+                 units: Sequence[nn.Module | str] | None = None, init_fn: InitFn | None = None,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
+                 loss_scaler: DynamicLossScaler | None = None, broadcast_parameters: bool = True):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage = {stage!r} is invalid; valid: 0, 1, 2, 3")
         if not isinstance(grad_accum, int) or grad_accum < 1:
@@ -112,51 +104,40 @@ class ZeroEngine:
         self.lr, self.lr_schedule, self.grad_clip, self.grad_accum = lr, lr_schedule, grad_clip, grad_accum
         self.loss_scaler = loss_scaler
         self.step_count = 0  # optimizer steps taken (the lr_schedule's argument)
-        self.skipped_steps = 0  # steps dropped by the loss scaler
+        self.skipped_steps = 0  # steps dropped because fp16 gradients overflowed
         self._micro = 0  # backward calls since the last boundary
         self._boundary = False  # a backward closed an accumulation window: step() must update
         named, self.aliases = unique_named_shards(model)
+        meta = any(p.is_meta for _, p, _ in named)
         if init_fn is not None and stage != 3:
             raise ValueError("init_fn (materialising a meta-device model) needs stage = 3")
-        if any(p.is_meta for _, p, _ in named) and init_fn is None:
+        if meta and init_fn is None:
             raise ValueError("the model has meta-device parameters: pass init_fn (stage 3 materialises them)")
-        if broadcast_parameters and topology.dp_group is not None and not any(p.is_meta for _, p, _ in named):
+        if broadcast_parameters and topology.dp_group is not None and not meta:
             self._broadcast(named)
-        opt = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        if stage == 0:
-            self.zero = None
-            params = [p for _, p, _ in named if p.requires_grad]
-            groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], **opt)
-        elif stage in (1, 2):
-            self.zero = ZeroStage12(named, topology, stage=stage, bucket_elements=bucket_elements, **opt)
-            self.optimizer = self.zero.optimizer
-        else:
+        if stage == 3:
             modules = dict(model.named_modules())
             units = default_units(model) if units is None else [modules[u] if isinstance(u, str) else u
                                                                   for u in units]
-            self.zero = ZeroStage3(model, named, units, topology, init_fn=init_fn, **opt)
-            self.optimizer = self.zero.optimizer
-            self._retie()
-            named, _ = unique_named_shards(model)  # materialised parameters replace meta ones
-        self.named = named
+        self.zero = build_zero(stage, model, named, topology, lr=lr, betas=betas, eps=eps,
+                               weight_decay=weight_decay, bucket_elements=bucket_elements, offload=offload,
+                               units=units or (), init_fn=init_fn)
+        self.optimizer, self.comm = self.zero.optimizer, self.zero.comm
+        if stage == 3:
+            self._retie()  # a tied alias still points at the meta parameter its first name replaced
 
     # ---- the training loop ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, last: bool | None = None) -> None:
-        """Backward of loss / grad_accum. `last` marks the accumulation boundary explicitly; by default it is
-        every grad_accum-th call. ZeRO-2/3 reduce-scatter gradients during this backward."""
+        """Backward of loss / grad_accum (x the loss scale). `last` marks the accumulation boundary explicitly;
+        by default it is every grad_accum-th call. ZeRO-2/3 reduce-scatter gradients during this backward."""
         if last is None:
             last = self._micro + 1 == self.grad_accum
-        if self.zero is not None:
-            self.zero.begin_micro_batch(last=last)
-        loss = loss / self.grad_accum
-        if self.loss_scaler is not None:
-            loss = self.loss_scaler.scale(loss)
-        loss.backward()
+        self.zero.begin_micro_batch(last=last)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        (loss * (scale / self.grad_accum)).backward()
         self._micro += 1
         if last:
             self._micro, self._boundary = 0, True
@@ -169,38 +150,27 @@ class ZeroEngine:
         return self._boundary
 
     def step(self) -> float | None:
-        """At the accumulation boundary: reduce gradients, norm, (unscale,) clip, AdamW, re-gather; returns the
-        pre-clip global gradient norm. Between boundaries: nothing, returns None."""
+        """At the accumulation boundary: finish the gradient reduction, (unscale,) norm, clip, AdamW, re-gather;
+        returns the pre-clip global gradient norm (NaN for a step skipped on fp16 overflow). Between
+        boundaries: nothing, returns None."""
         if not self._boundary:
             return None
         self._boundary = False
-        lr = self.lr_schedule(self.step_count) if self.lr_schedule is not None else self.lr
-        if self.zero is not None:
-            self.zero.finish_gradients()
-            norm = self.zero.grad_norm()
-        else:
-            all_reduce_gradients(self._params(), self.topo.dp_group)
-            norm = global_grad_norm(self.named, self.topo)
+        zero = self.zero
+        zero.finish_gradients()
         if self.loss_scaler is not None:
-            factor, ok = self.loss_scaler.unscale(norm)
-            if not ok:
-                self._drop_gradients()
+            scale = self.loss_scaler.scale  # the scale this step's backward used; update() may change it
+            overflow = self.loss_scaler.found_overflow(zero.gradients(), self.topo.device)
+            self.loss_scaler.update(overflow)
+            if overflow:  # every rank agreed: drop the step, parameters untouched
+                zero.zero_grads_()
                 self.skipped_steps += 1
-                return norm.item()
-            self._scale_gradients_(factor)
-            norm = norm * factor
+                return float("nan")
+            zero.scale_grads_(1.0 / scale)
+        norm = zero.grad_norm()
         if self.grad_clip > 0:
-            if self.zero is not None:
-                self.zero.clip_(norm, self.grad_clip)
-            else:
-                clip_gradients_(self._params(), norm, self.grad_clip)
-        if self.zero is not None:
-            self.zero.step(lr)
-        else:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            zero.clip_(norm, self.grad_clip)
+        zero.step(self.lr_schedule(self.step_count) if self.lr_schedule is not None else self.lr)
         self.step_count += 1
         return norm.item()
 
@@ -220,46 +190,21 @@ class ZeroEngine:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states right now."""
-        if self.zero is not None:
-            return self.zero.memory_bytes()
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        params = self._params()
-        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        return {"params": nbytes(params), "grads": nbytes([p.grad for p in params if p.grad is not None]),
-                "optimizer": nbytes(states)}
+        return self.zero.memory_bytes()
 
     # ---- internals -----------------------------------------------------------------------------------------
-    def _params(self) -> list[nn.Parameter]:
-        return [p for _, p, _ in self.named if p.requires_grad]
-
     @torch.no_grad()
     def _broadcast(self, named) -> None:
         """dp rank 0's parameters and buffers on every dp rank, as DDP does: the same start whatever each rank
         seeded (ZeRO's update is only correct when the replicas agree). Collective: broadcast over dp."""
-        group = self.topo.dp_group
         for t in [p for _, p, _ in named] + list(self.module.buffers()):
-            dist.broadcast(t.data, group=group, group_src=0)
+            dist.broadcast(t.data, group=self.topo.dp_group, group_src=0)
 
     def _retie(self) -> None:
         """Point every alias of a tied parameter at the (possibly newly materialised) first one."""
         for alias, name in self.aliases.items():
             owner, _, attr = alias.rpartition(".")
-            target = self.module.get_parameter(name)
-            module = self.module.get_submodule(owner)
+            target, module = self.module.get_parameter(name), self.module.get_submodule(owner)
             if getattr(module, attr) is not target:
                 setattr(module, attr, target)
 
-    @torch.no_grad()
-    def _scale_gradients_(self, factor: float) -> None:
-        grads = self.zero.owned_grads if self.zero is not None else [p.grad for p in self._params()]
-        for g in grads:
-            if g is not None:
-                g.mul_(factor)
-
-    @torch.no_grad()
-    def _drop_gradients(self) -> None:
-        if self.zero is not None:
-            for g in self.zero.owned_grads:
-                g.zero_()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)

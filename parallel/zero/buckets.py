@@ -15,6 +15,7 @@ exactly the owner's chunk, launched as soon as the bucket is ready; a single glo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 
@@ -25,6 +26,7 @@ DEFAULT_BUCKET_ELEMENTS = 1 << 24  # 16 M elements per bucket (64 MB in fp32)
 
 @dataclass
 class Bucket:
+    names: list[str]
     params: list[torch.nn.Parameter]
     offsets: list[int]  # start of each parameter in the flat buffer
     numel: int  # padded flat size, a multiple of dp
@@ -54,32 +56,36 @@ def _bucket_key(param: torch.nn.Parameter, spec: ShardSpec) -> tuple:
 
 
 def build_buckets(named: list[tuple[str, torch.nn.Parameter, ShardSpec]], dp: int, dp_rank: int,
-                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> list[Bucket]:
+                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+                  group_of: Callable[[str], Hashable] | None = None) -> list[Bucket]:
     """Lay every trainable parameter out in flat buckets and make the parameters views into them.
 
-    The parameters keep their values; their storage moves into the buckets' flat buffers.
+    `group_of(name)` adds to the bucket key: parameters of different groups never share a bucket (pipeline
+    chunks, a tied embedding that must sit alone so its owned chunk lines up on both pipeline ends). The
+    parameters keep their values; their storage moves into the buckets' flat buffers.
     """
-    filling: dict[tuple, list[torch.nn.Parameter]] = {}  # one bucket being filled per key
-    closed: list[tuple[tuple, list[torch.nn.Parameter]]] = []
-    for _, param, spec in reversed(named):
+    filling: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}  # one bucket being filled per key
+    closed: list[tuple[tuple, list[tuple[str, torch.nn.Parameter]]]] = []
+    for name, param, spec in reversed(named):
         if not param.requires_grad:
             continue
-        key = _bucket_key(param, spec)
+        key = (*_bucket_key(param, spec), group_of(name) if group_of else None)
         current = filling.setdefault(key, [])
-        if current and sum(p.numel() for p in current) + param.numel() > bucket_elements:
+        if current and sum(p.numel() for _, p in current) + param.numel() > bucket_elements:
             closed.append((key, current))
             current = filling[key] = []
-        current.append(param)
-    closed.extend((key, params) for key, params in filling.items() if params)
+        current.append((name, param))
+    closed.extend((key, entries) for key, entries in filling.items() if entries)
 
     buckets = []
-    for (dtype, decay, sharded), params in closed:
+    for (dtype, decay, sharded, _), entries in closed:
+        params = [p for _, p in entries]
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
             total += p.numel()
         padded = -(-total // dp) * dp
-        bucket = Bucket(params, offsets, padded, dtype, decay, sharded, dp, dp_rank)
+        bucket = Bucket([n for n, _ in entries], params, offsets, padded, dtype, decay, sharded, dp, dp_rank)
         bucket.flat_params = torch.zeros(padded, dtype=dtype, device=params[0].device)
         for p, view in bucket.views(bucket.flat_params):
             view.copy_(p.detach())

@@ -7,13 +7,14 @@ grad_norm(), clip_(norm, max_norm), scale_grads_(factor), zero_grads_(), step(lr
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch.nn as nn
 
 from parallel.tensor import ShardSpec
 from parallel.topology import Topology
 from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
+from parallel.zero.partitioned import TiedParameters
 from parallel.zero.stage0 import DataParallelAdamW
 from parallel.zero.stage3 import InitFn, ZeroStage3
 from parallel.zero.stage12 import ZeroStage12
@@ -22,17 +23,21 @@ from parallel.zero.stage12 import ZeroStage12
 def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter, ShardSpec]], topo: Topology, *,
                lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
-               units: Sequence[nn.Module] = (), init_fn: InitFn | None = None):
+               units: Sequence[nn.Module] = (), init_fn: InitFn | None = None,
+               tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None):
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
-    a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`."""
+    a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
+    parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets."""
     if stage == 0:
         if offload != "none":
             raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")
-        return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tied=tied)
     if stage in (1, 2):
         return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                           bucket_elements=bucket_elements, offload=offload)
+                           bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of)
     if stage == 3:
+        if topo.pp > 1:
+            raise ValueError("zero.stage = 3 with parallel.pp > 1 is not supported; valid: zero.stage 0-2 with pp")
         return ZeroStage3(model, named, list(units), topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           init_fn=init_fn, offload=offload)
     raise ValueError(f"zero.stage = {stage} is invalid; valid: 0, 1, 2, 3")

@@ -9,6 +9,7 @@ never sees a full parameter. How gradients reach the owned chunks and how parame
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,6 +20,16 @@ from parallel.topology import Topology
 from parallel.zero.buckets import Bucket
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # full-size gradient buffers alive at once while reductions overlap backward
+
+
+@dataclass(frozen=True)
+class TiedParameters:
+    """Parameters held by two pipeline stages (the input and output embedding): their gradients are summed over
+    `group` every step so both copies stay equal, and they count in the gradient norm on one stage only."""
+
+    names: frozenset[str] = frozenset()
+    group: object = None  # the process group joining the holders; None: nothing to sum
+    counted_in_norm: bool = True
 
 
 class GradientReducer:
@@ -70,11 +81,16 @@ class PartitionedOptimizer:
     """
 
     def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none"):
+                 betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none",
+                 tied: TiedParameters = TiedParameters()):
         if offload not in ("none", "cpu"):
             raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
         self.topo, self.group = topo, topo.dp_group
         self.buckets = buckets
+        self.tied = tied
+        # A tied parameter sits alone in its bucket (build_buckets' group_of), so the owned chunks line up.
+        self.tied_buckets = [i for i, b in enumerate(buckets) if set(b.names) & tied.names]
+        assert all(set(buckets[i].names) <= tied.names for i in self.tied_buckets), "tied parameters need own buckets"
         self.comm = CommLedger()
         self.offload = offload
         state_device = torch.device("cpu") if offload == "cpu" else topo.device
@@ -101,14 +117,26 @@ class PartitionedOptimizer:
         tp; replicated ones are counted once. Collectives: one all-reduce over dp, one over tp."""
         dtype = torch.float64 if any(m.dtype == torch.float64 for m in self.masters) else torch.float32
         sq = torch.zeros(2, dtype=dtype, device=self.topo.device)  # [tp-sharded, replicated]
-        for b, g in zip(self.buckets, self.owned_grads):
+        for i, (b, g) in enumerate(zip(self.buckets, self.owned_grads)):
+            if i in self.tied_buckets and not self.tied.counted_in_norm:
+                continue
             sq[0 if b.tp_sharded else 1] += g.to(self.topo.device, dtype).pow(2).sum()
         all_reduce(sq, self.group, ledger=self.comm)
         if self.topo.tp_group is not None:
             sharded = sq[:1].clone()
             dist.all_reduce(sharded, group=self.topo.tp_group)
             sq[0] = sharded[0]
-        return sq.sum().sqrt()
+        total = sq.sum()
+        if self.topo.pp_group is not None:
+            dist.all_reduce(total, group=self.topo.pp_group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def sum_tied_gradients(self) -> None:
+        """Sum the owned chunks of tied parameters over their group (first + last pipeline stage)."""
+        if self.tied.group is not None:
+            for i in self.tied_buckets:
+                dist.all_reduce(self.owned_grads[i], group=self.tied.group)
 
     def gradients(self) -> list[torch.Tensor]:
         return self.owned_grads

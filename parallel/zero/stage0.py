@@ -14,12 +14,14 @@ from parallel.data_parallel import all_reduce_gradients
 from parallel.grad_norm import clip_gradients_, global_grad_norm
 from parallel.tensor import ShardSpec
 from parallel.topology import Topology
+from parallel.zero.partitioned import TiedParameters
 
 
 class DataParallelAdamW:
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float):
-        self.named, self.topo = named, topo
+                 betas: tuple[float, float], eps: float, weight_decay: float,
+                 tied: TiedParameters = TiedParameters()):
+        self.named, self.topo, self.tied = named, topo, tied
         self.params = [p for _, p, _ in named if p.requires_grad]
         groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
@@ -30,14 +32,20 @@ class DataParallelAdamW:
     def begin_micro_batch(self, last: bool) -> None:
         """Gradients accumulate in .grad over the micro-batches; the all-reduce runs once per step."""
 
+    @torch.no_grad()
     def finish_gradients(self) -> None:
+        if self.tied.group is not None:  # the embedding's two copies (first and last stage) get the summed grad
+            for name, p, _ in self.named:
+                if name in self.tied.names and p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, group=self.tied.group)
         all_reduce_gradients(self.params, self.topo.dp_group, ledger=self.comm)
 
     def gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm(self.named, self.topo)
+        skip = frozenset() if self.tied.counted_in_norm else self.tied.names
+        return global_grad_norm(self.named, self.topo, skip)
 
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         clip_gradients_(self.params, total_norm, max_norm)

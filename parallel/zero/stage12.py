@@ -18,13 +18,15 @@ the same 2 x params x (dp-1)/dp elements per rank as plain data parallelism's al
 
 from __future__ import annotations
 
+from typing import Callable, Hashable
+
 import torch
 
 from parallel.collectives import all_gather_flat
 from parallel.tensor import ShardSpec
 from parallel.topology import Topology
 from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
-from parallel.zero.partitioned import PartitionedOptimizer
+from parallel.zero.partitioned import PartitionedOptimizer, TiedParameters
 
 
 class ZeroStage12(PartitionedOptimizer):
@@ -32,12 +34,16 @@ class ZeroStage12(PartitionedOptimizer):
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, stage: int,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none"):
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
+                 tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroStage12 implements zero stage 1 or 2, not {stage}")
-        buckets = build_buckets(named, topo.dp, topo.dp_rank, bucket_elements)
+        def bucket_group(name: str):  # tied parameters alone; otherwise the caller's grouping
+            return ("tied", name) if name in tied.names else (group_of(name) if group_of else None)
+
+        buckets = build_buckets(named, topo.dp, topo.dp_rank, bucket_elements, bucket_group)
         super().__init__(buckets, [b.flat_params[b.owned] for b in buckets], topo, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, offload=offload)
+                         weight_decay=weight_decay, offload=offload, tied=tied)
         self.stage = stage
         # stage 1 keeps full-size gradient buffers for the whole step; stage 2 allocates one per reduction.
         self.full_grads: list[torch.Tensor | None] = [
@@ -94,6 +100,7 @@ class ZeroStage12(PartitionedOptimizer):
                 if i not in self._launched:
                     self._launch_reduce(i)
         self.reducer.drain()
+        self.sum_tied_gradients()
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
