@@ -113,7 +113,7 @@ class Topology:
                 for t in range(tp):
                     ranks = [int(grid[0, d, t]), int(grid[pp - 1, d, t])]
                     created = dist.new_group(ranks)
-                    if (d, t) == (dp_rank, tp_rank):
+                    if (d, t) == (dp_rank, tp_rank) and pp_rank in (0, pp - 1):  # members only
                         embedding_group = created
         return cls(
             dp=dp, tp=tp, pp=pp, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, rank=dist.get_rank(),

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from models.config import ModelConfig, get_preset
 from models.transformer import divisors
+from parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
+from parallel.pipeline.schedules import SCHEDULES
 from recipes.config import Recipe, RecipeError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
@@ -26,6 +28,7 @@ class Resolved:
     padded_vocab: int  # vocabulary rounded up to a multiple of 128 * tp
     global_batch: int  # sequences per optimizer step = micro_batch x grad_accum x dp
     world_size: int  # dp x tp x pp
+    stage_layers: list[list[int]]  # blocks of each pipeline (virtual) stage
 
     @property
     def tokens_per_step(self) -> int:
@@ -68,6 +71,39 @@ def _check_indexed(data) -> None:
                           "or a tokenizer.json")
 
 
+def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
+    """Check the pipeline keys; return the blocks of each (virtual) stage."""
+    par, train = recipe.parallel, recipe.train
+    _choice("parallel.schedule", par.schedule, SCHEDULES)
+    _choice("parallel.partition", par.partition, PARTITION_METHODS)
+    _positive("parallel.virtual_stages", par.virtual_stages)
+    if par.schedule == "interleaved":
+        if par.virtual_stages < 2 or par.pp < 2:
+            raise RecipeError(f"parallel.schedule = 'interleaved' needs parallel.virtual_stages >= 2 and pp >= 2 "
+                              f"(got virtual_stages = {par.virtual_stages}, pp = {par.pp})")
+        if train.grad_accum % par.pp:
+            raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be a "
+                              f"multiple of parallel.pp = {par.pp} for the interleaved schedule; valid: "
+                              f"{', '.join(str(par.pp * k) for k in range(1, 4))}, ...")
+    elif par.virtual_stages != 1:
+        raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
+                          "'interleaved'; valid with gpipe/1f1b: 1")
+    # "parameters" balancing counts the embeddings on the first stage and the tied head's copy on the last,
+    # in units of one block's parameters.
+    embeddings = (cfg.vocab_size + cfg.n_positions) * cfg.d_model
+    per_block = (cfg.num_parameters() - embeddings - 2 * cfg.d_model) / cfg.n_layer
+    try:
+        stages = virtual_stage_layers(cfg.n_layer, par.pp, virtual=par.virtual_stages, method=par.partition,
+                                      layers=par.layers or None, first_extra=embeddings / per_block,
+                                      last_extra=cfg.vocab_size * cfg.d_model / per_block)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    if par.pp > 1 and recipe.zero.stage == 3:
+        raise RecipeError("zero.stage = 3 with parallel.pp > 1 is not supported (each stage would gather and "
+                          "free its blocks around every micro-batch); valid with pp > 1: zero.stage = 0, 1, 2")
+    return stages
+
+
 def model_config(recipe: Recipe) -> ModelConfig:
     section = recipe.model
     try:
@@ -99,8 +135,7 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if par.pp > cfg.n_layer:
         raise RecipeError(f"parallel.pp = {par.pp} is larger than the number of blocks of {cfg.name} "
                           f"(n_layer = {cfg.n_layer}); valid pp: 1..{cfg.n_layer}")
-    if par.pp > 1:
-        raise RecipeError(f"parallel.pp = {par.pp}: pipeline parallelism is not available yet; valid pp: 1")
+    stages = _check_pipeline(recipe, cfg)
     layout = par.dp * par.tp * par.pp
     if world_size is not None and world_size != layout:
         raise RecipeError(f"parallel dp={par.dp} x tp={par.tp} x pp={par.pp} = {layout} processes, but "
@@ -150,4 +185,4 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     _positive("sample.tokens", recipe.sample.tokens, allow_zero=True)
     _positive("sample.top_k", recipe.sample.top_k, allow_zero=True)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
-                    world_size=layout)
+                    world_size=layout, stage_layers=stages)

@@ -29,7 +29,11 @@ from models.transformer import GPT
 from models.weights import full_state_dict, init_parameter_, init_weights, named_shards
 from parallel.tensor.random import TPRNGTracker, seed_default_stream
 from parallel.topology import Topology, init_distributed
+from parallel.pipeline.engine import PipelineEngine
+from parallel.pipeline.partition import rank_chunks
+from parallel.pipeline.schedules import forward_only, schedule
 from parallel.zero.build import build_zero
+from parallel.zero.partitioned import TiedParameters
 from parallel.zero.loss_scaler import DynamicLossScaler
 from parallel.zero.stage3 import ZeroStage3
 from recipes.config import RecipeError, load_recipe
@@ -105,16 +109,24 @@ def load_data(res: Resolved, topo: Topology) -> TrainData:
     return TrainData(train_set, val_set, tokenizer)
 
 
-def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32) -> GPT:
-    """This rank's tp shard of the model, initialised from the recipe's seed (identical full weights for any
-    tp). With device="meta" nothing is allocated: ZeRO-3 materialises it unit by unit."""
-    train = res.recipe.train
+def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32) -> list[GPT]:
+    """This rank's model chunks: its tp shard of each pipeline (virtual) stage it holds; one chunk, the whole
+    model, when pp = 1. Initialised from the recipe's seed: identical full weights for every layout. With
+    device="meta" nothing is allocated (ZeRO-3 materialises it unit by unit)."""
+    train, par, cfg = res.recipe.train, res.recipe.parallel, res.model
     rng = TPRNGTracker(train.seed, topo.tp_rank, topo.device)
-    model = GPT(res.model, topo, rng=rng, activation_checkpointing=train.activation_checkpointing,
-                device=device or topo.device, dtype=dtype)
-    if device != "meta":
-        init_weights(model, train.seed)
-    return model
+    stages = res.stage_layers
+    chunks = []
+    for stage in rank_chunks(stages, topo.pp, topo.pp_rank):
+        chunk = GPT(cfg, topo, layers=range(stages[stage][0], stages[stage][-1] + 1),
+                    with_embedding=stage == 0, with_head=stage == len(stages) - 1, rng=rng,
+                    activation_checkpointing=train.activation_checkpointing, device=device or topo.device,
+                    dtype=dtype)
+        if device != "meta":
+            init_weights(chunk, train.seed)
+        chunks.append(chunk)
+    assert len(chunks) == par.virtual_stages
+    return chunks
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -136,14 +148,24 @@ class Trainer:
         # Under ZeRO the fp32 masters live in the partitioned optimizer: store parameters in the compute dtype.
         # Stage 0 keeps fp32 parameters and runs half precision as autocast (torch AMP style).
         param_dtype = compute if (half and zero.stage >= 1) or compute == torch.float64 else torch.float32
-        self.model = build_model(res, topo, device="meta" if zero.stage == 3 else None, dtype=param_dtype)
-        model = self.model
+        self.chunks = build_model(res, topo, device="meta" if zero.stage == 3 else None, dtype=param_dtype)
+        model = self.model = self.chunks[0]  # the whole model when pp = 1
+        named = [entry for chunk in self.chunks for entry in named_shards(chunk)]
+        chunk_of = {name: i for i, chunk in enumerate(self.chunks) for name, _ in chunk.named_parameters()}
+        tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage) \
+            if topo.pp > 1 else TiedParameters()
         self.zero = build_zero(
-            zero.stage, model, list(named_shards(model)), topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+            zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
-            units=list(model.h.values()),
+            units=list(model.h.values()), tied=tied, group_of=chunk_of.get,
             init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
         self.optimizer = self.zero.optimizer
+        par = res.recipe.parallel
+        self.engine = None
+        if topo.pp > 1:
+            self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model, activation_dtype=param_dtype,
+                                         loss_fn=self.chunks[-1].loss)
+            self.actions = schedule(par.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
         self.autocast = (lambda: torch.autocast(topo.device.type, dtype=compute)) if half else contextlib.nullcontext
@@ -176,7 +198,13 @@ class Trainer:
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         micro_batches = self.sampler.indices_for_step(step)
-        for i, indices in enumerate(micro_batches):
+        if self.engine is not None:
+            batches = [self._batch(self.data.train, indices) for indices in micro_batches]
+            losses = self.engine.run(batches, self.actions, loss_scale=scale, autocast=self.autocast,
+                                     before_backward=lambda last: zero.begin_micro_batch(last))
+            loss_sum += sum(losses) if losses else 0.0
+            dist.all_reduce(loss_sum, group=self.topo.pp_group)  # only the last stage computed losses
+        for i, indices in enumerate(micro_batches if self.engine is None else []):
             zero.begin_micro_batch(last=i == len(micro_batches) - 1)
             inputs, targets = self._batch(self.data.train, indices)
             with self.autocast():
@@ -229,9 +257,15 @@ class Trainer:
         per_rank = max(1, min(t.eval_batches * self.res.global_batch, len(val)) // self.topo.dp)
         first = self.topo.dp_rank * per_rank
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        chunks = [list(range(i, min(i + t.micro_batch, first + per_rank)))
-                  for i in range(first, first + per_rank, t.micro_batch)]
-        for indices in chunks:
+        micro = [list(range(i, min(i + t.micro_batch, first + per_rank)))
+                 for i in range(first, first + per_rank, t.micro_batch)]
+        if self.engine is not None:
+            batches = [self._batch(val, indices) for indices in micro]
+            losses = self.engine.run(batches, forward_only(len(batches), len(self.chunks)), autocast=self.autocast,
+                                     forward_only=True)
+            total += sum(loss * len(indices) for loss, indices in zip(losses, micro)) if losses else 0.0
+            dist.all_reduce(total, group=self.topo.pp_group)
+        for indices in micro if self.engine is None else []:
             inputs, targets = self._batch(val, indices)
             with self.autocast():
                 logits = model(inputs)
@@ -243,12 +277,17 @@ class Trainer:
         """Full (unsharded) parameters of this rank's stage, whatever the tp and ZeRO layout."""
         gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
         with gathered:
-            return full_state_dict(self.model)
+            state = {name: value for chunk in self.chunks for name, value in full_state_dict(chunk).items()}
+        if self.topo.pp_group is None:
+            return state
+        stages = [None] * self.topo.pp
+        dist.all_gather_object(stages, state, group=self.topo.pp_group)  # every stage's parameters, all ranks
+        return {name: value for part in stages for name, value in part.items()}
 
     def sample(self) -> str | None:
         s = self.res.recipe.sample
         tok = self.data.tokenizer
-        if tok is None or s.tokens == 0:
+        if tok is None or s.tokens == 0 or self.engine is not None:  # sampling is not pipelined (yet)
             return None
         ids = generate(self.model, tok.encode(s.prompt), s.tokens, temperature=s.temperature, top_k=s.top_k,
                        seed=self.train_cfg.seed)

@@ -40,12 +40,12 @@ class PipelineStats:
 
 
 class PipelineEngine:
-    def __init__(self, chunks: list[torch.nn.Module], topo: Topology, *, activation_shape: tuple[int, ...],
+    def __init__(self, chunks: list[torch.nn.Module], topo: Topology, *, hidden_size: int,
                  activation_dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.chunks, self.topo = chunks, topo
         self.v = len(chunks)
         self.stages = topo.pp * self.v
-        self.shape, self.dtype, self.loss_fn = activation_shape, activation_dtype, loss_fn
+        self.hidden, self.dtype, self.loss_fn = hidden_size, activation_dtype, loss_fn
         self.prev_rank = topo.pp_ranks[(topo.pp_rank - 1) % topo.pp]
         self.next_rank = topo.pp_ranks[(topo.pp_rank + 1) % topo.pp]
         self.stats = PipelineStats()
@@ -56,8 +56,8 @@ class PipelineEngine:
     def _tag(self, micro: int, stage: int, backward: bool) -> int:
         return (micro * self.stages + stage) * 2 + int(backward)
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.topo.device)
+    def _recv(self, src: int, tag: int, ids: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty((*ids.shape, self.hidden), dtype=self.dtype, device=self.topo.device)  # (b, s, d)
         dist.irecv(buf, src, tag=tag).wait()
         return buf
 
@@ -78,7 +78,8 @@ class PipelineEngine:
             first, last = stage == 0, stage == self.stages - 1
             if kind == "F":
                 x = micro_batches[micro][0] if first else \
-                    self._recv(self.prev_rank, self._tag(micro, stage - 1, False)).requires_grad_(not forward_only)
+                    self._recv(self.prev_rank, self._tag(micro, stage - 1, False), micro_batches[micro][0]) \
+                    .requires_grad_(not forward_only)
                 tick = time.perf_counter()
                 with torch.set_grad_enabled(not forward_only), autocast():
                     out = self.chunks[chunk](x)
@@ -96,7 +97,8 @@ class PipelineEngine:
                 x, out = saved.pop((micro, chunk))
                 if before_backward is not None:
                     before_backward(k == last_backward)
-                grad = None if last else self._recv(self.next_rank, self._tag(micro, stage, True))
+                grad = None if last else self._recv(self.next_rank, self._tag(micro, stage, True),
+                                                    micro_batches[micro][0])
                 tick = time.perf_counter()
                 if last:
                     (out * (loss_scale / m)).backward()
