@@ -1,0 +1,83 @@
+"""Pipeline parallelism trains the same function as one process, for every schedule and in full 3D."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from harness import run_distributed
+from recipe_helpers import tiny_recipe, tiny_resolved
+from test_train_parity import _train, assert_same_training
+
+from parallel.topology import Topology
+from recipes.config import RecipeError
+from recipes.resolve import resolve
+from recipes.train import Trainer
+
+TRAIN = {"micro_batch": 2, "grad_accum": 4}  # 4 pipeline micro-batches of 2 sequences: global batch 8
+
+
+@functools.cache
+def reference(n_layer: int):
+    return _train(tiny_resolved(train={"micro_batch": 8}, model={"n_layer": n_layer}), Topology.solo())
+
+
+def _pipeline_run(parallel: dict, n_layer: int, zero: dict | None = None, train: dict = TRAIN):
+    res = tiny_resolved(parallel=parallel, train=train, model={"n_layer": n_layer}, zero=zero or {})
+    par = res.recipe.parallel
+
+    def work():
+        trainer = Trainer(res, Topology.build(par.dp, par.tp, par.pp))
+        result = trainer.fit()
+        wte = [c.wte.weight.detach().clone() for c in trainer.chunks if hasattr(c, "wte")]
+        return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
+                "params": trainer.full_state_dict(), "wte": wte, "pp_rank": trainer.topo.pp_rank,
+                "live": trainer.engine.stats.max_live_micro_batches}
+
+    return run_distributed(work, res.world_size)
+
+
+@pytest.mark.parametrize("pp, schedule, virtual, n_layer", [
+    (2, "gpipe", 1, 4), (2, "1f1b", 1, 4), (2, "interleaved", 2, 4),
+    (4, "gpipe", 1, 4), (4, "1f1b", 1, 4), (4, "interleaved", 2, 8),
+])
+def test_schedules_equal_reference(pp, schedule, virtual, n_layer):
+    results = _pipeline_run({"pp": pp, "schedule": schedule, "virtual_stages": virtual}, n_layer)
+    for got in results:
+        assert_same_training(got, reference(n_layer))
+    if schedule == "1f1b":
+        assert results[0]["live"] <= pp  # counted: the first stage never holds more than pp micro-batches
+    if schedule == "gpipe":
+        assert results[0]["live"] == TRAIN["grad_accum"]
+
+
+def test_tied_embedding_identical_on_first_and_last_stage():
+    results = _pipeline_run({"pp": 4, "schedule": "1f1b"}, 4)
+    first, last = results[0], results[3]
+    assert (first["pp_rank"], last["pp_rank"]) == (0, 3)
+    assert torch.equal(first["wte"][0], last["wte"][0])
+    assert not results[1]["wte"] and not results[2]["wte"]  # middle stages hold no embedding
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_3d_dp2_tp2_pp2_with_zero_equals_reference(stage):
+    results = _pipeline_run({"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b"}, 4, zero={"stage": stage},
+                            train={"micro_batch": 2, "grad_accum": 2})
+    for got in results:
+        assert_same_training(got, reference(4))
+
+
+@pytest.mark.parametrize("parallel, train, zero, message", [
+    ({"pp": 5}, {}, {}, "parallel.pp = 5 is larger than the number of blocks"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, {"grad_accum": 3}, {},
+     "train.grad_accum = 3 (the pipeline's micro-batches) must be a multiple of parallel.pp = 2"),
+    ({"pp": 2, "layers": [[0], [0, 1, 2, 3]]}, {}, {}, "every block 0..3 exactly once"),
+    ({"pp": 2}, {}, {"stage": 3}, "zero.stage = 3 with parallel.pp > 1 is not supported"),
+    ({"pp": 2, "virtual_stages": 2}, {}, {}, "needs parallel.schedule = 'interleaved'"),
+    ({"pp": 2, "schedule": "zigzag"}, {}, {}, "parallel.schedule = 'zigzag' is invalid"),
+])
+def test_bad_pipeline_recipes_fail_before_training(parallel, train, zero, message):
+    recipe = tiny_recipe(parallel=parallel, train=train, zero=zero, model={"n_layer": 4})
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(recipe)
