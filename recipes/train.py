@@ -199,11 +199,14 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         micro_batches = self.sampler.indices_for_step(step)
         if self.engine is not None:
+            busy_before, total_before = self.engine.stats.busy_s, self.engine.stats.total_s
             batches = [self._batch(self.data.train, indices) for indices in micro_batches]
             losses = self.engine.run(batches, self.actions, loss_scale=scale, autocast=self.autocast,
                                      before_backward=lambda last: zero.begin_micro_batch(last))
             loss_sum += sum(losses) if losses else 0.0
             dist.all_reduce(loss_sum, group=self.topo.pp_group)  # only the last stage computed losses
+            busy = self.engine.stats.busy_s - busy_before
+            idle = self.engine.stats.total_s - total_before - busy
         for i, indices in enumerate(micro_batches if self.engine is None else []):
             zero.begin_micro_batch(last=i == len(micro_batches) - 1)
             inputs, targets = self._batch(self.data.train, indices)
@@ -244,6 +247,8 @@ class Trainer:
                    "comm_bytes": zero.comm.summary()["total_bytes"]}
         if self.scaler is not None:
             metrics.update(loss_scale=scale, skipped=skipped)
+        if self.engine is not None:  # this rank's pipeline stage: compute vs waiting within the schedule
+            metrics.update(pipeline_busy_s=busy, pipeline_idle_s=idle, pipeline_bubble=idle / max(busy + idle, 1e-12))
         return metrics
 
     @torch.no_grad()
