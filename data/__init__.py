@@ -33,3 +33,10 @@ __all__ += [
     "blend_counts",
     "blend_order",
 ]
+
+# Every kind of tokenizer behind the Tokenizer protocol, and the one loader for a user's tokenizer spec.
+from data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
+from data.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
+from data.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
+
+__all__ += ["GPT2BPETokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer"]

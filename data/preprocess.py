@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.indexed_dataset import IndexedDatasetWriter, data_paths
-from data.tokenizer import Tokenizer
+from data.tokenizer import Tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
@@ -56,19 +56,6 @@ class PreprocessStats:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
-
-
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """A GPT-2 BPE directory (vocab.json + merges.txt, or encoder.json + vocab.bpe) or a tokenizers json file."""
-    from data.gpt2_bpe import GPT2BPETokenizer
-    from data.tokenizer import BPETokenizer
-
-    path = Path(spec)
-    if path.is_dir():
-        return GPT2BPETokenizer.from_dir(path)
-    if path.is_file():
-        return BPETokenizer.load(path)
-    raise FileNotFoundError(f"tokenizer {path} not found: give a GPT-2 BPE directory or a tokenizer.json file")
 
 
 def check_inputs(inputs: list[str | Path]) -> list[Path]:

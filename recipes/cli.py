@@ -1,6 +1,7 @@
 """The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`,
 `megazoo plan ...` (ZeRO memory and communication planner), `megazoo eval wikitext103|lambada ...`,
-`megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets).
+`megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
+`megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, then
 runs one process in place or N local processes through torchrun (`python -m torch.distributed.run`).
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 from data.preprocess import register as register_preprocess
+from data.tokenizer_cli import register as register_tokenizer
 from eval.cli import register as register_eval
 from models.gpt2.convert_cli import register as register_convert
 from recipes.config import RecipeError, load_recipe
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_eval(sub)
     register_convert(sub)
     register_preprocess(sub)
+    register_tokenizer(sub)
     return parser
 
 

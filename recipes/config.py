@@ -90,6 +90,15 @@ class LossScaleSection:
 
 
 @dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0  # save every N steps (and at the end) under run.dir/checkpoints; 0: never
+    keep: int = 2  # newest checkpoints kept
+    load: str = ""  # start from this checkpoint (a step_N directory or a checkpoints folder), any layout
+    load_optimizer: bool = True  # false: weights only, from step 0 (fine-tuning)
+    resume: bool = False  # continue from the latest good checkpoint in run.dir (megazoo train --resume)
+
+
+@dataclass(frozen=True)
 class DataSection:
     # "stdlib": the Python standard library's own source, BPE trained on it (the embedded demo corpus)
     # "indexed": datasets written by `megazoo preprocess` (paths = their prefixes, blended by weights)
@@ -132,6 +141,7 @@ class Recipe:
     train: TrainSection = field(default_factory=TrainSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     data: DataSection = field(default_factory=DataSection)
     run: RunSection = field(default_factory=RunSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

@@ -166,6 +166,11 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if recipe.zero.offload == "cpu" and recipe.zero.stage == 0:
         raise RecipeError("zero.offload = 'cpu' needs zero.stage >= 1 (only partitioned optimizer states are "
                           "offloaded); valid: zero.stage = 1, 2 or 3, or zero.offload = 'none'")
+    _positive("checkpoint.every", recipe.checkpoint.every, allow_zero=True)
+    _positive("checkpoint.keep", recipe.checkpoint.keep)
+    if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
+        raise RecipeError(f"checkpoint.load = {recipe.checkpoint.load!r} does not exist: give a step_N checkpoint "
+                          "directory or a run's checkpoints folder")
     ls = recipe.loss_scale
     for name in ("initial_scale", "min_scale", "growth_interval", "hysteresis", "max_consecutive_skips"):
         _positive(f"loss_scale.{name}", getattr(ls, name))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -29,6 +30,9 @@ from models.transformer import GPT
 from models.weights import full_state_dict, init_parameter_, init_weights, named_shards
 from parallel.tensor.random import TPRNGTracker, seed_default_stream
 from parallel.topology import Topology, init_distributed
+from parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
+from parallel.checkpoint.load import load_views
+from parallel.checkpoint.views import optimizer_steps, set_optimizer_steps
 from parallel.pipeline.engine import PipelineEngine
 from parallel.pipeline.partition import rank_chunks
 from parallel.pipeline.schedules import forward_only, schedule
@@ -278,6 +282,69 @@ class Trainer:
         model.train()
         return self._dp_mean(total / per_rank)
 
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        par = self.res.recipe.parallel
+        return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "virtual_stages": par.virtual_stages,
+                "zero_stage": self.res.recipe.zero.stage, "stage_layers": self.res.stage_layers}
+
+    def _views(self):
+        """What this rank saves/loads; each value is written by exactly one rank: replicas over dp (handled by
+        the optimizer), over tp (tensors not split by tp: tp rank 0) and over pp (the tied embedding: stage 0)."""
+        views = self.zero.state_views()
+        for view in views:
+            if view.spec.dim is None and self.topo.tp_rank != 0:
+                view.write = False
+            if view.name == "wte.weight" and self.topo.pp > 1 and not self.topo.is_first_stage:
+                view.write = False
+        return views
+
+    def _rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state(), "tp": self.model.rng.get_state()}
+        if self.topo.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.topo.device)
+        return state
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Save the state after `step` completed steps under run.dir/checkpoints (collective: every rank)."""
+        cfg = self.res.recipe.checkpoint
+        common = {"step": step, "optimizer_steps": optimizer_steps(self.zero.optimizer),
+                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                  "recipe": self.res.recipe.to_dict(), "model": dataclasses.asdict(self.res.model)}
+        return save_checkpoint(Path(self.res.recipe.run.dir) / "checkpoints", step, self._views(),
+                               extras={"rng": self._rng_state(), "layout": self.layout()}, common=common,
+                               layout=self.layout(), keep=cfg.keep)
+
+    def load_checkpoint(self, path: str | Path, *, load_optimizer: bool = True) -> int:
+        """Load a checkpoint saved at any layout; returns the step to continue from (0 for weights only)."""
+        path = Path(path)
+        common = torch.load(path / "common.pt", map_location="cpu", weights_only=False) \
+            if (path / "common.pt").is_file() else None
+        if common is None:
+            raise CheckpointError(f"checkpoint {path} has no common.pt")
+        mine, saved = dataclasses.asdict(self.res.model), common["model"]
+        for key in ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions"):
+            if mine[key] != saved[key]:
+                raise CheckpointError(f"checkpoint {path} is for a different model: model.{key} = {saved[key]} "
+                                      f"there, {mine[key]} here")
+        kinds = None if load_optimizer else ("param", "master")
+        manifest = load_views(path, self._views(), kinds=kinds)
+        self.zero.after_load()
+        if not load_optimizer:
+            return 0
+        set_optimizer_steps(self.zero.optimizer, common["optimizer_steps"])
+        if self.scaler is not None and common["scaler"] is not None:
+            self.scaler.load_state_dict(common["scaler"])
+        if manifest["layout"] == self.layout() and manifest["world_size"] == self.topo.world_size:
+            # Same layout: every rank resumes its own random streams, so dropout continues bit-identically.
+            extras = torch.load(path / f"rank{self.topo.rank:05d}.pt", map_location="cpu", weights_only=False)
+            rng = extras["extras"]["rng"]
+            torch.set_rng_state(rng["cpu"])
+            self.model.rng.set_state(rng["tp"])
+            if "cuda" in rng and self.topo.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.topo.device)
+        return common["step"]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters of this rank's stage, whatever the tp and ZeRO layout."""
         gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
@@ -298,15 +365,19 @@ class Trainer:
                        seed=self.train_cfg.seed)
         return tok.decode(ids)
 
-    def fit(self, *, log: MetricsLog | None = None, progress: bool = False) -> TrainResult:
+    def fit(self, *, log: MetricsLog | None = None, progress: bool = False, start_step: int = 0) -> TrainResult:
+        """Train steps start_step .. train.steps - 1 (the step number is the whole data position), saving a
+        checkpoint every checkpoint.every steps and at the end."""
         t, result = self.train_cfg, TrainResult()
-        steps = range(t.steps)
+        every = self.res.recipe.checkpoint.every
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)
-        for step in steps:
+            bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        for step in range(start_step, t.steps):
             metrics = self.train_step(step)
+            if every and ((step + 1) % every == 0 or step + 1 == t.steps):
+                self.save_checkpoint(step + 1)
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                 metrics["val_loss"] = self.evaluate()
             result.losses.append(metrics["loss"])
@@ -330,13 +401,14 @@ def run(res: Resolved, topo: Topology) -> TrainResult:
     log = MetricsLog(recipe.run.dir, enabled=rank0, wandb_mode=recipe.logging.wandb,
                      project=recipe.logging.wandb_project, config=recipe.to_dict())
     trainer = Trainer(res, topo)
+    start_step = _restore(trainer, res, rank0)
     if rank0:
         n_params = sum(p.numel() for p in trainer.model.parameters())
         print(f"megazoo: {res.model.name} ({res.model.num_parameters():,} parameters; {n_params:,} on this rank) "
               f"dp={topo.dp} tp={topo.tp} pp={topo.pp} on {topo.device}; {len(trainer.data.train):,} training "
               f"samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}", flush=True)
     try:
-        result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress)
+        result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step)
     finally:
         log.close()
     if rank0:
@@ -350,6 +422,31 @@ def run(res: Resolved, topo: Topology) -> TrainResult:
             print(f"sample:\n{result.sample}")
         print(f"metrics: {Path(recipe.run.dir) / 'metrics.jsonl'}", flush=True)
     return result
+
+
+def _restore(trainer: Trainer, res: Resolved, rank0: bool) -> int:
+    """--resume: the latest good checkpoint of this run (any layout); else [checkpoint] load; else step 0."""
+    cfg = res.recipe.checkpoint
+    report = print if rank0 else (lambda *_: None)
+    if cfg.resume:
+        path = latest_good_checkpoint(Path(res.recipe.run.dir) / "checkpoints", report=report)
+        if path is not None:
+            step = trainer.load_checkpoint(path)
+            report(f"megazoo: resumed from {path} at step {step}")
+            return step
+        report(f"megazoo: no checkpoint under {Path(res.recipe.run.dir) / 'checkpoints'}: starting at step 0")
+    if cfg.load:
+        path = Path(cfg.load)
+        if not (path / "manifest.json").is_file():  # a checkpoints folder: its latest good checkpoint
+            found = latest_good_checkpoint(path, report=report)
+            if found is None:
+                raise CheckpointError(f"checkpoint.load = {cfg.load}: no good checkpoint there")
+            path = found
+        step = trainer.load_checkpoint(path, load_optimizer=cfg.load_optimizer)
+        report(f"megazoo: loaded {path} ({'with' if cfg.load_optimizer else 'weights only, without'} "
+               f"optimizer state), starting at step {step}")
+        return step
+    return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,7 +15,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from parallel.checkpoint.views import StateView, ensure_adam_state
 from parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
+from parallel.tensor import ShardSpec
 from parallel.topology import Topology
 from parallel.zero.buckets import Bucket
 
@@ -80,13 +82,17 @@ class PartitionedOptimizer:
     only the updated chunk, cast to the model's dtype, goes back to the device.
     """
 
+    params_partitioned = False  # stage 3: parameters live only as owned chunks (`shards`)
+
     def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none",
-                 tied: TiedParameters = TiedParameters()):
+                 tied: TiedParameters = TiedParameters(), specs: dict[str, ShardSpec] | None = None):
         if offload not in ("none", "cpu"):
             raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
         self.topo, self.group = topo, topo.dp_group
         self.buckets = buckets
+        self.shards = shards
+        self.specs = specs or {}
         self.tied = tied
         # A tied parameter sits alone in its bucket (build_buckets' group_of), so the owned chunks line up.
         self.tied_buckets = [i for i, b in enumerate(buckets) if set(b.names) & tied.names]
@@ -167,6 +173,27 @@ class PartitionedOptimizer:
         for g in self.owned_grads:
             g.zero_()
         return [m.to(b.flat_params.device, b.dtype, non_blocking=True) for m, b in zip(self.masters, self.buckets)]
+
+    def state_views(self) -> list[StateView]:
+        """This rank's owned chunks (fp32 masters, Adam moments; stage 3 also the parameters) and, for stages
+        1-2, the full parameters (written by dp rank 0 only), as flat views for checkpointing."""
+        ensure_adam_state(self.optimizer, self.masters)
+        views = []
+        for i, b in enumerate(self.buckets):
+            s, e = b.owned.start, b.owned.stop
+            state = self.optimizer.state[self.masters[i]]
+            owned = [("master", self.masters[i]), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])]
+            if self.params_partitioned:
+                owned.append(("param", self.shards[i]))
+            for name, p, off in zip(b.names, b.params, b.offsets):
+                spec, n = self.specs[name], p.numel()
+                lo, hi = max(off, s), min(off + n, e)
+                if lo < hi:
+                    views += [StateView(name, spec, kind, lo - off, hi - off, t[lo - s:hi - s]) for kind, t in owned]
+                if not self.params_partitioned:
+                    views.append(StateView(name, spec, "param", 0, n, b.flat_params[off:off + n],
+                                           write=self.topo.dp_rank == 0))
+        return views
 
     def optimizer_bytes(self) -> int:
         total = sum(m.numel() * m.element_size() for m in self.masters)

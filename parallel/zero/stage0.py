@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel.checkpoint.views import StateView, ensure_adam_state, whole_param_views
 from parallel.collectives import CommLedger
 from parallel.data_parallel import all_reduce_gradients
 from parallel.grad_norm import clip_gradients_, global_grad_norm
@@ -63,6 +64,16 @@ class DataParallelAdamW:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def state_views(self) -> list[StateView]:
+        """Full parameters (also the fp32 masters here) and Adam moments; dp rank 0 writes them."""
+        ensure_adam_state(self.optimizer, self.params)
+        write = self.topo.dp_rank == 0
+        return [view for name, p, spec in self.named if p.requires_grad
+                for view in whole_param_views(name, spec, p, self.optimizer.state[p], write)]
+
+    def after_load(self) -> None:
+        """Parameters and moments were loaded in place."""
 
     def memory_bytes(self) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for p in self.params)

@@ -43,7 +43,8 @@ class ZeroStage12(PartitionedOptimizer):
 
         buckets = build_buckets(named, topo.dp, topo.dp_rank, bucket_elements, bucket_group)
         super().__init__(buckets, [b.flat_params[b.owned] for b in buckets], topo, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, offload=offload, tied=tied)
+                         weight_decay=weight_decay, offload=offload, tied=tied,
+                         specs={name: spec for name, _, spec in named})
         self.stage = stage
         # stage 1 keeps full-size gradient buffers for the whole step; stage 2 allocates one per reduction.
         self.full_grads: list[torch.Tensor | None] = [
@@ -101,6 +102,10 @@ class ZeroStage12(PartitionedOptimizer):
                     self._launch_reduce(i)
         self.reducer.drain()
         self.sum_tied_gradients()
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """Nothing to redo: the full parameters were loaded in place (every dp rank reads them)."""
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

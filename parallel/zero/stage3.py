@@ -70,6 +70,14 @@ def _materialise(model: nn.Module, named: Named, init_fn: InitFn | None, device)
 
 
 class ZeroStage3(PartitionedOptimizer):
+    params_partitioned = True
+
+    def after_load(self) -> None:
+        """Loaded shards take effect at the next gather: make sure nothing stale is gathered now."""
+        for unit in self.units:
+            if unit.gathered:
+                self._free(unit)
+
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
                  check_order: bool = True, offload: str = "none"):
@@ -89,7 +97,8 @@ class ZeroStage3(PartitionedOptimizer):
             self._free(unit)
         all_buckets = [b for u in self.units for b in u.buckets]
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
-                         eps=eps, weight_decay=weight_decay, offload=offload)
+                         eps=eps, weight_decay=weight_decay, offload=offload,
+                         specs={name: spec for name, _, spec in named})
         self._owned_grad_of = {}
         k = 0
         for u in self.units:

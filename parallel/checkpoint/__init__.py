@@ -1,0 +1,1 @@
+"""Sharded, topology-independent checkpoints: what each rank owns, written in parallel, loadable anywhere."""
