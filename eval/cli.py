@@ -27,12 +27,12 @@ TASKS = ("wikitext103", "lambada")
 class ModelSource:
     cfg: object  # models.config.ModelConfig
     name: str
-    tokenizer: object  # data.gpt2_bpe.GPT2BPETokenizer
+    tokenizer: object  # a data.tokenizer.Tokenizer
 
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
     """Validate model config, tokenizer and data path before any process is started or weights are read."""
-    from data.gpt2_bpe import GPT2BPETokenizer
+    from data.tokenizer import load_tokenizer
     from models.gpt2.convert_cli import load_consolidated_config
 
     if args.hf is not None:
@@ -55,9 +55,9 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
         raise ValueError("--backend transformers runs in one process: use --tp 1")
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
-    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+    tokenizer_dir = args.tokenizer if args.tokenizer else model_dir
     try:
-        tokenizer = GPT2BPETokenizer.from_dir(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)  # GPT-2 BPE dir, tokenizer.json, sentencepiece .model, hf:NAME
     except FileNotFoundError as error:
         hint = "" if args.tokenizer else " (pass --tokenizer DIR with the GPT-2 BPE files)"
         raise FileNotFoundError(f"{error}{hint}") from error

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.tokenizer import check_tokenizer_spec
 from models.config import ModelConfig, get_preset
 from models.transformer import divisors
 from parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
@@ -66,9 +67,11 @@ def _check_indexed(data) -> None:
                 if not Path(prefix + suffix).is_file():
                     raise RecipeError(f"data.{key}: {prefix + suffix} does not exist (write it with "
                                       f"megazoo preprocess --output-prefix {prefix})")
-    if data.tokenizer and not Path(data.tokenizer).exists():
-        raise RecipeError(f"data.tokenizer = {data.tokenizer!r} does not exist: give a GPT-2 BPE directory "
-                          "or a tokenizer.json")
+    if data.tokenizer:
+        try:
+            check_tokenizer_spec(data.tokenizer)
+        except (OSError, ValueError) as err:
+            raise RecipeError(f"data.tokenizer = {data.tokenizer!r}: {err}") from None
 
 
 def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:

@@ -108,33 +108,35 @@ def _cli(argv):
 def test_convert_cli_round_trip_and_refusals(hf_dir, ids, tmp_path, capsys):
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     assert _cli(["convert", "hf-to-megazoo", str(hf_dir), "--out", str(ckpt)]) == 0
-    meta = json.loads((ckpt / "config.json").read_text())
-    assert meta["format"] == "megazoo-consolidated" and meta["model"]["n_layer"] == 2
+    manifest = json.loads((ckpt / "step_00000000" / "manifest.json").read_text())
+    assert manifest["format"] == "megazoo-sharded-checkpoint/1" and (ckpt / "latest").read_text() == "step_00000000"
     cfg, full = load_consolidated(ckpt)
+    assert cfg.n_layer == 2
     mz_logits = gpt_logits_fn(gpt_from_full_state(cfg, full, Topology.solo()))(ids)
     torch.testing.assert_close(mz_logits, hf_logits(hf_dir, ids), rtol=1e-5, atol=1e-5)
     assert _cli(["convert", "megazoo-to-hf", str(ckpt), "--out", str(back)]) == 0
     torch.testing.assert_close(hf_logits(back, ids), hf_logits(hf_dir, ids), rtol=1e-5, atol=1e-5)
 
     # A non-empty --out is refused and left untouched.
-    before = (ckpt / "model.pt").read_bytes()
+    shard = ckpt / "step_00000000" / "rank00000.pt"
+    before = shard.read_bytes()
     assert _cli(["convert", "hf-to-megazoo", str(hf_dir), "--out", str(ckpt)]) == 2
-    assert "not empty" in capsys.readouterr().err and (ckpt / "model.pt").read_bytes() == before
+    assert "not empty" in capsys.readouterr().err and shard.read_bytes() == before
     # A directory that is not an HF checkpoint / not a megazoo checkpoint: one clear line naming it.
     assert _cli(["convert", "hf-to-megazoo", str(tmp_path / "nothing"), "--out", str(tmp_path / "o1")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert _cli(["convert", "megazoo-to-hf", str(hf_dir), "--out", str(tmp_path / "o2")]) == 2
-    assert "megazoo-consolidated" in capsys.readouterr().err
+    assert "not a megazoo checkpoint" in capsys.readouterr().err
 
 
 def test_truncated_checkpoint_is_detected(tmp_path):
     hf = tiny_hf_model(vocab=1000)
     cfg = config_from_hf(hf.config, name="t")
     ckpt = save_consolidated(hf_to_megazoo_state(hf.state_dict(), cfg), cfg, tmp_path / "ckpt")
-    weights = ckpt / "model.pt"
+    weights = ckpt / "step_00000000" / "rank00000.pt"
     weights.write_bytes(weights.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
-        load_consolidated(ckpt)
-    (ckpt / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="config.json is corrupt"):
-        load_consolidated(ckpt)
+    with pytest.raises(CheckpointError, match=r"rank00000.pt is truncated"):
+        load_consolidated(ckpt / "step_00000000")
+    (ckpt / "step_00000000" / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json is corrupt"):
+        load_consolidated(ckpt / "step_00000000")

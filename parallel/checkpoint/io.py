@@ -32,7 +32,7 @@ FORMAT = "megazoo-sharded-checkpoint/1"
 LATEST = "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A missing, truncated or corrupt checkpoint; the message names the path."""
 
 

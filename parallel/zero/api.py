@@ -6,7 +6,7 @@ data-parallel loop by changing about five lines. Works for Hugging Face models (
 
 Usage (launch with `torchrun --nproc-per-node 2 train.py`)::
 
-    import torch, torch.distributed as dist
+    import os, torch, torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
     from parallel.topology import Topology, init_distributed
     from parallel.zero.api import ZeroEngine
@@ -17,19 +17,21 @@ Usage (launch with `torchrun --nproc-per-node 2 train.py`)::
     # was: optimizer = torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.1)
     engine = ZeroEngine(model, Topology.build(dp=dist.get_world_size()), stage=3, lr=3e-4,
                         weight_decay=0.1, grad_clip=1.0, grad_accum=2)
-    for batch in loader:                                   # this rank's micro-batches
+    for batch in loader:                                   # this rank's micro-batches (DistributedSampler)
         loss = model(**batch).loss                         # unchanged (or engine(**batch))
         engine.backward(loss)                              # was: (loss / 2).backward()
         engine.step()                                      # was: clip_grad_norm_ + optimizer.step() + zero_grad()
     state = engine.full_state_dict()                       # full weights on every rank, whatever the stage
+    dist.destroy_process_group()
 
 `engine.step()` is called after every micro-batch, as in DeepSpeed: it does the optimizer step only at the
 accumulation boundary (every `grad_accum` backward calls, or a backward with `last=True`) and returns the
 global gradient norm there (before clipping, as `clip_grad_norm_`), None otherwise.
 
 Stages (parallel/zero/build.py): 0 = plain data parallelism (all-reduce the gradients, torch AdamW),
-1 = optimizer states partitioned, 2 = + gradients, 3 = + parameters, gathered per unit. Stage 3's units default to the children of the model's
-largest `nn.ModuleList` / `nn.ModuleDict` (GPT-2: `transformer.h`), every other parameter forms the root unit.
+1 = optimizer states partitioned, 2 = + gradients, 3 = + parameters, gathered per unit. Stage 3's units
+default to the children of the model's largest `nn.ModuleList` / `nn.ModuleDict` (GPT-2: `transformer.h`);
+every other parameter forms the root unit.
 AdamW decays every parameter with >= 2 dims (matrices, embeddings), never biases or LayerNorm weights.
 
 fp16: store the model in fp16 (`model.half()`), use stage >= 1 (the partitioned optimizer keeps fp32 masters) and

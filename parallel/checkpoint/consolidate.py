@@ -1,0 +1,67 @@
+"""Whole-model views of sharded checkpoints, without processes: consolidation and single-file writing.
+
+`read_full_state` assembles every parameter (fp32 masters when saved, else the parameters) from a checkpoint of
+any layout, ZeRO-3 included, into full tensors: the input of Hugging Face export and evaluation.
+`write_full_checkpoint` writes full tensors (e.g. imported from Hugging Face) as a one-rank sharded checkpoint,
+which then loads into any layout like every other checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint, verify_checkpoint
+from parallel.checkpoint.load import _assemble
+from parallel.checkpoint.views import StateView
+from parallel.tensor import ShardSpec
+
+
+def resolve_checkpoint(path: str | Path, report=print) -> Path:
+    """A step directory as given, or the latest good checkpoint of a checkpoints folder."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    found = latest_good_checkpoint(path, report=report) if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"{path} is not a megazoo checkpoint (no manifest.json) and holds no good checkpoint")
+    return found
+
+
+def read_common(path: Path) -> dict:
+    common = path / "common.pt"
+    if not common.is_file():
+        raise CheckpointError(f"checkpoint {path} has no common.pt")
+    return torch.load(common, map_location="cpu", weights_only=False)
+
+
+def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(model config fields, {name: full fp32 tensor}) of a checkpoint; the embedding at the true vocabulary."""
+    path = resolve_checkpoint(path)
+    manifest = verify_checkpoint(path)
+    model = read_common(path)["model"]
+    by_name: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for entry in manifest["pieces"]:
+        by_name[entry["name"]][entry["kind"]].append(entry)
+    files = {f: torch.load(path / f, map_location="cpu", mmap=True, weights_only=True)
+             for f in manifest["files"] if f.startswith("rank")}
+    state = {}
+    for name, kinds in by_name.items():
+        entries = kinds.get("master") or kinds.get("param")
+        if not entries:
+            raise CheckpointError(f"checkpoint {path} holds no weights for {name}")
+        state[name] = _assemble(entries, files, name).float()
+    if "wte.weight" in state:
+        state["wte.weight"] = state["wte.weight"][: model["vocab_size"]]
+    return model, state
+
+
+def write_full_checkpoint(full_state: dict[str, torch.Tensor], model: dict, out: str | Path) -> Path:
+    """Write full tensors as a one-rank checkpoint under the checkpoints folder `out` (step 0, weights only)."""
+    views = [StateView(name, ShardSpec(tuple(t.shape)), "param", 0, t.numel(), t.detach().reshape(-1))
+             for name, t in full_state.items()]
+    layout = {"dp": 1, "tp": 1, "pp": 1, "virtual_stages": 1, "zero_stage": 0, "stage_layers": None}
+    common = {"step": 0, "optimizer_steps": 0, "scaler": None, "recipe": None, "model": model}
+    return save_checkpoint(out, 0, views, extras={}, common=common, layout=layout, keep=1)
