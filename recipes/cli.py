@@ -33,12 +33,16 @@ def _train(args: argparse.Namespace) -> int:
     except RecipeError as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
         return 2
-    sets = [arg for text in args.overrides for arg in ("--set", text)]
-    if nproc == 1:
+    overrides = list(args.overrides)
+    if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
+        overrides.append("checkpoint.resume=true")
+    sets = [arg for text in overrides for arg in ("--set", text)]
+    if nproc == 1 and not args.max_restarts:
         from recipes.train import main as train_main
         return train_main([args.recipe, *sets])
+    # torchrun (elastic): restarts every worker up to --max-restarts times when one dies.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "recipes.train", args.recipe, *sets]
+               f"--max-restarts={args.max_restarts}", "-m", "recipes.train", args.recipe, *sets]
     return subprocess.call(command)
 
 
@@ -60,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a recipe key, e.g. --set train.steps=20 (repeatable)")
     train.add_argument("--nproc", type=int, default=None,
                        help="local processes to start (default: dp x tp x pp from the recipe)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest good checkpoint in run.dir (resharding if the layout changed)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="restart all workers up to N times after a failure, resuming from the latest checkpoint")
     train.set_defaults(func=_train)
     listing = sub.add_parser("presets", help="list the model presets and their parameter counts")
     listing.set_defaults(func=_presets)

@@ -13,10 +13,12 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,7 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     val_loss: float | None = None
     sample: str | None = None
+    stopped_at: int | None = None  # set when a stop request (SIGTERM) ended training early
 
 
 def _rank0_first(topo: Topology, build):
@@ -365,9 +368,20 @@ class Trainer:
                        seed=self.train_cfg.seed)
         return tok.decode(ids)
 
-    def fit(self, *, log: MetricsLog | None = None, progress: bool = False, start_step: int = 0) -> TrainResult:
+    def _agreed(self, flag: bool) -> bool:
+        """True on every rank when any rank says so (a preemption signal may reach ranks at different steps).
+        Collective: one all-reduce (max) over all ranks."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.topo.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def fit(self, *, log: MetricsLog | None = None, progress: bool = False, start_step: int = 0,
+            stop_requested: Callable[[], bool] | None = None) -> TrainResult:
         """Train steps start_step .. train.steps - 1 (the step number is the whole data position), saving a
-        checkpoint every checkpoint.every steps and at the end."""
+        checkpoint every checkpoint.every steps and at the end. When `stop_requested()` turns true on any rank
+        (SIGTERM: preemption), the step in progress finishes, a checkpoint is saved and training stops."""
         t, result = self.train_cfg, TrainResult()
         every = self.res.recipe.checkpoint.every
         bar = None
@@ -376,7 +390,8 @@ class Trainer:
             bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         for step in range(start_step, t.steps):
             metrics = self.train_step(step)
-            if every and ((step + 1) % every == 0 or step + 1 == t.steps):
+            stop = stop_requested is not None and self._agreed(stop_requested())
+            if stop or (every and ((step + 1) % every == 0 or step + 1 == t.steps)):
                 self.save_checkpoint(step + 1)
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                 metrics["val_loss"] = self.evaluate()
@@ -387,10 +402,14 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 bar.update(1)
+            if stop:
+                result.stopped_at = step + 1
+                break
         if bar is not None:
             bar.close()
-        result.val_loss = self.evaluate()
-        result.sample = self.sample()
+        if result.stopped_at is None:
+            result.val_loss = self.evaluate()
+            result.sample = self.sample()
         return result
 
 
@@ -407,13 +426,22 @@ def run(res: Resolved, topo: Topology) -> TrainResult:
         print(f"megazoo: {res.model.name} ({res.model.num_parameters():,} parameters; {n_params:,} on this rank) "
               f"dp={topo.dp} tp={topo.tp} pp={topo.pp} on {topo.device}; {len(trainer.data.train):,} training "
               f"samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}", flush=True)
+    # Preemption: SIGTERM lets the current step finish, then every rank saves a checkpoint and stops.
+    terminated = {"flag": False}
+    previous = signal.signal(signal.SIGTERM, lambda *_: terminated.__setitem__("flag", True))
     try:
-        result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step)
+        result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
+                             stop_requested=lambda: terminated["flag"])
     finally:
+        signal.signal(signal.SIGTERM, previous)
         log.close()
-    if rank0:
-        first, last = result.losses[0], result.losses[-1]
-        print(f"train loss {first:.4f} -> {last:.4f} over {len(result.losses)} steps")
+    if rank0 and result.stopped_at is not None:
+        print(f"megazoo: stopped by SIGTERM after step {result.stopped_at}; checkpoint saved under "
+              f"{Path(recipe.run.dir) / 'checkpoints'} (continue with --resume)", flush=True)
+    elif rank0:
+        if result.losses:
+            first, last = result.losses[0], result.losses[-1]
+            print(f"train loss {first:.4f} -> {last:.4f} over {len(result.losses)} steps")
         if result.val_loss is None:
             print("validation: no validation data (data.valid_paths is empty)")
         else:

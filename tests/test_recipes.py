@@ -94,7 +94,3 @@ def test_explicit_global_batch_must_add_up():
 ])
 def test_bad_values_name_the_field(section, values, fragment):
     assert fragment in _error(lambda: resolve(tiny_recipe(**{section: values})))
-
-
-def test_pipeline_is_refused_until_it_exists():
-    assert "pipeline parallelism is not available yet" in _error(lambda: resolve(tiny_recipe(parallel={"pp": 2})))
