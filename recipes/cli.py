@@ -40,10 +40,19 @@ def _train(args: argparse.Namespace) -> int:
     if nproc == 1 and not args.max_restarts:
         from recipes.train import main as train_main
         return train_main([args.recipe, *sets])
-    # torchrun (elastic): restarts every worker up to --max-restarts times when one dies.
+    # Restarts: a failed job (a rank died, a collective timed out) is started again, every worker, and resumes
+    # from the latest good checkpoint. Each attempt is a fresh torchrun with a fresh rendezvous: torchrun's own
+    # --max-restarts reuses the rendezvous, and with torch 2.13 + gloo the restarted ranks intermittently failed
+    # to reconnect ("connectFullMesh ... Connection refused") on this machine.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={args.max_restarts}", "-m", "recipes.train", args.recipe, *sets]
-    return subprocess.call(command)
+               "-m", "recipes.train", args.recipe, *sets]
+    for attempt in range(args.max_restarts + 1):
+        code = subprocess.call(command)
+        if code == 0 or attempt == args.max_restarts:
+            return code
+        print(f"megazoo: attempt {attempt + 1} failed (exit code {code}); restarting all {nproc} workers from the "
+              f"latest good checkpoint ({args.max_restarts - attempt} restart(s) left)", file=sys.stderr, flush=True)
+    return code
 
 
 def _presets(args: argparse.Namespace) -> int:

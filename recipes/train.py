@@ -428,7 +428,12 @@ def run(res: Resolved, topo: Topology) -> TrainResult:
               f"samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}", flush=True)
     # Preemption: SIGTERM lets the current step finish, then every rank saves a checkpoint and stops.
     terminated = {"flag": False}
-    previous = signal.signal(signal.SIGTERM, lambda *_: terminated.__setitem__("flag", True))
+
+    def on_sigterm(*_):
+        terminated["flag"] = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM (e.g. the launcher giving up) kills
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
                              stop_requested=lambda: terminated["flag"])
