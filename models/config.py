@@ -60,6 +60,8 @@ class ModelConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown model field(s) {sorted(unknown)}; valid: {model_fields()}")
+        if "d_model" in changes and "d_ff" not in changes and self.d_ff == 4 * self.d_model:
+            changes["d_ff"] = 0  # the MLP width follows d_model (4x) unless it was set on its own
         return dataclasses.replace(self, **changes)
 
 

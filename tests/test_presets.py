@@ -106,3 +106,10 @@ def test_meta_model_cannot_be_initialised():
 
     with pytest.raises(ValueError, match="meta"):
         init_weights(GPT(get_preset("gpt2-tiny"), Topology.solo(), device="meta"), 0)
+
+
+def test_overriding_d_model_keeps_the_mlp_at_four_times():
+    from models.config import get_preset
+    cfg = get_preset("gpt2-tiny").replace(d_model=64)
+    assert cfg.d_ff == 256
+    assert get_preset("gpt2-tiny").replace(d_model=64, d_ff=100).d_ff == 100
