@@ -7,6 +7,10 @@ Hugging Face GPT-2 (`wte`, `wpe`, `h.<i>.ln_1`, `h.<i>.attn.c_attn`, `h.<i>.attn
 Pipeline-friendly by construction: blocks live in a ModuleDict keyed by their *global* index, the embedding and
 the head are optional, and forward is a plain loop, so a pipeline stage builds only its own part.
 
+Fused kernels: LayerNorm, bias + GELU, the attention core and the cross-entropy run the implementations in
+`kernels` (kernels/dispatch.py: resolve_kernels). Without it the model runs torch's LayerNorm, GELU and SDPA
+and the reference vocab-parallel cross-entropy, exactly as before the dispatch existed.
+
 Shapes in comments: b batch, s sequence, d d_model, tp tensor-parallel size, V padded vocabulary.
 """
 
@@ -14,22 +18,25 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kernels import Implementation, KernelChoice, LayerNorm, kernels_for_model
 from models.config import ModelConfig
 from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker, VocabParallelEmbedding,
-                             copy_to_tp_region, vocab_parallel_cross_entropy)
+                             copy_to_tp_region)
 from parallel.topology import Topology
 
 
 class Attention(nn.Module):
     """Causal self-attention over this rank's n_head / tp heads."""
 
-    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
+                 kernels: Mapping[str, Implementation] | None = None):
         super().__init__()
         if cfg.n_head % topo.tp:
             raise ValueError(f"parallel.tp = {topo.tp} does not divide model.n_head = {cfg.n_head} "
@@ -38,6 +45,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attn_dropout
         self.rng = rng
+        self.attend = kernels_for_model(kernels)["attention"].fn  # (q, k, v, dropout_p) -> y, causal
         d, group = cfg.d_model, topo.tp_group
         # Fused QKV, column-parallel in 3 sections: rank r holds [Q_r; K_r; V_r] for whole heads.
         self.c_attn = ColumnParallelLinear(d, 3 * d, group, sections=3, init_std=cfg.init_std,
@@ -51,31 +59,43 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: their dropout draws from the tp stream.
         with self.rng.fork() if p > 0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (b, h/tp, s, hd)
+            y = self.attend(q, k, v, p)  # (b, h/tp, s, hd)
         return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     """d -> d_ff column-parallel, tanh-GELU on the local slice, d_ff -> d row-parallel (one all-reduce)."""
 
-    def __init__(self, cfg: ModelConfig, topo: Topology, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, topo: Topology, device=None, dtype=None, *,
+                 kernels: Mapping[str, Implementation] | None = None):
         super().__init__()
+        bias_gelu = kernels_for_model(kernels)["bias_gelu"]
+        # torch: cuBLAS / MKL add c_fc's bias inside the GEMM (addmm) for free, then torch's GELU kernel. The fused
+        # kernels instead take the bias: c_fc runs its matmul only (same parameters, names and shapes).
+        self.bias_gelu = None if bias_gelu.name == "torch" else bias_gelu.fn
         self.c_fc = ColumnParallelLinear(cfg.d_model, cfg.d_ff, topo.tp_group, init_std=cfg.init_std,
                                          device=device, dtype=dtype)
         self.c_proj = RowParallelLinear(cfg.d_ff, cfg.d_model, topo.tp_group, init_std=residual_std(cfg),
                                         device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        if self.bias_gelu is None:
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        assert not self.c_fc.gather_output  # the local slice (b, s, d_ff/tp), as ColumnParallelLinear.forward
+        h = F.linear(copy_to_tp_region(x, self.c_fc.group), self.c_fc.weight)
+        return self.c_proj(self.bias_gelu(h, self.c_fc.bias))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
+                 kernels: Mapping[str, Implementation] | None = None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
-        self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
-        self.mlp = MLP(cfg, topo, device=device, dtype=dtype)
+        kernels = kernels_for_model(kernels)
+        ln = kernels["layer_norm"].fn
+        self.ln_1 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, fn=ln, device=device, dtype=dtype)
+        self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype, kernels=kernels)
+        self.ln_2 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, fn=ln, device=device, dtype=dtype)
+        self.mlp = MLP(cfg, topo, device=device, dtype=dtype, kernels=kernels)
         self.dropout = nn.Dropout(cfg.dropout)  # residual stream is replicated: default stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,14 +108,17 @@ class GPT(nn.Module):
 
     With the head, forward returns this rank's vocabulary shard of the logits, (b, s, V/tp); without it, the
     hidden states (b, s, d). Parameters are allocated uninitialised on `device` (use init_weights, or
-    device="meta" to count without allocating).
+    device="meta" to count without allocating). `kernels`: resolved implementations ({op: Implementation},
+    ops not given keep the defaults) or a KernelChoice to resolve for topo.device; None: the defaults.
     """
 
     def __init__(self, cfg: ModelConfig, topo: Topology, *, layers: range | None = None,
                  with_embedding: bool = True, with_head: bool = True, rng: TPRNGTracker | None = None,
-                 activation_checkpointing: bool = False, device=None, dtype=torch.float32):
+                 activation_checkpointing: bool = False, device=None, dtype=torch.float32,
+                 kernels: KernelChoice | Mapping[str, Implementation] | None = None):
         super().__init__()
         self.cfg, self.topo = cfg, topo
+        self.kernels = kernels_for_model(kernels, topo.device)  # {op: Implementation}, .describe() for the log
         self.layers = range(cfg.n_layer) if layers is None else layers
         self.with_embedding, self.with_head = with_embedding, with_head
         self.activation_checkpointing = activation_checkpointing
@@ -107,10 +130,11 @@ class GPT(nn.Module):
         if with_embedding:
             self.wpe = nn.Embedding(cfg.n_positions, cfg.d_model, device=device, dtype=dtype)
             self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleDict({str(i): Block(cfg, topo, self.rng, device=device, dtype=dtype)
+        self.h = nn.ModuleDict({str(i): Block(cfg, topo, self.rng, device=device, dtype=dtype, kernels=self.kernels)
                                 for i in self.layers})
         if with_head:
-            self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
+            self.ln_f = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, fn=self.kernels["layer_norm"].fn,
+                                  device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.with_embedding:  # x: token ids (b, s)
@@ -132,7 +156,7 @@ class GPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits."""
-        per_token = vocab_parallel_cross_entropy(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
+        per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
         return per_token.sum() / (targets != -100).sum().clamp(min=1)
 
 

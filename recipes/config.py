@@ -90,6 +90,22 @@ class LossScaleSection:
 
 
 @dataclass(frozen=True)
+class KernelsSection:
+    """Which implementation runs each fused op (kernels/dispatch.py); "" follows `prefer`."""
+
+    prefer: str = "auto"  # "auto" | "apex" | "triton" | "torch" | "reference"
+    layer_norm: str = ""
+    bias_gelu: str = ""
+    attention: str = ""
+    cross_entropy: str = ""
+    adamw: str = ""  # also "foreach"
+
+    def choice(self):
+        from kernels import OPS, KernelChoice
+        return KernelChoice(self.prefer, {op: value for op in OPS if (value := getattr(self, op))})
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     every: int = 0  # save every N steps (and at the end) under run.dir/checkpoints; 0: never
     keep: int = 2  # newest checkpoints kept
@@ -142,6 +158,7 @@ class Recipe:
     zero: ZeroSection = field(default_factory=ZeroSection)
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    kernels: KernelsSection = field(default_factory=KernelsSection)
     data: DataSection = field(default_factory=DataSection)
     run: RunSection = field(default_factory=RunSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

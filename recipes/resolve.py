@@ -169,6 +169,10 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if recipe.zero.offload == "cpu" and recipe.zero.stage == 0:
         raise RecipeError("zero.offload = 'cpu' needs zero.stage >= 1 (only partitioned optimizer states are "
                           "offloaded); valid: zero.stage = 1, 2 or 3, or zero.offload = 'none'")
+    try:
+        recipe.kernels.choice()
+    except ValueError as err:
+        raise RecipeError(f"[kernels]: {err}") from None
     _positive("checkpoint.every", recipe.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", recipe.checkpoint.keep)
     if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():

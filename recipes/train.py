@@ -32,6 +32,7 @@ from models.transformer import GPT
 from models.weights import full_state_dict, init_parameter_, init_weights, named_shards
 from parallel.tensor.random import TPRNGTracker, seed_default_stream
 from parallel.topology import Topology, init_distributed
+from kernels import resolve_kernels
 from parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
 from parallel.checkpoint.load import load_views
 from parallel.checkpoint.views import optimizer_steps, set_optimizer_steps
@@ -116,7 +117,8 @@ def load_data(res: Resolved, topo: Topology) -> TrainData:
     return TrainData(train_set, val_set, tokenizer)
 
 
-def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32) -> list[GPT]:
+def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32,
+                kernels=None) -> list[GPT]:
     """This rank's model chunks: its tp shard of each pipeline (virtual) stage it holds; one chunk, the whole
     model, when pp = 1. Initialised from the recipe's seed: identical full weights for every layout. With
     device="meta" nothing is allocated (ZeRO-3 materialises it unit by unit)."""
@@ -128,7 +130,7 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
         chunk = GPT(cfg, topo, layers=range(stages[stage][0], stages[stage][-1] + 1),
                     with_embedding=stage == 0, with_head=stage == len(stages) - 1, rng=rng,
                     activation_checkpointing=train.activation_checkpointing, device=device or topo.device,
-                    dtype=dtype)
+                    dtype=dtype, kernels=kernels)
         if device != "meta":
             init_weights(chunk, train.seed)
         chunks.append(chunk)
@@ -155,7 +157,10 @@ class Trainer:
         # Under ZeRO the fp32 masters live in the partitioned optimizer: store parameters in the compute dtype.
         # Stage 0 keeps fp32 parameters and runs half precision as autocast (torch AMP style).
         param_dtype = compute if (half and zero.stage >= 1) or compute == torch.float64 else torch.float32
-        self.chunks = build_model(res, topo, device="meta" if zero.stage == 3 else None, dtype=param_dtype)
+        # Which implementation runs each fused op; run() prints the choice as the log's first lines.
+        self.kernels = resolve_kernels(res.recipe.kernels.choice(), topo.device)
+        self.chunks = build_model(res, topo, device="meta" if zero.stage == 3 else None, dtype=param_dtype,
+                                  kernels=self.kernels)
         model = self.model = self.chunks[0]  # the whole model when pp = 1
         named = [entry for chunk in self.chunks for entry in named_shards(chunk)]
         chunk_of = {name: i for i, chunk in enumerate(self.chunks) for name, _ in chunk.named_parameters()}
@@ -164,7 +169,7 @@ class Trainer:
         self.zero = build_zero(
             zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
-            units=list(model.h.values()), tied=tied, group_of=chunk_of.get,
+            units=list(model.h.values()), tied=tied, group_of=chunk_of.get, adamw=self.kernels["adamw"].fn,
             init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
         self.optimizer = self.zero.optimizer
         par = res.recipe.parallel
@@ -420,6 +425,8 @@ def run(res: Resolved, topo: Topology) -> TrainResult:
     log = MetricsLog(recipe.run.dir, enabled=rank0, wandb_mode=recipe.logging.wandb,
                      project=recipe.logging.wandb_project, config=recipe.to_dict())
     trainer = Trainer(res, topo)
+    if rank0:
+        print("\n".join(trainer.kernels.describe()), flush=True)
     start_step = _restore(trainer, res, rank0)
     if rank0:
         n_params = sum(p.numel() for p in trainer.model.parameters())

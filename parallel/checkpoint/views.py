@@ -31,9 +31,11 @@ class StateView:
 
 def ensure_adam_state(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> None:
     """Create AdamW's lazily-initialised state (zero moments, step 0) so it can be loaded into."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")  # step lives with t
     for t in tensors:
         if t not in optimizer.state or not optimizer.state[t]:
-            optimizer.state[t] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(t),
+            step = torch.tensor(0.0, device=t.device if on_device else "cpu")
+            optimizer.state[t] = {"step": step, "exp_avg": torch.zeros_like(t),
                                   "exp_avg_sq": torch.zeros_like(t)}
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch.nn as nn
 
+from kernels.optimizer import adamw_reference
 from parallel.tensor import ShardSpec
 from parallel.topology import Topology
 from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
@@ -24,20 +25,26 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
                lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                units: Sequence[nn.Module] = (), init_fn: InitFn | None = None,
-               tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None):
+               tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
+               adamw: Callable | None = None):
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
     a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
-    parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets."""
+    parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
+    `adamw(groups, lr=, betas=, eps=)` builds the optimizer over what the rank owns (kernels' adamw op);
+    default: the reference loop, torch.optim.AdamW(foreach=False)."""
+    adamw = adamw or adamw_reference
     if stage == 0:
         if offload != "none":
             raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")
-        return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tied=tied)
+        return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tied=tied,
+                                 adamw=adamw)
     if stage in (1, 2):
         return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                           bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of)
+                           bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of,
+                           adamw=adamw)
     if stage == 3:
         if topo.pp > 1:
             raise ValueError("zero.stage = 3 with parallel.pp > 1 is not supported; valid: zero.stage 0-2 with pp")
         return ZeroStage3(model, named, list(units), topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                          init_fn=init_fn, offload=offload)
+                          init_fn=init_fn, offload=offload, adamw=adamw)
     raise ValueError(f"zero.stage = {stage} is invalid; valid: 0, 1, 2, 3")

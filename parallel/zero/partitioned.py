@@ -86,7 +86,8 @@ class PartitionedOptimizer:
 
     def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none",
-                 tied: TiedParameters = TiedParameters(), specs: dict[str, ShardSpec] | None = None):
+                 tied: TiedParameters = TiedParameters(), specs: dict[str, ShardSpec] | None = None,
+                 adamw: Callable | None = None):
         if offload not in ("none", "cpu"):
             raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
         self.topo, self.group = topo, topo.dp_group
@@ -114,7 +115,8 @@ class PartitionedOptimizer:
                    "weight_decay": weight_decay},
                   {"params": [m for m, b in zip(self.masters, buckets) if not b.weight_decay],
                    "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        adamw = adamw or torch.optim.AdamW  # kernels' adamw op: reference loop, foreach, torch fused or apex
+        self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
         self.reducer = GradientReducer(self.group, topo.dp, self.comm)
 
     @torch.no_grad()

@@ -21,13 +21,14 @@ from parallel.zero.partitioned import TiedParameters
 class DataParallelAdamW:
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float,
-                 tied: TiedParameters = TiedParameters()):
+                 tied: TiedParameters = TiedParameters(), adamw=None):
         self.named, self.topo, self.tied = named, topo, tied
         self.params = [p for _, p, _ in named if p.requires_grad]
         groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
         # No weight decay on biases and LayerNorm parameters (every 1-D tensor), as GPT-2.
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        adamw = adamw or torch.optim.AdamW  # kernels' adamw op
+        self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
         self.comm = CommLedger()
 
     def begin_micro_batch(self, last: bool) -> None:

@@ -35,7 +35,8 @@ class ZeroStage12(PartitionedOptimizer):
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, stage: int,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
-                 tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None):
+                 tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
+                 adamw: Callable | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroStage12 implements zero stage 1 or 2, not {stage}")
         def bucket_group(name: str):  # tied parameters alone; otherwise the caller's grouping
@@ -44,7 +45,7 @@ class ZeroStage12(PartitionedOptimizer):
         buckets = build_buckets(named, topo.dp, topo.dp_rank, bucket_elements, bucket_group)
         super().__init__(buckets, [b.flat_params[b.owned] for b in buckets], topo, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, offload=offload, tied=tied,
-                         specs={name: spec for name, _, spec in named})
+                         specs={name: spec for name, _, spec in named}, adamw=adamw)
         self.stage = stage
         # stage 1 keeps full-size gradient buffers for the whole step; stage 2 allocates one per reduction.
         self.full_grads: list[torch.Tensor | None] = [

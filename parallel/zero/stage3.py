@@ -80,7 +80,7 @@ class ZeroStage3(PartitionedOptimizer):
 
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
-                 check_order: bool = True, offload: str = "none"):
+                 check_order: bool = True, offload: str = "none", adamw: Callable | None = None):
         self.dp_group = topo.dp_group
         module_names = {m: n for n, m in model.named_modules()}
         prefixes = [module_names[u] + "." for u in units]
@@ -98,7 +98,7 @@ class ZeroStage3(PartitionedOptimizer):
         all_buckets = [b for u in self.units for b in u.buckets]
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay, offload=offload,
-                         specs={name: spec for name, _, spec in named})
+                         specs={name: spec for name, _, spec in named}, adamw=adamw)
         self._owned_grad_of = {}
         k = 0
         for u in self.units:

@@ -1,0 +1,70 @@
+"""LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * weight + bias.
+
+Every implementation is fn(x, weight, bias, eps) -> y with y in x's dtype and gradients for all three tensors.
+Statistics are computed in fp32 (at least) whatever the input dtype, as torch, apex and Megatron do.
+
+Order (best first): apex FusedLayerNorm (hand-tuned CUDA, one pass forward and backward), our Triton kernel
+(kernels/triton_layer_norm.py), torch's native layer_norm kernel, and the reference in plain torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.availability import Candidate, apex_missing, triton_missing
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The definition, in plain ops (autograd derives the backward): fp32 statistics, biased variance."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    mean = xf.mean(dim=-1, keepdim=True)
+    var = (xf - mean).pow(2).mean(dim=-1, keepdim=True)
+    y = (xf - mean) * torch.rsqrt(var + eps) * weight.to(compute) + bias.to(compute)
+    return y.to(x.dtype)
+
+
+def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's native kernel (what nn.LayerNorm runs): fused forward, fused backward."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def _load_apex():
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+
+    def layer_norm_apex(x, weight, bias, eps):
+        return fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)
+
+    return layer_norm_apex
+
+
+def _load_triton():
+    from kernels.triton_layer_norm import layer_norm_triton
+    return layer_norm_triton
+
+
+CANDIDATES = (
+    Candidate("apex", _load_apex, "apex.normalization.fused_layer_norm_affine", apex_missing("fused_layer_norm_cuda")),
+    Candidate("triton", _load_triton, "kernels/triton_layer_norm.py (fwd + bwd, fp32 statistics)", triton_missing),
+    Candidate("torch", lambda: layer_norm_torch, "torch.nn.functional.layer_norm"),
+    Candidate("reference", lambda: layer_norm_reference, "plain torch ops (kernels/layer_norm.py)"),
+)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, names, init and state dict) whose forward runs a chosen implementation.
+
+    Subclassing keeps everything that recognises LayerNorms (initialisation, no weight decay, checkpoint and
+    Hugging Face conversion) working unchanged.
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, fn=layer_norm_torch, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fn is layer_norm_torch:  # exactly nn.LayerNorm's call
+            return super().forward(x)
+        return self.fn(x, self.weight, self.bias, self.eps)
