@@ -1,6 +1,10 @@
 import os
 from pathlib import Path
 
+# Triton fixes compiled-or-interpreted when a kernel is defined (at import of kernels/), so the interpreter
+# (the only way Triton runs on CPU tensors) must be chosen before any test module imports the model.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
