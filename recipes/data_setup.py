@@ -1,0 +1,79 @@
+"""Where the training loop's samples come from: the stdlib demo corpus, indexed datasets, synthetic tokens.
+
+Rank 0 builds the caches under run.dir first (tokenizer and tokens for the stdlib corpus, sample indices for
+indexed data); the other ranks wait at a barrier and then load them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from data import TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
+from data.blending import BlendedDataset, blend_counts
+from data.gpt_dataset import GPTDataset
+from data.indexed_dataset import IndexedDataset
+from data.preprocess import load_tokenizer
+from parallel.topology import Topology
+from recipes.config import RecipeError
+from recipes.resolve import Resolved
+
+Samples = TokenSamples | GPTDataset | BlendedDataset  # anything with len() and stack(indices) -> (n, seq + 1)
+
+
+@dataclass(frozen=True)
+class TrainData:
+    train: Samples
+    val: Samples | None  # None: no validation data
+    tokenizer: Tokenizer | None = None
+
+
+def _rank0_first(topo: Topology, build):
+    """Run `build` on rank 0 first (it fills caches), then on the others: no rank repeats the expensive part."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        result = build() if topo.rank == 0 else None
+        dist.barrier()
+        return result if result is not None else build()
+    return build()
+
+
+def _indexed_samples(prefixes, weights, seq: int, seed: int, num_samples: int, cache: Path):
+    """GPT samples from one indexed dataset, or an exact, deterministic blend of several."""
+    if len(prefixes) == 1:
+        return GPTDataset(IndexedDataset(prefixes[0]), seq, seed, num_samples=num_samples, cache_dir=cache)
+    weights = list(weights) or [1.0] * len(prefixes)
+    counts = blend_counts(weights, num_samples)
+    parts = [GPTDataset(IndexedDataset(p), seq, seed, num_samples=max(1, n), cache_dir=cache)
+             for p, n in zip(prefixes, counts)]
+    return BlendedDataset(parts, weights, num_samples, seed, cache_dir=cache)
+
+
+def load_data(res: Resolved, topo: Topology) -> TrainData:
+    """The recipe's corpus as fixed-length samples. Rank 0 builds the caches under run.dir (tokenizer and tokens
+    for the stdlib corpus, sample indices for indexed data) first; the other ranks then load them."""
+    data, train = res.recipe.data, res.recipe.train
+    seq, seed = train.seq_len, train.seed
+    cache = Path(res.recipe.run.dir) / "data_cache"
+    if data.source == "synthetic":
+        n_val = max(seq + 1, data.synthetic_tokens // 10)
+        tokens = synthetic_tokens(data.synthetic_tokens + n_val, res.model.vocab_size, seed)
+        return TrainData(TokenSamples(tokens[:-n_val], seq), TokenSamples(tokens[-n_val:], seq))
+    if data.source == "indexed":
+        def build():
+            train_set = _indexed_samples(data.paths, data.weights, seq, seed, train.steps * res.global_batch, cache)
+            val_set = _indexed_samples(data.valid_paths, (), seq, seed, train.eval_batches * res.global_batch,
+                                       cache) if data.valid_paths else None
+            return train_set, val_set
+        train_set, val_set = _rank0_first(topo, build)
+        tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else None
+    else:
+        corpus = _rank0_first(topo, lambda: build_stdlib_corpus(cache, data.vocab_size, data.max_bytes,
+                                                                data.val_fraction, seed=0))
+        train_set, val_set = TokenSamples(corpus.train_tokens, seq), TokenSamples(corpus.val_tokens, seq)
+        tokenizer = corpus.tokenizer
+    if tokenizer is not None and tokenizer.vocab_size > res.model.vocab_size:
+        raise RecipeError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                          f"{res.model.vocab_size}; valid: model.vocab_size >= {tokenizer.vocab_size}")
+    return TrainData(train_set, val_set, tokenizer)
