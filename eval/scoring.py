@@ -7,7 +7,6 @@ GPT2LMHeadModel, so one eval code path scores both and their numbers can be comp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from parallel.checkpoint.io import sha256_file
 from parallel.tensor import gather_from_tp_region
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids (b, s) long -> logits (b, s, V) float
@@ -88,11 +88,8 @@ def read_text_file(path: str | Path, what: str) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    """Hex sha256 of a file, streamed (the one helper checkpoints use too)."""
+    return sha256_file(Path(path))
 
 
 def write_result_json(result: dict, path: str | Path) -> None:
