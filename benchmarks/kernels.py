@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels import OPS, PREFER, KernelChoice, KernelError, resolve_kernels  # noqa: E402
-from kernels.availability import triton_interpreted  # noqa: E402
-from kernels.dispatch import REGISTRY  # noqa: E402
-from models.config import ModelConfig, get_preset  # noqa: E402
-from models.transformer import GPT  # noqa: E402
-from models.weights import init_weights  # noqa: E402
-from parallel.topology import Topology  # noqa: E402
+from megazoo.kernels import OPS, PREFER, KernelChoice, KernelError, resolve_kernels  # noqa: E402
+from megazoo.kernels.availability import triton_interpreted  # noqa: E402
+from megazoo.kernels.dispatch import REGISTRY  # noqa: E402
+from megazoo.models.config import ModelConfig, get_preset  # noqa: E402
+from megazoo.models.transformer import GPT  # noqa: E402
+from megazoo.models.weights import init_weights  # noqa: E402
+from megazoo.parallel.topology import Topology  # noqa: E402
 
 GB = 1e9
 

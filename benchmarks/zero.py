@@ -34,11 +34,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from models.config import ModelConfig, get_preset
-from models.transformer import GPT
-from models.weights import init_parameter_, init_weights
-from parallel.topology import Topology, init_distributed
-from parallel.zero.api import ZeroEngine
+from megazoo.models.config import ModelConfig, get_preset
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import init_parameter_, init_weights
+from megazoo.parallel.topology import Topology, init_distributed
+from megazoo.parallel.zero.api import ZeroEngine
 
 GiB = 1 << 30
 IMPLS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.zero import GiB, launch, mem_available, model_config, peak_rss
-from models.transformer import GPT
-from models.weights import init_parameter_, named_shards
-from parallel.topology import Topology
-from parallel.zero.build import build_zero
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import init_parameter_, named_shards
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.build import build_zero
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BASELINE = 0.35 * GiB  # a forked rank with torch imported and a process group (measured ~0.2 GB) + slack

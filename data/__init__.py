@@ -1,9 +1,9 @@
 """Data for megazoo: tokenizers, the stdlib demo corpus, fixed-length token samples and the batch sampler."""
 
-from data.batches import GlobalBatchSampler
-from data.stdlib_corpus import split_train_val, stdlib_documents
-from data.token_dataset import DemoCorpus, TokenSamples, build_stdlib_corpus, synthetic_tokens
-from data.tokenizer import EOD_TOKEN, BPETokenizer, Tokenizer
+from megazoo.data.batches import GlobalBatchSampler
+from megazoo.data.stdlib_corpus import split_train_val, stdlib_documents
+from megazoo.data.token_dataset import DemoCorpus, TokenSamples, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer, Tokenizer
 
 __all__ = [
     "EOD_TOKEN",
@@ -19,11 +19,11 @@ __all__ = [
 ]
 
 # Indexed datasets (Megatron-style .bin/.idx), GPT samples over them, and blending.
-from data.blending import BlendedDataset, blend_counts, blend_order  # noqa: E402
-from data.gpt_dataset import GPTDataset  # noqa: E402
-from data.indexed_dataset import IndexedDataset, IndexedDatasetWriter  # noqa: E402
+from megazoo.data.blending import BlendedDataset, blend_counts, blend_order  # noqa: E402
+from megazoo.data.gpt_dataset import GPTDataset  # noqa: E402
+from megazoo.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter  # noqa: E402
 # data.preprocess is not imported here: a `preprocess` name in the package would shadow the submodule, and
-# `python -m data.preprocess` warns when the package has imported it already. Import it from data.preprocess.
+# `python -m megazoo.data.preprocess` warns when the package has imported it already. Import it from data.preprocess.
 
 __all__ += [
     "BlendedDataset",
@@ -35,8 +35,8 @@ __all__ += [
 ]
 
 # Every kind of tokenizer behind the Tokenizer protocol, and the one loader for a user's tokenizer spec.
-from data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
-from data.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
-from data.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
+from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
+from megazoo.data.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
 
 __all__ += ["GPT2BPETokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.gpt_dataset import save_npy_atomic
+from megazoo.data.gpt_dataset import save_npy_atomic
 
 BLEND_VERSION = 1  # part of cache names: bump when the assignment changes
 

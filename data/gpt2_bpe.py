@@ -15,7 +15,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from data.tokenizer import EOD_TOKEN, BPETokenizer
+from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer
 
 # (vocabulary file, merges file) name pairs, Hugging Face's first.
 FILE_PAIRS = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))

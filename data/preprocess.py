@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.indexed_dataset import IndexedDatasetWriter, data_paths
-from data.tokenizer import Tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
+from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
+from megazoo.data.tokenizer import Tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
@@ -218,7 +218,7 @@ def preprocess(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line: `megazoo preprocess ...` (recipes/cli.py calls register), or `python -m data.preprocess ...`.
+# Command line: `megazoo preprocess ...` (recipes/cli.py calls register), or `python -m megazoo.data.preprocess ...`.
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `preprocess` subcommand to an argparse subparsers object."""

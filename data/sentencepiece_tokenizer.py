@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from data.tokenizer import EOD_TOKEN, write_new_file
+from megazoo.data.tokenizer import EOD_TOKEN, write_new_file
 
 MODEL_TYPES = ("bpe", "unigram")
 SPACE_MARK = "\u2581"  # "▁": sentencepiece's whitespace symbol

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.stdlib_corpus import split_train_val, stdlib_documents
-from data.tokenizer import BPETokenizer
+from megazoo.data.stdlib_corpus import split_train_val, stdlib_documents
+from megazoo.data.tokenizer import BPETokenizer
 
 
 class TokenSamples:

@@ -224,11 +224,11 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     check_tokenizer_spec(spec)
     path = Path(spec)
     if path.is_dir():
-        from data.gpt2_bpe import GPT2BPETokenizer  # imported here: data.gpt2_bpe imports this module
+        from megazoo.data.gpt2_bpe import GPT2BPETokenizer  # imported here: data.gpt2_bpe imports this module
 
         return GPT2BPETokenizer.from_dir(path)
     if path.suffix == ".model":
-        from data.sentencepiece_tokenizer import SentencePieceTokenizer
+        from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
 
         return SentencePieceTokenizer.load(path)
     return BPETokenizer.load(path)

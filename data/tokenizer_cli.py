@@ -1,4 +1,4 @@
-"""Train a tokenizer on a user corpus: `megazoo tokenizer train ...` (or `python -m data.tokenizer_cli train ...`).
+"""Train a tokenizer on a user corpus: `megazoo tokenizer train ...` (or `python -m megazoo.data.tokenizer_cli train ...`).
 
     megazoo tokenizer train --input corpus.jsonl more.txt --type bpe --vocab-size 32000 --output tok/corpus
     -> tok/corpus.json          (byte-level BPE, `tokenizers`; load with --tokenizer tok/corpus.json)
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.preprocess import PreprocessError, check_inputs, parse_record
-from data.tokenizer import EOD_TOKEN, BPETokenizer, Tokenizer, write_new_file
+from megazoo.data.preprocess import PreprocessError, check_inputs, parse_record
+from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer, Tokenizer, write_new_file
 
 KINDS = ("bpe", "sentencepiece")
 TEXT_BLOCK_CHARS = 1 << 20  # a .txt file reaches the trainer in blocks of whole lines of about this size
@@ -34,7 +34,7 @@ def output_files(kind: str, output: str | Path) -> list[Path]:
     output = Path(output)
     if kind == "bpe":
         return [output if output.suffix == ".json" else output.with_name(output.name + ".json")]
-    from data.sentencepiece_tokenizer import output_paths
+    from megazoo.data.sentencepiece_tokenizer import output_paths
 
     return list(output_paths(output))
 
@@ -106,7 +106,7 @@ def train_tokenizer(
         if kind == "bpe":
             tokenizer = BPETokenizer.train(texts, vocab_size)
         else:
-            from data.sentencepiece_tokenizer import SentencePieceTokenizer
+            from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
 
             tokenizer = SentencePieceTokenizer.train(texts, vocab_size, model_type=model_type,
                                                      num_threads=num_threads)
@@ -121,7 +121,7 @@ def train_tokenizer(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line: recipes/cli.py calls `register`; `python -m data.tokenizer_cli train ...` works too.
+# Command line: recipes/cli.py calls `register`; `python -m megazoo.data.tokenizer_cli train ...` works too.
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `tokenizer` command (with its `train` subcommand) to an argparse subparsers object."""

@@ -6,7 +6,7 @@ and runs through our GPT (at tensor-parallel size --tp, every rank scoring the s
 before any process starts; bad input ends with one line naming the file and exit code 2. Rank 0 shows a
 progress bar, prints a one-line summary and writes the JSON result (--json).
 
-With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.distributed.run -m eval.cli`).
+With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.distributed.run -m megazoo.eval.cli`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ class ModelSource:
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
     """Validate model config, tokenizer and data path before any process is started or weights are read."""
-    from data.tokenizer import load_tokenizer
-    from models.gpt2.convert_cli import load_consolidated_config
+    from megazoo.data.tokenizer import load_tokenizer
+    from megazoo.models.gpt2.convert_cli import load_consolidated_config
 
     if args.hf is not None:
-        from models.gpt2.hf import read_hf_config
+        from megazoo.models.gpt2.hf import read_hf_config
 
         model_dir = Path(args.hf)
         cfg = read_hf_config(model_dir)
@@ -70,9 +70,9 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
 
 
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topology):
-    from eval.scoring import gpt_logits_fn, hf_logits_fn
-    from models.gpt2.convert_cli import load_consolidated
-    from models.gpt2.hf import gpt_from_full_state, read_hf_dir
+    from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
+    from megazoo.models.gpt2.convert_cli import load_consolidated
+    from megazoo.models.gpt2.hf import gpt_from_full_state, read_hf_dir
 
     if args.backend == "transformers":
         from transformers import GPT2LMHeadModel
@@ -84,7 +84,7 @@ def _logits_fn(args: argparse.Namespace, source: ModelSource, topology):
 
 def evaluate(args: argparse.Namespace, topology) -> dict:
     """Run the evaluation on this rank; rank 0 prints the summary and writes the JSON. Returns the result."""
-    from eval import lambada, wikitext103
+    from megazoo.eval import lambada, wikitext103
 
     source = check_inputs(args)
     tokenizer = source.tokenizer
@@ -104,7 +104,7 @@ def evaluate(args: argparse.Namespace, topology) -> dict:
     if lead:
         print(line, flush=True)
         if args.json:
-            from eval.scoring import write_result_json
+            from megazoo.eval.scoring import write_result_json
 
             write_result_json(result, args.json)
     return result
@@ -123,7 +123,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from parallel.topology import Topology
+    from megazoo.parallel.topology import Topology
 
     try:
         if args.tp > 1:
@@ -172,10 +172,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """torchrun worker entry point (`python -m eval.cli TASK ...`): reads the launcher's RANK/WORLD_SIZE."""
+    """torchrun worker entry point (`python -m megazoo.eval.cli TASK ...`): reads the launcher's RANK/WORLD_SIZE."""
     import torch.distributed as dist
 
-    from parallel.topology import Topology, init_distributed
+    from megazoo.parallel.topology import Topology, init_distributed
 
     parser = argparse.ArgumentParser(prog="megazoo eval")
     subparsers = parser.add_subparsers(dest="command", required=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data.tokenizer import Tokenizer
-from eval.scoring import LogitsFn, batches, file_sha256, read_text_file, safe_exp, score_targets
+from megazoo.data.tokenizer import Tokenizer
+from megazoo.eval.scoring import LogitsFn, batches, file_sha256, read_text_file, safe_exp, score_targets
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from parallel.checkpoint.io import sha256_file
-from parallel.tensor import gather_from_tp_region
+from megazoo.parallel.checkpoint.io import sha256_file
+from megazoo.parallel.tensor import gather_from_tp_region
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids (b, s) long -> logits (b, s, V) float
 

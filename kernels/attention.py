@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.availability import Candidate, apex_missing, triton_missing
+from megazoo.kernels.availability import Candidate, apex_missing, triton_missing
 
 
 def scaled_causal_softmax_reference(scores: torch.Tensor, scale: float) -> torch.Tensor:
@@ -86,7 +86,7 @@ attention_reference = unfused_attention(scaled_causal_softmax_reference)
 
 
 def _load_triton():
-    from kernels.triton_softmax import scaled_causal_softmax_triton
+    from megazoo.kernels.triton_softmax import scaled_causal_softmax_triton
     return unfused_attention(scaled_causal_softmax_triton)
 
 

@@ -76,7 +76,7 @@ def triton_interpreted() -> bool:
     """Whether our Triton kernels were defined in interpreter mode (TRITON_INTERPRET=1 when they were imported).
 
     Triton decides at `@triton.jit` time, so we ask the kernel module, not the environment."""
-    from kernels import triton_common
+    from megazoo.kernels import triton_common
     return triton_common.INTERPRETED
 
 

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.availability import Candidate, triton_missing
+from megazoo.kernels.availability import Candidate, triton_missing
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_COEF = 0.044715
@@ -36,7 +36,7 @@ def bias_gelu_torch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _load_triton():
-    from kernels.triton_bias_gelu import bias_gelu_triton
+    from megazoo.kernels.triton_bias_gelu import bias_gelu_triton
     return bias_gelu_triton
 
 

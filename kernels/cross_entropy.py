@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.availability import Candidate, triton_missing
-from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from parallel.topology import group_rank
+from megazoo.kernels.availability import Candidate, triton_missing
+from megazoo.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megazoo.parallel.topology import group_rank
 
 # Rows of one fp32 chunk in the torch implementation: about 2**24 elements (64 MiB) at a time.
 CHUNK_ELEMENTS = 1 << 24
@@ -127,7 +127,7 @@ def cross_entropy_reference(logits, target, group, vocab_size, ignore_index=-100
 
 
 def _load_triton():
-    from kernels.triton_cross_entropy import TritonBackend
+    from megazoo.kernels.triton_cross_entropy import TritonBackend
 
     def cross_entropy_triton(logits, target, group, vocab_size, ignore_index=-100, *, block_v=None):
         return fused_vocab_parallel_cross_entropy(logits, target, group, vocab_size, ignore_index,

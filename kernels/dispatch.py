@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from kernels import attention, bias_gelu, cross_entropy, layer_norm, optimizer
-from kernels.availability import Candidate, triton_interpreted
+from megazoo.kernels import attention, bias_gelu, cross_entropy, layer_norm, optimizer
+from megazoo.kernels.availability import Candidate, triton_interpreted
 
 # op -> its implementations, best first. Each family module owns its list (and says why in that order).
 REGISTRY: dict[str, tuple[Candidate, ...]] = {

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.availability import Candidate, apex_missing, triton_missing
+from megazoo.kernels.availability import Candidate, apex_missing, triton_missing
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,7 +41,7 @@ def _load_apex():
 
 
 def _load_triton():
-    from kernels.triton_layer_norm import layer_norm_triton
+    from megazoo.kernels.triton_layer_norm import layer_norm_triton
     return layer_norm_triton
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.availability import Candidate, apex_missing
+from megazoo.kernels.availability import Candidate, apex_missing
 
 
 class ReferenceAdamW(torch.optim.Optimizer):

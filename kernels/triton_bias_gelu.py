@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_common as tc
+from megazoo.kernels import triton_common as tc
 
 K0 = 0.7978845608028654  # sqrt(2 / pi)
 K1 = 0.044715

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_common as tc
+from megazoo.kernels import triton_common as tc
 
 
 @triton.jit

@@ -71,7 +71,7 @@ def model_fields() -> list[str]:
 
 def presets() -> dict[str, ModelConfig]:
     """Every registered preset, by name."""
-    from models import gpt2, turing_nlg  # the families register themselves
+    from megazoo.models import gpt2, turing_nlg  # the families register themselves
 
     registry: dict[str, ModelConfig] = {}
     for family in (gpt2.PRESETS, turing_nlg.PRESETS):

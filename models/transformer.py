@@ -25,11 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kernels import Implementation, KernelChoice, LayerNorm, kernels_for_model
-from models.config import ModelConfig
-from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker, VocabParallelEmbedding,
+from megazoo.kernels import Implementation, KernelChoice, LayerNorm, kernels_for_model
+from megazoo.models.config import ModelConfig
+from megazoo.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker, VocabParallelEmbedding,
                              copy_to_tp_region)
-from parallel.topology import Topology
+from megazoo.parallel.topology import Topology
 
 
 class Attention(nn.Module):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from models.transformer import GPT
-from parallel.tensor import ShardSpec, VocabParallelEmbedding, gather_full, normal_shard_
+from megazoo.models.transformer import GPT
+from megazoo.parallel.tensor import ShardSpec, VocabParallelEmbedding, gather_full, normal_shard_
 
 
 def shard_spec(module: nn.Module, param_name: str, param: torch.Tensor) -> ShardSpec:

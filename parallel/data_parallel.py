@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from parallel.collectives import CommLedger, all_reduce
+from megazoo.parallel.collectives import CommLedger, all_reduce
 
 BUCKET_ELEMENTS = 1 << 24  # 16 M elements (64 MB fp32) per all-reduce
 

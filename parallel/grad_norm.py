@@ -14,8 +14,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from parallel.tensor import ShardSpec
-from parallel.topology import Topology
+from megazoo.parallel.tensor import ShardSpec
+from megazoo.parallel.topology import Topology
 
 
 @torch.no_grad()

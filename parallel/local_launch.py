@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parallel.topology import init_distributed
+from megazoo.parallel.topology import init_distributed
 
 DEFAULT_TIMEOUT_S = 300.0
 

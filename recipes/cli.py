@@ -13,13 +13,13 @@ import argparse
 import subprocess
 import sys
 
-from data.preprocess import register as register_preprocess
-from data.tokenizer_cli import register as register_tokenizer
-from eval.cli import register as register_eval
-from models.gpt2.convert_cli import register as register_convert
-from recipes.config import RecipeError, load_recipe
-from recipes.plan_cli import register as register_plan
-from recipes.resolve import resolve
+from megazoo.data.preprocess import register as register_preprocess
+from megazoo.data.tokenizer_cli import register as register_tokenizer
+from megazoo.eval.cli import register as register_eval
+from megazoo.models.gpt2.convert_cli import register as register_convert
+from megazoo.recipes.config import RecipeError, load_recipe
+from megazoo.recipes.plan_cli import register as register_plan
+from megazoo.recipes.resolve import resolve
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -38,14 +38,14 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append("checkpoint.resume=true")
     sets = [arg for text in overrides for arg in ("--set", text)]
     if nproc == 1 and not args.max_restarts:
-        from recipes.train import main as train_main
+        from megazoo.recipes.train import main as train_main
         return train_main([args.recipe, *sets])
     # Restarts: a failed job (a rank died, a collective timed out) is started again, every worker, and resumes
     # from the latest good checkpoint. Each attempt is a fresh torchrun with a fresh rendezvous: torchrun's own
     # --max-restarts reuses the rendezvous, and with torch 2.13 + gloo the restarted ranks intermittently failed
     # to reconnect ("connectFullMesh ... Connection refused") on this machine.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "recipes.train", args.recipe, *sets]
+               "-m", "megazoo.recipes.train", args.recipe, *sets]
     for attempt in range(args.max_restarts + 1):
         code = subprocess.call(command)
         if code == 0 or attempt == args.max_restarts:
@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from models.config import presets
+    from megazoo.models.config import presets
     print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'parameters':>18}")
     for name, cfg in presets().items():
         print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}"

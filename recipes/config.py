@@ -101,7 +101,7 @@ class KernelsSection:
     adamw: str = ""  # also "foreach"
 
     def choice(self):
-        from kernels import OPS, KernelChoice
+        from megazoo.kernels import OPS, KernelChoice
         return KernelChoice(self.prefer, {op: value for op in OPS if (value := getattr(self, op))})
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from data import TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
-from data.blending import BlendedDataset, blend_counts
-from data.gpt_dataset import GPTDataset
-from data.indexed_dataset import IndexedDataset
-from data.preprocess import load_tokenizer
-from parallel.topology import Topology
-from recipes.config import RecipeError
-from recipes.resolve import Resolved
+from megazoo.data import TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.blending import BlendedDataset, blend_counts
+from megazoo.data.gpt_dataset import GPTDataset
+from megazoo.data.indexed_dataset import IndexedDataset
+from megazoo.data.preprocess import load_tokenizer
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.config import RecipeError
+from megazoo.recipes.resolve import Resolved
 
 Samples = TokenSamples | GPTDataset | BlendedDataset  # anything with len() and stack(indices) -> (n, seq + 1)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from models.transformer import GPT
-from parallel.tensor import gather_from_tp_region
+from megazoo.models.transformer import GPT
+from megazoo.parallel.tensor import gather_from_tp_region
 
 
 @torch.no_grad()

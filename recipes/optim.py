@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from recipes.config import TrainSection
+from megazoo.recipes.config import TrainSection
 
 
 def lr_at(step: int, train: TrainSection, decay_steps: int) -> float:

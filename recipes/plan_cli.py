@@ -5,7 +5,7 @@
 
 Without --zero every stage 0-3 is printed. Output: a markdown table per device (GB = 1e9 bytes), how Psi was
 derived, and the buffer line (kept apart from the paper's model-state numbers); --json prints the same data.
-recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (tests, `python -m recipes.plan_cli`).
+recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (tests, `python -m megazoo.recipes.plan_cli`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 from decimal import Decimal, InvalidOperation
 
-from parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
+from megazoo.parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
                                    StateBytes, format_gb, format_sig, plan, plan_model)
 
 PRECISIONS = {"mixed": MIXED_ADAM, "fp32": FP32_ADAM}
@@ -67,7 +67,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             raise UsageError(f"--tp {tp} / --pp {pp} need --model; with --params give the per-device count "
                              "(valid: --tp 1 --pp 1)")
         return plan(_count("--params", args.params), dp, stages, **common)
-    from models.config import presets
+    from megazoo.models.config import presets
     registry = presets()
     if args.model not in registry:
         raise UsageError(f"--model {args.model!r} is not a known preset; valid: {', '.join(registry)}")

@@ -10,12 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.tokenizer import check_tokenizer_spec
-from models.config import ModelConfig, get_preset
-from models.transformer import divisors
-from parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
-from parallel.pipeline.schedules import SCHEDULES
-from recipes.config import Recipe, RecipeError
+from megazoo.data.tokenizer import check_tokenizer_spec
+from megazoo.models.config import ModelConfig, get_preset
+from megazoo.models.transformer import divisors
+from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
+from megazoo.parallel.pipeline.schedules import SCHEDULES
+from megazoo.recipes.config import Recipe, RecipeError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
 DATA_SOURCES = ("stdlib", "indexed", "synthetic")

@@ -1,4 +1,4 @@
-"""The training loop, and the torchrun entry point `python -m recipes.train RECIPE.toml [--set k=v ...]`.
+"""The training loop, and the torchrun entry point `python -m megazoo.recipes.train RECIPE.toml [--set k=v ...]`.
 
 One optimizer step = grad_accum micro-batches per dp rank: forward (bf16 autocast on CUDA), vocab-parallel
 cross-entropy, backward of loss / grad_accum; then the dp gradient all-reduce, the global gradient norm (tp
@@ -23,28 +23,28 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from data import GlobalBatchSampler
-from recipes.data_setup import Samples, TrainData, load_data
-from models.transformer import GPT
-from models.weights import full_state_dict, init_parameter_, init_weights, named_shards
-from parallel.tensor.random import TPRNGTracker, seed_default_stream
-from parallel.topology import Topology, init_distributed
-from kernels import resolve_kernels
-from parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
-from parallel.checkpoint.load import load_views
-from parallel.checkpoint.views import optimizer_steps, set_optimizer_steps
-from parallel.pipeline.engine import PipelineEngine
-from parallel.pipeline.partition import rank_chunks
-from parallel.pipeline.schedules import forward_only, schedule
-from parallel.zero.build import build_zero
-from parallel.zero.partitioned import TiedParameters
-from parallel.zero.loss_scaler import DynamicLossScaler
-from parallel.zero.stage3 import ZeroStage3
-from recipes.config import RecipeError, load_recipe
-from recipes.generate import generate
-from recipes.metrics import MetricsLog, peak_memory_bytes
-from recipes.optim import lr_at
-from recipes.resolve import Resolved, resolve
+from megazoo.data import GlobalBatchSampler
+from megazoo.recipes.data_setup import Samples, TrainData, load_data
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import full_state_dict, init_parameter_, init_weights, named_shards
+from megazoo.parallel.tensor.random import TPRNGTracker, seed_default_stream
+from megazoo.parallel.topology import Topology, init_distributed
+from megazoo.kernels import resolve_kernels
+from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
+from megazoo.parallel.checkpoint.load import load_views
+from megazoo.parallel.checkpoint.views import optimizer_steps, set_optimizer_steps
+from megazoo.parallel.pipeline.engine import PipelineEngine
+from megazoo.parallel.pipeline.partition import rank_chunks
+from megazoo.parallel.pipeline.schedules import forward_only, schedule
+from megazoo.parallel.zero.build import build_zero
+from megazoo.parallel.zero.partitioned import TiedParameters
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
+from megazoo.parallel.zero.stage3 import ZeroStage3
+from megazoo.recipes.config import RecipeError, load_recipe
+from megazoo.recipes.generate import generate
+from megazoo.recipes.metrics import MetricsLog, peak_memory_bytes
+from megazoo.recipes.optim import lr_at
+from megazoo.recipes.resolve import Resolved, resolve
 
 
 @dataclass
@@ -429,7 +429,7 @@ def _restore(trainer: Trainer, res: Resolved, rank0: bool) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m recipes.train", description="Train a megazoo recipe.")
+    parser = argparse.ArgumentParser(prog="python -m megazoo.recipes.train", description="Train a megazoo recipe.")
     parser.add_argument("recipe", help="TOML recipe file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe key (repeatable)")

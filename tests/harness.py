@@ -1,5 +1,5 @@
 """Tests use the library's local launcher (parallel/local_launch.py): N forked gloo ranks on this machine."""
 
-from parallel.local_launch import run_distributed
+from megazoo.parallel.local_launch import run_distributed
 
 __all__ = ["run_distributed"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 
-from recipes.config import Recipe, from_dict
-from recipes.resolve import Resolved, resolve
+from megazoo.recipes.config import Recipe, from_dict
+from megazoo.recipes.resolve import Resolved, resolve
 
 TINY = {
     "model": {"preset": "gpt2-tiny", "n_layer": 2, "vocab_size": 300, "dropout": 0.0, "attn_dropout": 0.0},

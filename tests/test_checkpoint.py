@@ -12,10 +12,10 @@ from harness import run_distributed
 from recipe_helpers import tiny_resolved
 from test_train_parity import assert_same_training
 
-from parallel.checkpoint.consolidate import read_full_state
-from parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, verify_checkpoint
-from parallel.topology import Topology
-from recipes.train import Trainer
+from megazoo.parallel.checkpoint.consolidate import read_full_state
+from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, verify_checkpoint
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.train import Trainer
 
 STEPS, SAVE_AT = 6, 3
 

@@ -15,7 +15,7 @@ DEMO_TP2 = REPO / "recipes" / "demo_tp2.toml"
 
 
 def megazoo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recipes.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "megazoo.recipes.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 

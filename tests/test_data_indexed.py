@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from data import GlobalBatchSampler
-from data.blending import BlendedDataset, blend_counts, blend_order
-from data.gpt_dataset import GPTDataset
-from data.indexed_dataset import HEADER, IndexedDataset, IndexedDatasetWriter, data_paths
+from megazoo.data import GlobalBatchSampler
+from megazoo.data.blending import BlendedDataset, blend_counts, blend_order
+from megazoo.data.gpt_dataset import GPTDataset
+from megazoo.data.indexed_dataset import HEADER, IndexedDataset, IndexedDatasetWriter, data_paths
 
 
 def random_docs(seed: int, count: int, vocab: int = 1000, max_len: int = 50) -> list[np.ndarray]:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import data.token_dataset
-from data import (
+import megazoo.data.token_dataset as token_dataset
+from megazoo.data import (
     BPETokenizer,
     TokenSamples,
     Tokenizer,
@@ -133,7 +133,7 @@ def test_corpus_cache_reuse_and_rebuild_on_new_vocab(tmp_path, monkeypatch):
     def fail_build(*args):
         raise AssertionError("cache entry exists: must load, not build")
 
-    monkeypatch.setattr(data.token_dataset, "_build", fail_build)
+    monkeypatch.setattr(token_dataset, "_build", fail_build)
     second = build_stdlib_corpus(tmp_path, VOCAB, MAX_BYTES, 0.2, seed=0)
     assert np.array_equal(first.train_tokens, second.train_tokens)
     assert np.array_equal(first.val_tokens, second.val_tokens)
@@ -149,7 +149,7 @@ def test_corpus_cache_reuse_and_rebuild_on_new_vocab(tmp_path, monkeypatch):
 def test_corpus_build_that_loses_the_race_returns_the_published_entry(tmp_path, monkeypatch):
     # Another process's entry (here: one built with a different seed) appears while this one builds.
     other = build_stdlib_corpus(tmp_path / "other", VOCAB, MAX_BYTES, 0.2, seed=1)
-    real_build = data.token_dataset._build
+    real_build = token_dataset._build
 
     def build_then_get_overtaken(*args):
         corpus = real_build(*args)
@@ -157,7 +157,7 @@ def test_corpus_build_that_loses_the_race_returns_the_published_entry(tmp_path, 
         return corpus
 
     entry_name = next((tmp_path / "other").iterdir()).name.replace("-s1", "-s0")
-    monkeypatch.setattr(data.token_dataset, "_build", build_then_get_overtaken)
+    monkeypatch.setattr(token_dataset, "_build", build_then_get_overtaken)
     corpus = build_stdlib_corpus(tmp_path / "mine", VOCAB, MAX_BYTES, 0.2, seed=0)
     assert np.array_equal(corpus.train_tokens, other.train_tokens)
     assert [p.name for p in (tmp_path / "mine").iterdir()] == [entry_name]

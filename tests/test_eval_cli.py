@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from eval.cli import register as register_eval
-from models.gpt2.convert_cli import register as register_convert
+from megazoo.eval.cli import register as register_eval
+from megazoo.models.gpt2.convert_cli import register as register_convert
 
 
 def megazoo(argv) -> int:

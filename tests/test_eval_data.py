@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from data.gpt2_bpe import GPT2BPETokenizer
-from data.tokenizer import Tokenizer
-from eval.detokenizer import wikitext_detokenize
-from eval.lambada import load_lambada, read_lambada_texts, split_last_word
-from eval.wikitext103 import load_wikitext
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.tokenizer import Tokenizer
+from megazoo.eval.detokenizer import wikitext_detokenize
+from megazoo.eval.lambada import load_lambada, read_lambada_texts, split_last_word
+from megazoo.eval.wikitext103 import load_wikitext
 
 
 @pytest.fixture(scope="module")

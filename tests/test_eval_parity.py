@@ -10,12 +10,12 @@ import torch
 from harness import run_distributed
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from data.gpt2_bpe import GPT2BPETokenizer
-from eval.lambada import evaluate_lambada, load_lambada
-from eval.scoring import gpt_logits_fn, hf_logits_fn
-from eval.wikitext103 import evaluate_wikitext, load_wikitext
-from models.gpt2.hf import import_hf_dir
-from parallel.topology import Topology
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.eval.lambada import evaluate_lambada, load_lambada
+from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
+from megazoo.eval.wikitext103 import evaluate_wikitext, load_wikitext
+from megazoo.models.gpt2.hf import import_hf_dir
+from megazoo.parallel.topology import Topology
 
 WIKI_WINDOWS, LAMBADA_EXAMPLES = 24, 48
 FLOAT_KEYS = ("nll_sum", "avg_nll", "ppl", "adjusted_ppl", "ppl_per_token", "accuracy", "accuracy_last_token")

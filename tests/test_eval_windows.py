@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from eval.lambada import LambadaData, LambadaExample, evaluate_lambada
-from eval.wikitext103 import WikiTextData, evaluate_wikitext, window_schedule
+from megazoo.eval.lambada import LambadaData, LambadaExample, evaluate_lambada
+from megazoo.eval.wikitext103 import WikiTextData, evaluate_wikitext, window_schedule
 
 V, HIT_LOGIT = 10, 5.0  # scores are fp32 cross-entropies: compared with rel 1e-6
 NLL_HIT = -math.log(math.exp(HIT_LOGIT) / (math.exp(HIT_LOGIT) + V - 1))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.consolidate import read_full_state
+from megazoo.parallel.checkpoint.consolidate import read_full_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def _recipe(tmp_path: Path, name: str, steps: int = 10) -> Path:
 
 
 def _megazoo(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "recipes.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "megazoo.recipes.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -69,14 +69,14 @@ def _wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen, timeout: floa
 
 
 def _worker_pids(recipe: Path) -> list[int]:
-    """The training workers of this run (not the launchers): python -m recipes.train RECIPE."""
+    """The training workers of this run (not the launchers): python -m megazoo.recipes.train RECIPE."""
     pids = []
     for proc_dir in Path("/proc").iterdir():
         try:
             cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"recipes.train" in cmd and str(recipe).encode() in cmd and b"torch.distributed.run" not in cmd:
+        if b"megazoo.recipes.train" in cmd and str(recipe).encode() in cmd and b"torch.distributed.run" not in cmd:
             pids.append(int(proc_dir.name))
     return sorted(pids)
 
@@ -115,7 +115,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):
     stopped = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert 3 <= stopped < 400
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "manifest.json").is_file()
-    resumed = subprocess.run([sys.executable, "-m", "recipes.cli", "train", str(recipe), "--set", "parallel.dp=1",
+    resumed = subprocess.run([sys.executable, "-m", "megazoo.recipes.cli", "train", str(recipe), "--set", "parallel.dp=1",
                               "--set", "zero.stage=0", "--set", "train.steps=" + str(stopped + 3), "--resume"],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

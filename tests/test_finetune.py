@@ -11,14 +11,14 @@ from harness import run_distributed
 from test_hf_interop import tiny_hf_model
 from transformers import GPT2LMHeadModel
 
-from data.gpt2_bpe import GPT2BPETokenizer
-from data.preprocess import preprocess
-from eval.cli import main as eval_main
-from models.gpt2.convert_cli import load_consolidated, register, save_consolidated
-from models.gpt2.hf import config_from_hf, gpt_from_full_state, hf_to_megazoo_state
-from parallel.topology import Topology
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.preprocess import preprocess
+from megazoo.eval.cli import main as eval_main
+from megazoo.models.gpt2.convert_cli import load_consolidated, register, save_consolidated
+from megazoo.models.gpt2.hf import config_from_hf, gpt_from_full_state, hf_to_megazoo_state
+from megazoo.parallel.topology import Topology
 from recipe_helpers import tiny_resolved
-from recipes.train import Trainer
+from megazoo.recipes.train import Trainer
 
 
 def _finetune(ckpt: str, corpus: str, tokenizer: str, run_dir: str, hf_state: dict):

@@ -9,12 +9,12 @@ import torch
 from harness import run_distributed
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from eval.scoring import gpt_logits_fn
-from models.gpt2.convert_cli import CheckpointError, load_consolidated, register, save_consolidated
-from models.gpt2.hf import (config_from_hf, config_to_hf, export_hf_dir, gpt_from_full_state, hf_to_megazoo_state,
+from megazoo.eval.scoring import gpt_logits_fn
+from megazoo.models.gpt2.convert_cli import CheckpointError, load_consolidated, register, save_consolidated
+from megazoo.models.gpt2.hf import (config_from_hf, config_to_hf, export_hf_dir, gpt_from_full_state, hf_to_megazoo_state,
                             import_hf_dir, megazoo_to_hf_state)
-from models.weights import full_state_dict
-from parallel.topology import Topology
+from megazoo.models.weights import full_state_dict
+from megazoo.parallel.topology import Topology
 
 VOCAB = 50257
 

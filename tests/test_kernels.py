@@ -19,16 +19,16 @@ import torch.nn.functional as F  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from kernels import KernelChoice, resolve_kernels  # noqa: E402
-from kernels.attention import (attention_reference, attention_sdpa, scaled_causal_softmax_reference,  # noqa: E402
+from megazoo.kernels import KernelChoice, resolve_kernels  # noqa: E402
+from megazoo.kernels.attention import (attention_reference, attention_sdpa, scaled_causal_softmax_reference,  # noqa: E402
                                scaled_causal_softmax_torch)
-from kernels.bias_gelu import bias_gelu_reference, bias_gelu_torch  # noqa: E402
-from kernels.cross_entropy import (TorchChunkedBackend, cross_entropy_reference,  # noqa: E402
+from megazoo.kernels.bias_gelu import bias_gelu_reference, bias_gelu_torch  # noqa: E402
+from megazoo.kernels.cross_entropy import (TorchChunkedBackend, cross_entropy_reference,  # noqa: E402
                                    fused_vocab_parallel_cross_entropy)
-from kernels.layer_norm import layer_norm_reference, layer_norm_torch  # noqa: E402
-from kernels.optimizer import CANDIDATES as ADAMW  # noqa: E402
-from kernels.optimizer import ReferenceAdamW  # noqa: E402
-from parallel.topology import Topology  # noqa: E402
+from megazoo.kernels.layer_norm import layer_norm_reference, layer_norm_torch  # noqa: E402
+from megazoo.kernels.optimizer import CANDIDATES as ADAMW  # noqa: E402
+from megazoo.kernels.optimizer import ReferenceAdamW  # noqa: E402
+from megazoo.parallel.topology import Topology  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed: pip install 'megazoo[kernels]'")
@@ -177,7 +177,7 @@ def ce_fn(impl):
     if impl == "torch":
         return lambda *a: fused_vocab_parallel_cross_entropy(*a, backend=TorchChunkedBackend(chunk_rows=7))
     if impl == "triton":
-        from kernels.triton_cross_entropy import TritonBackend
+        from megazoo.kernels.triton_cross_entropy import TritonBackend
         return lambda *a: fused_vocab_parallel_cross_entropy(*a, backend=TritonBackend(block_v=128))
     return cross_entropy_reference
 

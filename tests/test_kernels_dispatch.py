@@ -14,13 +14,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from harness import run_distributed  # noqa: E402
 
-from kernels import OPS, KernelChoice, KernelError, implementations, model_defaults, resolve_kernels  # noqa: E402
-from kernels.availability import module_exists  # noqa: E402
-from models.config import get_preset  # noqa: E402
-from models.transformer import GPT  # noqa: E402
-from models.weights import init_weights, named_shards  # noqa: E402
-from parallel.tensor import gather_from_tp_region, gather_full  # noqa: E402
-from parallel.topology import Topology  # noqa: E402
+from megazoo.kernels import OPS, KernelChoice, KernelError, implementations, model_defaults, resolve_kernels  # noqa: E402
+from megazoo.kernels.availability import module_exists  # noqa: E402
+from megazoo.models.config import get_preset  # noqa: E402
+from megazoo.models.transformer import GPT  # noqa: E402
+from megazoo.models.weights import init_weights, named_shards  # noqa: E402
+from megazoo.parallel.tensor import gather_from_tp_region, gather_full  # noqa: E402
+from megazoo.parallel.topology import Topology  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None

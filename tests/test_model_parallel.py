@@ -11,12 +11,12 @@ import pytest
 import torch
 from harness import run_distributed
 
-from models.config import get_preset
-from models.transformer import GPT
-from models.weights import full_state_dict, init_weights, named_shards
-from parallel.tensor import TPRNGTracker, gather_from_tp_region, gather_full
-from parallel.tensor.random import seed_default_stream
-from parallel.topology import Topology
+from megazoo.models.config import get_preset
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import full_state_dict, init_weights, named_shards
+from megazoo.parallel.tensor import TPRNGTracker, gather_from_tp_region, gather_full
+from megazoo.parallel.tensor.random import seed_default_stream
+from megazoo.parallel.topology import Topology
 
 CFG = get_preset("gpt2-tiny").replace(vocab_size=300, dropout=0.0, attn_dropout=0.0, n_layer=2)
 DROPOUT_CFG = CFG.replace(dropout=0.1, attn_dropout=0.1)

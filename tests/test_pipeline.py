@@ -10,10 +10,10 @@ from harness import run_distributed
 from recipe_helpers import tiny_recipe, tiny_resolved
 from test_train_parity import _train, assert_same_training
 
-from parallel.topology import Topology
-from recipes.config import RecipeError
-from recipes.resolve import resolve
-from recipes.train import Trainer
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.config import RecipeError
+from megazoo.recipes.resolve import resolve
+from megazoo.recipes.train import Trainer
 
 TRAIN = {"micro_batch": 2, "grad_accum": 4}  # 4 pipeline micro-batches of 2 sequences: global batch 8
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.pipeline.partition import rank_chunks, virtual_stage_layers
-from parallel.pipeline.schedules import forward_only, schedule
+from megazoo.parallel.pipeline.partition import rank_chunks, virtual_stage_layers
+from megazoo.parallel.pipeline.schedules import forward_only, schedule
 
 
 def simulate(name: str, m: int, pp: int, v: int = 1):

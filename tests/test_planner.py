@@ -13,11 +13,11 @@ import re
 
 import pytest
 
-from models.config import ModelConfig, get_preset, presets
-from parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes, buffer_memory,
+from megazoo.models.config import ModelConfig, get_preset, presets
+from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes, buffer_memory,
                                    communication_volume, format_sig, model_state_memory, plan, plan_model,
                                    shard_parameters, stage_layers)
-from recipes import plan_cli
+from megazoo.recipes import plan_cli
 
 TABLE1 = ["120", "31.4", "16.6", "1.88"]  # ZeRO paper, Table 1: Psi = 7.5B, N = 64, K = 12, GB per device
 
@@ -199,7 +199,7 @@ def test_pipeline_stages_split_layers_and_hold_embeddings():
 def _meta_counts(cfg: ModelConfig, topo, pp: int) -> list[list[tuple[str, int]]]:
     import torch
 
-    from models.transformer import GPT
+    from megazoo.models.transformer import GPT
     stages = []
     for rank, layers in enumerate(stage_layers(cfg.n_layer, pp)):
         model = GPT(cfg, topo, layers=layers, with_embedding=rank == 0, with_head=rank == pp - 1,
@@ -210,14 +210,14 @@ def _meta_counts(cfg: ModelConfig, topo, pp: int) -> list[list[tuple[str, int]]]
 
 @pytest.mark.parametrize("pp", [1, 2, 3])
 def test_shard_matches_what_a_meta_model_allocates(pp):
-    from parallel.topology import Topology
+    from megazoo.parallel.topology import Topology
     cfg = get_preset("gpt2-tiny")
     planned = [sorted((t.name, t.numel) for t in s.tensors) for s in shard_parameters(cfg, 1, pp).stages]
     assert planned == _meta_counts(cfg, Topology.solo(), pp)
 
 
 def _tp2_counts(name: str):
-    from parallel.topology import Topology
+    from megazoo.parallel.topology import Topology
     return _meta_counts(get_preset(name), Topology.build(dp=1, tp=2), 2)
 
 

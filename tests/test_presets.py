@@ -7,10 +7,10 @@ The tp = 4 shard counts use 4 real gloo ranks (real tp groups, meta tensors), so
 import pytest
 from harness import run_distributed
 
-from models.config import ModelConfig, get_preset, presets
-from models.transformer import GPT
-from models.weights import count_parameters, named_shards
-from parallel.topology import Topology
+from megazoo.models.config import ModelConfig, get_preset, presets
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import count_parameters, named_shards
+from megazoo.parallel.topology import Topology
 
 PRESETS = presets()
 KNOWN_COUNTS = {"gpt2-117m": 124_439_808, "gpt2-1.5b": 1_557_611_200, "tnlg-17b": 17_176_845_728}
@@ -102,14 +102,14 @@ def test_d_model_not_divisible_by_heads_is_rejected():
 
 
 def test_meta_model_cannot_be_initialised():
-    from models.weights import init_weights
+    from megazoo.models.weights import init_weights
 
     with pytest.raises(ValueError, match="meta"):
         init_weights(GPT(get_preset("gpt2-tiny"), Topology.solo(), device="meta"), 0)
 
 
 def test_overriding_d_model_keeps_the_mlp_at_four_times():
-    from models.config import get_preset
+    from megazoo.models.config import get_preset
     cfg = get_preset("gpt2-tiny").replace(d_model=64)
     assert cfg.d_ff == 256
     assert get_preset("gpt2-tiny").replace(d_model=64, d_ff=100).d_ff == 100

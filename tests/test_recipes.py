@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from recipe_helpers import TINY, tiny_recipe
 
-from recipes.config import Recipe, RecipeError, from_dict, load_recipe, parse_override
-from recipes.resolve import resolve
+from megazoo.recipes.config import Recipe, RecipeError, from_dict, load_recipe, parse_override
+from megazoo.recipes.resolve import resolve
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from harness import run_distributed
 
-from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, ShardSpec, TPRNGTracker, VocabParallelEmbedding,
+from megazoo.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, ShardSpec, TPRNGTracker, VocabParallelEmbedding,
                              copy_to_tp_region, gather_from_tp_region, gather_full, reduce_from_tp_region,
                              scatter_to_tp_region, shard_of, vocab_parallel_cross_entropy)
-from parallel.tensor.random import seed_default_stream
-from parallel.topology import Topology
+from megazoo.parallel.tensor.random import seed_default_stream
+from megazoo.parallel.topology import Topology
 
 TPS = (2, 4)
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, O(1) values: only the summation order differs from the reference

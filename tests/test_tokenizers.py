@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from data.gpt2_bpe import GPT2BPETokenizer
-from data.indexed_dataset import IndexedDataset
-from data.preprocess import load_tokenizer as preprocess_load_tokenizer
-from data.preprocess import main as preprocess_main
-from data.sentencepiece_tokenizer import SentencePieceTokenizer
-from data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from data.tokenizer_cli import main as tokenizer_main
-from data.tokenizer_cli import register
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.indexed_dataset import IndexedDataset
+from megazoo.data.preprocess import load_tokenizer as preprocess_load_tokenizer
+from megazoo.data.preprocess import main as preprocess_main
+from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from megazoo.data.tokenizer_cli import main as tokenizer_main
+from megazoo.data.tokenizer_cli import register
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 1000

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 from harness import run_distributed
 
-from parallel.topology import Topology, check_layout
+from megazoo.parallel.topology import Topology, check_layout
 
 
 def _coordinates(dp, tp):

@@ -10,12 +10,12 @@ from harness import run_distributed
 from recipe_helpers import tiny_recipe, tiny_resolved
 from test_train_parity import assert_same_training
 
-from data.gpt2_bpe import GPT2BPETokenizer
-from data.preprocess import preprocess
-from parallel.topology import Topology
-from recipes.config import RecipeError
-from recipes.resolve import resolve
-from recipes.train import Trainer
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.preprocess import preprocess
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.config import RecipeError
+from megazoo.recipes.resolve import resolve
+from megazoo.recipes.train import Trainer
 
 
 @pytest.fixture(scope="module")

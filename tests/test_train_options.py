@@ -7,10 +7,10 @@ import json
 import torch
 from recipe_helpers import TINY, tiny_resolved
 
-from parallel.topology import Topology
-from recipes.config import Recipe, from_dict
-from recipes.resolve import resolve
-from recipes.train import Trainer, run
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.config import Recipe, from_dict
+from megazoo.recipes.resolve import resolve
+from megazoo.recipes.train import Trainer, run
 
 
 def _losses(**train):

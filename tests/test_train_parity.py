@@ -12,8 +12,8 @@ import torch
 from harness import run_distributed
 from recipe_helpers import tiny_resolved
 
-from parallel.topology import Topology
-from recipes.train import Trainer
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.train import Trainer
 
 LOSS_RTOL = 1e-10
 PARAM_ATOL = 1e-10

@@ -8,11 +8,11 @@ from harness import run_distributed
 from recipe_helpers import tiny_recipe, tiny_resolved
 from test_train_parity import _train, assert_same_training
 
-from parallel.topology import Topology
-from parallel.zero.planner import StateBytes, model_state_memory
-from recipes.config import RecipeError
-from recipes.resolve import resolve
-from recipes.train import Trainer
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.planner import StateBytes, model_state_memory
+from megazoo.recipes.config import RecipeError
+from megazoo.recipes.resolve import resolve
+from megazoo.recipes.train import Trainer
 
 
 @pytest.fixture(scope="module")

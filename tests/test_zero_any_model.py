@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from harness import run_distributed
 
-from parallel.topology import Topology
-from parallel.zero.api import ZeroEngine, default_units
-from parallel.zero.loss_scaler import DynamicLossScaler
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.api import ZeroEngine, default_units
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
 
 transformers = pytest.importorskip("transformers")
 

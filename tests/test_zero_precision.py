@@ -10,10 +10,10 @@ from harness import run_distributed
 from recipe_helpers import tiny_resolved
 from test_train_parity import _train, assert_same_training
 
-from parallel.topology import Topology
-from parallel.zero.loss_scaler import DynamicLossScaler
-from parallel.zero.planner import communication_volume
-from recipes.train import Trainer
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
+from megazoo.parallel.zero.planner import communication_volume
+from megazoo.recipes.train import Trainer
 
 
 def test_loss_scaler_hysteresis_backoff_and_growth():

@@ -1,6 +1,6 @@
 """GPT-2 presets (Radford et al. 2019), plus a tiny one for tests and the demo."""
 
-from models.config import ModelConfig
+from megazoo.models.config import ModelConfig
 
 PRESETS = (
     ModelConfig("gpt2-tiny", n_layer=4, n_head=4, d_model=128, n_positions=256),

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
-from parallel.checkpoint.consolidate import read_common, read_full_state, resolve_checkpoint, write_full_checkpoint
-from parallel.checkpoint.io import CheckpointError
+from megazoo.models.config import ModelConfig
+from megazoo.parallel.checkpoint.consolidate import read_common, read_full_state, resolve_checkpoint, write_full_checkpoint
+from megazoo.parallel.checkpoint.io import CheckpointError
 
 
 def ensure_empty_out_dir(out_dir: str | Path) -> Path:
@@ -57,7 +57,7 @@ def _model_config(common: dict) -> ModelConfig:
 
 
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
-    from models.gpt2.hf import read_hf_dir
+    from megazoo.models.gpt2.hf import read_hf_dir
 
     out = ensure_empty_out_dir(args.out)  # checked before the (slow) read
     cfg, full_state = read_hf_dir(args.hf_dir)
@@ -67,7 +67,7 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
 
 
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
-    from models.gpt2.hf import export_hf_dir
+    from megazoo.models.gpt2.hf import export_hf_dir
 
     out = ensure_empty_out_dir(args.out)
     cfg, full_state = load_consolidated(args.checkpoint)

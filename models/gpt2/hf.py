@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
-from models.transformer import GPT
-from models.weights import named_shards
-from parallel.tensor import shard_of
-from parallel.topology import Topology
+from megazoo.models.config import ModelConfig
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import named_shards
+from megazoo.parallel.tensor import shard_of
+from megazoo.parallel.topology import Topology
 
 # Layers stored by HF as transformers.pytorch_utils.Conv1D, whose weight is (in, out).
 CONV1D_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -212,7 +212,7 @@ def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer_dir is not None:
-        from data.gpt2_bpe import find_bpe_files
+        from megazoo.data.gpt2_bpe import find_bpe_files
 
         vocab, merges = find_bpe_files(tokenizer_dir)
         (out_dir / "vocab.json").write_bytes(vocab.read_bytes())

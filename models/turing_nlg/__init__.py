@@ -1,6 +1,6 @@
 """Megatron-LM 8.3B, Turing-NLG 17B and 100B-class presets (GPT-2 vocabulary, GPT-2 block)."""
 
-from models.config import ModelConfig
+from megazoo.models.config import ModelConfig
 
 PRESETS = (
     # Shoeybi et al. 2019, table 1: 72 layers, hidden 3072, 32 heads, 1024 positions.

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint, verify_checkpoint
-from parallel.checkpoint.load import _assemble
-from parallel.checkpoint.views import StateView
-from parallel.tensor import ShardSpec
+from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint, verify_checkpoint
+from megazoo.parallel.checkpoint.load import _assemble
+from megazoo.parallel.checkpoint.views import StateView
+from megazoo.parallel.tensor import ShardSpec
 
 
 def resolve_checkpoint(path: str | Path, report=print) -> Path:

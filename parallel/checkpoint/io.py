@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.views import StateView
+from megazoo.parallel.checkpoint.views import StateView
 
 FORMAT = "megazoo-sharded-checkpoint/1"
 LATEST = "latest"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.io import CheckpointError, verify_checkpoint
-from parallel.checkpoint.views import StateView
-from parallel.tensor import ShardSpec, shard_of
+from megazoo.parallel.checkpoint.io import CheckpointError, verify_checkpoint
+from megazoo.parallel.checkpoint.views import StateView
+from megazoo.parallel.tensor import ShardSpec, shard_of
 
 # Where a view of this kind may find its values, best first.
 SOURCES = {"param": ("param",), "master": ("master", "param"), "exp_avg": ("exp_avg",),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.tensor import ShardSpec
+from megazoo.parallel.tensor import ShardSpec
 
 STATE_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 

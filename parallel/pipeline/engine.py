@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.schedules import Action
-from parallel.topology import Topology
+from megazoo.parallel.pipeline.schedules import Action
+from megazoo.parallel.topology import Topology
 
 
 @dataclass

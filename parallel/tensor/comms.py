@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.collectives import all_gather_stacked
-from parallel.topology import group_rank, group_size
+from megazoo.parallel.collectives import all_gather_stacked
+from megazoo.parallel.topology import group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:

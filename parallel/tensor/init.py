@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from parallel.tensor.shards import ShardSpec
+from megazoo.parallel.tensor.shards import ShardSpec
 
 TILE_ELEMENTS = 1 << 20  # ~4 MB of fp32 per generated tile
 

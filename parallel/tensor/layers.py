@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel.tensor.comms import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+from megazoo.parallel.tensor.comms import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
-from parallel.tensor.shards import ShardSpec
-from parallel.topology import group_rank, group_size
+from megazoo.parallel.tensor.shards import ShardSpec
+from megazoo.parallel.topology import group_rank, group_size
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.collectives import all_gather_stacked
+from megazoo.parallel.collectives import all_gather_stacked
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ Usage (launch with `torchrun --nproc-per-node 2 train.py`)::
 
     import os, torch, torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
-    from parallel.topology import Topology, init_distributed
-    from parallel.zero.api import ZeroEngine
+    from megazoo.parallel.topology import Topology, init_distributed
+    from megazoo.parallel.zero.api import ZeroEngine
 
     init_distributed(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), init_method="env://")
     torch.manual_seed(0)                                   # (rank 0's weights are broadcast anyway)
@@ -49,13 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models.weights import named_shards
-from parallel.tensor import gather_full
-from parallel.topology import Topology
-from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
-from parallel.zero.build import build_zero
-from parallel.zero.loss_scaler import DynamicLossScaler
-from parallel.zero.stage3 import InitFn, ZeroStage3
+from megazoo.models.weights import named_shards
+from megazoo.parallel.tensor import gather_full
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
+from megazoo.parallel.zero.build import build_zero
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
+from megazoo.parallel.zero.stage3 import InitFn, ZeroStage3
 
 
 def unique_named_shards(model: nn.Module):

@@ -19,7 +19,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from parallel.tensor import ShardSpec
+from megazoo.parallel.tensor import ShardSpec
 
 DEFAULT_BUCKET_ELEMENTS = 1 << 24  # 16 M elements per bucket (64 MB in fp32)
 

@@ -11,14 +11,14 @@ from typing import Callable, Hashable, Sequence
 
 import torch.nn as nn
 
-from kernels.optimizer import adamw_reference
-from parallel.tensor import ShardSpec
-from parallel.topology import Topology
-from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
-from parallel.zero.partitioned import TiedParameters
-from parallel.zero.stage0 import DataParallelAdamW
-from parallel.zero.stage3 import InitFn, ZeroStage3
-from parallel.zero.stage12 import ZeroStage12
+from megazoo.kernels.optimizer import adamw_reference
+from megazoo.parallel.tensor import ShardSpec
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
+from megazoo.parallel.zero.partitioned import TiedParameters
+from megazoo.parallel.zero.stage0 import DataParallelAdamW
+from megazoo.parallel.zero.stage3 import InitFn, ZeroStage3
+from megazoo.parallel.zero.stage12 import ZeroStage12
 
 
 def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter, ShardSpec]], topo: Topology, *,

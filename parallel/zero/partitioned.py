@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.views import StateView, ensure_adam_state
-from parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
-from parallel.tensor import ShardSpec
-from parallel.topology import Topology
-from parallel.zero.buckets import Bucket
+from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state
+from megazoo.parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
+from megazoo.parallel.tensor import ShardSpec
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.buckets import Bucket
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # full-size gradient buffers alive at once while reductions overlap backward
 

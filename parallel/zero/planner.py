@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 
-from models.config import ModelConfig
+from megazoo.models.config import ModelConfig
 
 GB = 1e9  # the paper's GB: 10^9 bytes
 STAGES = (0, 1, 2, 3)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from parallel.checkpoint.views import StateView, ensure_adam_state, whole_param_views
-from parallel.collectives import CommLedger
-from parallel.data_parallel import all_reduce_gradients
-from parallel.grad_norm import clip_gradients_, global_grad_norm
-from parallel.tensor import ShardSpec
-from parallel.topology import Topology
-from parallel.zero.partitioned import TiedParameters
+from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state, whole_param_views
+from megazoo.parallel.collectives import CommLedger
+from megazoo.parallel.data_parallel import all_reduce_gradients
+from megazoo.parallel.grad_norm import clip_gradients_, global_grad_norm
+from megazoo.parallel.tensor import ShardSpec
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.partitioned import TiedParameters
 
 
 class DataParallelAdamW:

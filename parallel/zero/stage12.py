@@ -22,11 +22,11 @@ from typing import Callable, Hashable
 
 import torch
 
-from parallel.collectives import all_gather_flat
-from parallel.tensor import ShardSpec
-from parallel.topology import Topology
-from parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
-from parallel.zero.partitioned import PartitionedOptimizer, TiedParameters
+from megazoo.parallel.collectives import all_gather_flat
+from megazoo.parallel.tensor import ShardSpec
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
+from megazoo.parallel.zero.partitioned import PartitionedOptimizer, TiedParameters
 
 
 class ZeroStage12(PartitionedOptimizer):

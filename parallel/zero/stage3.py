@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel.collectives import all_gather_flat
-from parallel.tensor import ShardSpec
-from parallel.topology import Topology
-from parallel.zero.buckets import Bucket, build_buckets
-from parallel.zero.partitioned import PartitionedOptimizer
+from megazoo.parallel.collectives import all_gather_flat
+from megazoo.parallel.tensor import ShardSpec
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.buckets import Bucket, build_buckets
+from megazoo.parallel.zero.partitioned import PartitionedOptimizer
 
 Named = list[tuple[str, nn.Parameter, ShardSpec]]
 InitFn = Callable[[nn.Module, str, torch.Tensor, ShardSpec], None]  # (owner module, global name, tensor, spec)
