@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from benchmarks.zero import GiB, launch, mem_available, model_config, peak_rss
 from megazoo.models.transformer import GPT
-from megazoo.models.weights import init_parameter_, named_shards
+from megazoo.models.weights import init_parameter_
+from megazoo.parallel.tensor import named_shards
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.build import build_zero
 

@@ -11,20 +11,8 @@ import torch
 import torch.nn as nn
 
 from megazoo.models.transformer import GPT
-from megazoo.parallel.tensor import ShardSpec, VocabParallelEmbedding, gather_full, normal_shard_
-
-
-def shard_spec(module: nn.Module, param_name: str, param: torch.Tensor) -> ShardSpec:
-    """The layout of one parameter; parameters of plain torch modules are replicated."""
-    return getattr(module, "shard_specs", {}).get(param_name) or ShardSpec(tuple(param.shape))
-
-
-def named_shards(model: nn.Module):
-    """Yield (global name, parameter, ShardSpec) for every parameter, in registration order."""
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{param_name}" if module_name else param_name
-            yield name, param, shard_spec(module, param_name, param)
+from megazoo.parallel.tensor import ShardSpec, VocabParallelEmbedding, named_shards, normal_shard_
+from megazoo.parallel.tensor.shards import full_state_dict as tp_full_state_dict
 
 
 @torch.no_grad()
@@ -57,9 +45,9 @@ def init_weights(model: GPT, seed: int) -> None:
 
 
 def full_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Every parameter of this rank's stage as a full tensor (all-gathered over tp), embedding unpadded."""
-    group = model.topo.tp_group
-    full = {name: gather_full(param, spec, group) for name, param, spec in named_shards(model)}
+    """Every parameter of this rank's stage as a full tensor (all-gathered over tp), the embedding without its
+    padding rows. Under ZeRO-3 call it inside `zero.gathered()`."""
+    full = tp_full_state_dict(model, model.topo.tp_group)
     if "wte.weight" in full:
         full["wte.weight"] = full["wte.weight"][: model.cfg.vocab_size]
     return full

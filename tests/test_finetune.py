@@ -18,7 +18,7 @@ from megazoo.models.gpt2.convert_cli import load_consolidated, register, save_co
 from megazoo.models.gpt2.hf import config_from_hf, gpt_from_full_state, hf_to_megazoo_state
 from megazoo.parallel.topology import Topology
 from recipe_helpers import tiny_resolved
-from megazoo.recipes.train import Trainer
+from megazoo.recipes.trainer import Trainer
 
 
 def _finetune(ckpt: str, corpus: str, tokenizer: str, run_dir: str, hf_state: dict):

@@ -18,8 +18,8 @@ from megazoo.kernels import OPS, KernelChoice, KernelError, implementations, mod
 from megazoo.kernels.availability import module_exists  # noqa: E402
 from megazoo.models.config import get_preset  # noqa: E402
 from megazoo.models.transformer import GPT  # noqa: E402
-from megazoo.models.weights import init_weights, named_shards  # noqa: E402
-from megazoo.parallel.tensor import gather_from_tp_region, gather_full  # noqa: E402
+from megazoo.models.weights import init_weights  # noqa: E402
+from megazoo.parallel.tensor import gather_from_tp_region, gather_full, named_shards  # noqa: E402
 from megazoo.parallel.topology import Topology  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

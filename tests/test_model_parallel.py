@@ -1,7 +1,7 @@
 """The GPT model at tp = 1, 2, 4 computes the solo model's function: weights, logits, loss and gradients.
 
 The reference is the single-process model (Topology.solo()) with the same init seed. Ranks return full tensors
-(vocab shards all-gathered, parameters and gradients gathered with their ShardSpec via models.weights.named_shards)
+(vocab shards all-gathered, parameters and gradients gathered with their ShardSpec via parallel.tensor.named_shards)
 and the parent compares them.
 """
 
@@ -13,8 +13,8 @@ from harness import run_distributed
 
 from megazoo.models.config import get_preset
 from megazoo.models.transformer import GPT
-from megazoo.models.weights import full_state_dict, init_weights, named_shards
-from megazoo.parallel.tensor import TPRNGTracker, gather_from_tp_region, gather_full
+from megazoo.models.weights import full_state_dict, init_weights
+from megazoo.parallel.tensor import TPRNGTracker, gather_from_tp_region, gather_full, named_shards
 from megazoo.parallel.tensor.random import seed_default_stream
 from megazoo.parallel.topology import Topology
 

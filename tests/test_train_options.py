@@ -10,7 +10,8 @@ from recipe_helpers import TINY, tiny_resolved
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import Recipe, from_dict
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.train import Trainer, run
+from megazoo.recipes.train import run
+from megazoo.recipes.trainer import Trainer
 
 
 def _losses(**train):

@@ -1,8 +1,8 @@
-"""The core promise: every (dp, tp) layout trains the same function as the single-process fp32 reference.
+"""The core promise: every (dp, tp) layout trains the same function as the single-process reference.
 
-Each layout runs the real Trainer (recipes/train.py) for 10 steps with clipping and warmup active and returns
-its per-step losses, grad norms and full parameters; all must equal the reference's within fp32 reduction-order
-rounding.
+Each layout runs the real Trainer (recipes/trainer.py) for 10 steps with clipping and warmup active and returns
+its per-step losses, grad norms and full parameters; all must equal the reference's within reduction-order
+rounding. The recipes run in fp64 (tests/recipe_helpers.py), so that rounding is ~1e-15 and the tolerances 1e-10.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from harness import run_distributed
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.train import Trainer
+from megazoo.recipes.trainer import Trainer
 
 LOSS_RTOL = 1e-10
 PARAM_ATOL = 1e-10
@@ -37,7 +37,7 @@ def _train_on_ranks(parallel: dict, train: dict | None = None, zero: dict | None
 
 @pytest.fixture(scope="module")
 def reference():
-    """One process, micro-batch 8, no accumulation: the fp32 reference every layout below is held to."""
+    """One process, micro-batch 8, no accumulation: the fp64 reference every layout below is held to."""
     return _train(tiny_resolved(train={"micro_batch": 8}), Topology.solo())
 
 

@@ -12,7 +12,7 @@ from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.planner import StateBytes, model_state_memory
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.train import Trainer
+from megazoo.recipes.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -61,3 +61,43 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     stacked = all_gather_stacked(local.detach(), group, spec.size)
     per_rank = [piece.chunk(spec.sections, dim=spec.dim) for piece in stacked.unbind(0)]
     return torch.cat([per_rank[r][s] for s in range(spec.sections) for r in range(spec.size)], dim=spec.dim)
+
+
+def shard_spec(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> ShardSpec:
+    """The layout of one parameter: tensor-parallel layers declare theirs in `shard_specs`; parameters of plain
+    torch modules are replicated."""
+    return getattr(module, "shard_specs", {}).get(param_name) or ShardSpec(tuple(param.shape))
+
+
+def named_shards(model: torch.nn.Module):
+    """Yield (global name, parameter, ShardSpec) for every parameter, in registration order (a tied parameter
+    once per name that holds it)."""
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            yield name, param, shard_spec(module, param_name, param)
+
+
+def unique_named_shards(model: torch.nn.Module):
+    """(unique, aliases): `named_shards` with each parameter once, under its first name, plus the other names
+    of shared (tied) parameters as {alias: first name}. Hugging Face GPT-2 yields wte.weight twice
+    (as transformer.wte.weight and lm_head.weight); an optimizer must see it once."""
+    seen: dict[int, str] = {}
+    unique, aliases = [], {}
+    for name, param, spec in named_shards(model):
+        if id(param) in seen:
+            aliases[name] = seen[id(param)]
+        else:
+            seen[id(param)] = name
+            unique.append((name, param, spec))
+    return unique, aliases
+
+
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module, group) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every tensor-parallel parameter all-gathered over `group` (tp): tied names and
+    buffers included, so it loads into a single-process copy with `load_state_dict`. Under ZeRO-3 call it
+    inside `zero.gathered()`. Collective: one all-gather over tp per tp-sharded parameter."""
+    specs = {name: spec for name, _, spec in named_shards(model)}
+    return {key: gather_full(value, specs[key], group) if key in specs else value.detach().clone()
+            for key, value in model.state_dict(keep_vars=True).items()}

@@ -42,35 +42,19 @@ bf16 needs no scaler: keep fp32 parameters and run the forward under `torch.auto
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megazoo.models.weights import named_shards
-from megazoo.parallel.tensor import gather_full
+from megazoo.parallel.tensor import full_state_dict, unique_named_shards
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
 from megazoo.parallel.zero.build import build_zero
+from megazoo.parallel.zero.interface import optimizer_step
 from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
-from megazoo.parallel.zero.stage3 import InitFn, ZeroStage3
-
-
-def unique_named_shards(model: nn.Module):
-    """(unique, aliases): `named_shards` with each parameter once, under its first name, plus the other names
-    of shared (tied) parameters as {alias: first name}. Hugging Face GPT-2 yields wte.weight twice
-    (as transformer.wte.weight and lm_head.weight); the optimizer and ZeRO must see it once."""
-    seen: dict[int, str] = {}
-    unique, aliases = [], {}
-    for name, param, spec in named_shards(model):
-        if id(param) in seen:
-            aliases[name] = seen[id(param)]
-        else:
-            seen[id(param)] = name
-            unique.append((name, param, spec))
-    return unique, aliases
+from megazoo.parallel.zero.stage3 import InitFn
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -143,10 +127,6 @@ class ZeroEngine:
         self._micro += 1
         if last:
             self._micro, self._boundary = 0, True
-        elif self.stage == 3:
-            # Stage 3 marks "in backward" so a checkpointed block's recomputation keeps its gathered weights;
-            # resetting now lets the next micro-batch's forward free each block again.
-            self.zero.begin_micro_batch(last=False)
 
     def is_accumulation_boundary(self) -> bool:
         return self._boundary
@@ -158,37 +138,26 @@ class ZeroEngine:
         if not self._boundary:
             return None
         self._boundary = False
-        zero = self.zero
-        zero.finish_gradients()
-        if self.loss_scaler is not None:
-            scale = self.loss_scaler.scale  # the scale this step's backward used; update() may change it
-            overflow = self.loss_scaler.found_overflow(zero.gradients(), self.topo.device)
-            self.loss_scaler.update(overflow)
-            if overflow:  # every rank agreed: drop the step, parameters untouched
-                zero.zero_grads_()
-                self.skipped_steps += 1
-                return float("nan")
-            zero.scale_grads_(1.0 / scale)
-        norm = zero.grad_norm()
-        if self.grad_clip > 0:
-            zero.clip_(norm, self.grad_clip)
-        zero.step(self.lr_schedule(self.step_count) if self.lr_schedule is not None else self.lr)
+        lr = self.lr_schedule(self.step_count) if self.lr_schedule is not None else self.lr
+        outcome = optimizer_step(self.zero, lr=lr, grad_clip=self.grad_clip, device=self.topo.device,
+                                 scaler=self.loss_scaler)
+        if outcome.skipped:  # every rank agreed: the step was dropped, parameters untouched
+            self.skipped_steps += 1
+            return float("nan")
         self.step_count += 1
-        return norm.item()
+        return outcome.grad_norm.item()
 
     # ---- full weights and accounting -----------------------------------------------------------------------
     def gathered(self):
         """Context in which every parameter is full on this rank (stage 3 gathers, then frees again)."""
-        return self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
+        return self.zero.gathered()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict (tied names included, so load_state_dict works) with full, unsharded
         parameters: gathered over dp under stage 3 and over tp for tensor-parallel layers. Collective."""
-        specs = {name: spec for name, _, spec in named_shards(self.module)}
         with self.gathered():
-            return {key: gather_full(value, specs[key], self.topo.tp_group) if key in specs
-                    else value.detach().clone() for key, value in self.module.state_dict(keep_vars=True).items()}
+            return full_state_dict(self.module, self.topo.tp_group)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states right now."""

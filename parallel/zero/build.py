@@ -1,17 +1,15 @@
 """One constructor for every ZeRO stage, so training loops (ours and users') hold one object.
 
-Every returned optimizer has the same interface: begin_micro_batch(last), finish_gradients(), gradients(),
-grad_norm(), clip_(norm, max_norm), scale_grads_(factor), zero_grads_(), step(lr), memory_bytes(), `.comm`
-(a CommLedger of this rank's traffic) and `.optimizer` (the torch AdamW over what this rank owns).
+Every returned object implements `ZeroOptimizer` (interface.py); `optimizer_step` there drives all of them.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence
 
+import torch
 import torch.nn as nn
 
-from megazoo.kernels.optimizer import adamw_reference
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
@@ -30,9 +28,9 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
     a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
     parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
-    `adamw(groups, lr=, betas=, eps=)` builds the optimizer over what the rank owns (kernels' adamw op);
-    default: the reference loop, torch.optim.AdamW(foreach=False)."""
-    adamw = adamw or adamw_reference
+    `adamw(groups, lr=, betas=, eps=)` builds the optimizer over what the rank owns (the caller passes the
+    kernels' adamw op); default: torch's single-tensor loop, torch.optim.AdamW(foreach=False)."""
+    adamw = adamw or _torch_adamw
     if stage == 0:
         if offload != "none":
             raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")
@@ -48,3 +46,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
         return ZeroStage3(model, named, list(units), topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           init_fn=init_fn, offload=offload, adamw=adamw)
     raise ValueError(f"zero.stage = {stage} is invalid; valid: 0, 1, 2, 3")
+
+
+def _torch_adamw(groups, *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)

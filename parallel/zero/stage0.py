@@ -15,10 +15,11 @@ from megazoo.parallel.data_parallel import all_reduce_gradients
 from megazoo.parallel.grad_norm import clip_gradients_, global_grad_norm
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.interface import NothingToGather
 from megazoo.parallel.zero.partitioned import TiedParameters
 
 
-class DataParallelAdamW:
+class DataParallelAdamW(NothingToGather):
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float,
                  tied: TiedParameters = TiedParameters(), adamw=None):

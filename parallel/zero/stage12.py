@@ -26,10 +26,11 @@ from megazoo.parallel.collectives import all_gather_flat
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
+from megazoo.parallel.zero.interface import NothingToGather
 from megazoo.parallel.zero.partitioned import PartitionedOptimizer, TiedParameters
 
 
-class ZeroStage12(PartitionedOptimizer):
+class ZeroStage12(NothingToGather, PartitionedOptimizer):
     """Wraps a model's parameters; replaces the dp all-reduce and the optimizer of plain data parallelism."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, stage: int,

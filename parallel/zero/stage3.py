@@ -117,7 +117,7 @@ class ZeroStage3(PartitionedOptimizer):
             module.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i))
             module.register_full_backward_pre_hook(lambda m, grad_out, i=i: self._pre_backward(i))
-        model.register_forward_pre_hook(lambda m, args: self._gather(self.root))
+        model.register_forward_pre_hook(lambda m, args: self._before_model_forward())
         model.register_forward_hook(lambda m, args, out: self._after_model_forward())
         self._in_backward = False
         self._check_order = check_order  # the first step verifies every dp rank gathers the same units
@@ -178,6 +178,12 @@ class ZeroStage3(PartitionedOptimizer):
         self._gather(self.blocks[i])
         if i > 0:
             self._gather(self.blocks[i - 1], wait=False)
+
+    def _before_model_forward(self) -> None:
+        # A new micro-batch starts (a checkpointed block's recomputation re-runs that block only, never the
+        # model): from here block forwards free their units again.
+        self._in_backward = False
+        self._gather(self.root)
 
     def _after_model_forward(self) -> None:
         if not torch.is_grad_enabled():  # no backward will follow (evaluation, generation)

@@ -1,0 +1,120 @@
+"""The training run's checkpoints: what a Trainer saves and loads, and where a run starts from.
+
+The format and its guarantees (pieces by global name + tp layout + flat range, manifest with sha256, atomic
+publish, keep-K, fall back to the last good one) are parallel/checkpoint's; this module only says what a
+training run puts in it: the optimizer's state views, the step, the loss scaler, the recipe, the model's shape
+and each rank's random streams. Every function here is collective: every rank calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
+from megazoo.parallel.checkpoint.load import load_views
+from megazoo.parallel.checkpoint.views import StateView, optimizer_steps, set_optimizer_steps
+from megazoo.recipes.resolve import Resolved
+
+if TYPE_CHECKING:
+    from megazoo.recipes.trainer import Trainer
+
+ARCHITECTURE_KEYS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions")
+
+
+def layout(res: Resolved) -> dict:
+    """The parallel layout a checkpoint was written in (loading into another one reshards)."""
+    par = res.recipe.parallel
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "virtual_stages": par.virtual_stages,
+            "zero_stage": res.recipe.zero.stage, "stage_layers": res.stage_layers}
+
+
+def state_views(trainer: Trainer) -> list[StateView]:
+    """What this rank saves/loads; each value is written by exactly one rank: replicas over dp (handled by
+    the optimizer), over tp (tensors not split by tp: tp rank 0) and over pp (the tied embedding: stage 0)."""
+    topo = trainer.topo
+    views = trainer.zero.state_views()
+    for view in views:
+        if view.spec.dim is None and topo.tp_rank != 0:
+            view.write = False
+        if view.name == "wte.weight" and topo.pp > 1 and not topo.is_first_stage:
+            view.write = False
+    return views
+
+
+def _rng_state(trainer: Trainer) -> dict:
+    state = {"cpu": torch.get_rng_state(), "tp": trainer.model.rng.get_state()}
+    if trainer.topo.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(trainer.topo.device)
+    return state
+
+
+def _set_rng_state(trainer: Trainer, rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    trainer.model.rng.set_state(rng["tp"])
+    if "cuda" in rng and trainer.topo.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], trainer.topo.device)
+
+
+def save(trainer: Trainer, step: int) -> Path:
+    """Save the state after `step` completed steps under run.dir/checkpoints."""
+    res = trainer.res
+    common = {"step": step, "optimizer_steps": optimizer_steps(trainer.zero.optimizer),
+              "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+              "recipe": res.recipe.to_dict(), "model": dataclasses.asdict(res.model)}
+    return save_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
+                           extras={"rng": _rng_state(trainer), "layout": layout(res)}, common=common,
+                           layout=layout(res), keep=res.recipe.checkpoint.keep)
+
+
+def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> int:
+    """Load a checkpoint saved at any layout; returns the step to continue from (0 for weights only)."""
+    path = Path(path)
+    if not (path / "common.pt").is_file():
+        raise CheckpointError(f"checkpoint {path} has no common.pt")
+    common = torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+    mine, saved = dataclasses.asdict(trainer.res.model), common["model"]
+    for key in ARCHITECTURE_KEYS:
+        if mine[key] != saved[key]:
+            raise CheckpointError(f"checkpoint {path} is for a different model: model.{key} = {saved[key]} "
+                                  f"there, {mine[key]} here")
+    manifest = load_views(path, state_views(trainer), kinds=None if load_optimizer else ("param", "master"))
+    trainer.zero.after_load()
+    if not load_optimizer:
+        return 0
+    set_optimizer_steps(trainer.zero.optimizer, common["optimizer_steps"])
+    if trainer.scaler is not None and common["scaler"] is not None:
+        trainer.scaler.load_state_dict(common["scaler"])
+    if manifest["layout"] == layout(trainer.res) and manifest["world_size"] == trainer.topo.world_size:
+        # Same layout: every rank resumes its own random streams, so dropout continues bit-identically.
+        extras = torch.load(path / f"rank{trainer.topo.rank:05d}.pt", map_location="cpu", weights_only=False)
+        _set_rng_state(trainer, extras["extras"]["rng"])
+    return common["step"]
+
+
+def restore(trainer: Trainer, report=print) -> int:
+    """Where training starts: with checkpoint.resume, the latest good checkpoint of this run (any layout); else
+    checkpoint.load (another run's checkpoint, or its checkpoints folder); else step 0."""
+    ckpt, run_dir = trainer.res.recipe.checkpoint, Path(trainer.res.recipe.run.dir)
+    if ckpt.resume:
+        path = latest_good_checkpoint(run_dir / "checkpoints", report=report)
+        if path is not None:
+            step = load(trainer, path)
+            report(f"megazoo: resumed from {path} at step {step}")
+            return step
+        report(f"megazoo: no checkpoint under {run_dir / 'checkpoints'}: starting at step 0")
+    if ckpt.load:
+        path = Path(ckpt.load)
+        if not (path / "manifest.json").is_file():  # a checkpoints folder: its latest good checkpoint
+            found = latest_good_checkpoint(path, report=report)
+            if found is None:
+                raise CheckpointError(f"checkpoint.load = {ckpt.load}: no good checkpoint there")
+            path = found
+        step = load(trainer, path, load_optimizer=ckpt.load_optimizer)
+        report(f"megazoo: loaded {path} ({'with' if ckpt.load_optimizer else 'weights only, without'} "
+               f"optimizer state), starting at step {step}")
+        return step
+    return 0

@@ -1,0 +1,72 @@
+"""What the training loop trains: this rank's model chunks, in which dtype, under which ZeRO stage.
+
+Initial weights come from the recipe's seed and depend only on (seed, parameter name, global shape), so every
+(dp, tp, pp, ZeRO) layout starts from the same full model; under ZeRO-3 the chunks are built on the meta device
+and the optimizer materialises them one unit at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazoo.kernels import Kernels
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import init_parameter_, init_weights
+from megazoo.parallel.pipeline.partition import rank_chunks
+from megazoo.parallel.tensor import named_shards
+from megazoo.parallel.tensor.random import TPRNGTracker
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.build import build_zero
+from megazoo.parallel.zero.interface import ZeroOptimizer
+from megazoo.parallel.zero.partitioned import TiedParameters
+from megazoo.recipes.resolve import Resolved
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in: "auto" is bf16 on CUDA and fp32 on CPU."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[precision]
+
+
+def parameter_dtype(compute: torch.dtype, zero_stage: int) -> torch.dtype:
+    """Under ZeRO >= 1 the fp32 masters live in the partitioned optimizer: parameters are stored in the compute
+    dtype. Stage 0 keeps fp32 parameters and runs half precision as autocast (torch AMP style)."""
+    half = compute in (torch.float16, torch.bfloat16)
+    return compute if (half and zero_stage >= 1) or compute == torch.float64 else torch.float32
+
+
+def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32,
+                kernels=None) -> list[GPT]:
+    """This rank's model chunks: its tp shard of each pipeline (virtual) stage it holds; one chunk, the whole
+    model, when pp = 1. Initialised from the recipe's seed: identical full weights for every layout. With
+    device="meta" nothing is allocated (ZeRO-3 materialises it unit by unit)."""
+    train, par, cfg = res.recipe.train, res.recipe.parallel, res.model
+    rng = TPRNGTracker(train.seed, topo.tp_rank, topo.device)
+    stages = res.stage_layers
+    chunks = []
+    for stage in rank_chunks(stages, topo.pp, topo.pp_rank):
+        chunk = GPT(cfg, topo, layers=range(stages[stage][0], stages[stage][-1] + 1),
+                    with_embedding=stage == 0, with_head=stage == len(stages) - 1, rng=rng,
+                    activation_checkpointing=train.activation_checkpointing, device=device or topo.device,
+                    dtype=dtype, kernels=kernels)
+        if device != "meta":
+            init_weights(chunk, train.seed)
+        chunks.append(chunk)
+    assert len(chunks) == par.virtual_stages
+    return chunks
+
+
+def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: Kernels) -> ZeroOptimizer:
+    """The recipe's ZeRO stage over every chunk's parameters. With pp > 1 the embedding lives on the first and
+    the last stage (tied): its gradients are summed over the embedding group and counted once in the norm."""
+    t, zero, model = res.recipe.train, res.recipe.zero, chunks[0]
+    named = [entry for chunk in chunks for entry in named_shards(chunk)]
+    chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk.named_parameters()}
+    tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage) \
+        if topo.pp > 1 else TiedParameters()
+    return build_zero(
+        zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+        weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
+        units=list(model.h.values()), tied=tied, group_of=chunk_of.get, adamw=kernels["adamw"].fn,
+        init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))

@@ -1,0 +1,229 @@
+"""The training loop: steps, not mechanisms.
+
+One optimizer step = grad_accum micro-batches per dp rank, run by the pipeline engine as a schedule (with
+pp = 1 a one-chunk 1F1B schedule: forward then backward of each micro-batch in turn). Each micro-batch:
+forward (bf16/fp16 autocast when the recipe asks), vocab-parallel cross-entropy, backward of loss / grad_accum
+(x the fp16 loss scale), during which the ZeRO stage reduces gradients over dp. Then `optimizer_step`
+(parallel/zero/interface.py): overflow check, unscale, global norm across tp / ZeRO partitions / pp, clipping,
+AdamW with the warmup + cosine learning rate. The step number is the whole data position, so a run can resume
+at any step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megazoo.data import GlobalBatchSampler
+from megazoo.kernels import resolve_kernels
+from megazoo.models.weights import full_state_dict
+from megazoo.parallel.pipeline.engine import PipelineEngine
+from megazoo.parallel.pipeline.schedules import forward_only, schedule
+from megazoo.parallel.tensor.random import seed_default_stream
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.interface import optimizer_step
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
+from megazoo.recipes import checkpointing
+from megazoo.recipes.data_setup import Samples, TrainData, load_data
+from megazoo.recipes.generate import generate
+from megazoo.recipes.metrics import MetricsLog, peak_memory_bytes
+from megazoo.recipes.model_setup import build_model, build_optimizer, compute_dtype, parameter_dtype
+from megazoo.recipes.optim import lr_at
+from megazoo.recipes.resolve import Resolved
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    sample: str | None = None
+    stopped_at: int | None = None  # set when a stop request (SIGTERM) ended training early
+
+
+class Trainer:
+    def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None):
+        self.res, self.topo = res, topo
+        t, par = res.recipe.train, res.recipe.parallel
+        self.train_cfg = t
+        seed_default_stream(t.seed, topo.device)
+        self.data = data or load_data(res, topo)
+        compute = compute_dtype(t.precision, topo.device)
+        param_dtype = parameter_dtype(compute, res.recipe.zero.stage)
+        # Which implementation runs each fused op; run() prints the choice as the log's first lines.
+        self.kernels = resolve_kernels(res.recipe.kernels.choice(), topo.device)
+        self.chunks = build_model(res, topo, device="meta" if res.recipe.zero.stage == 3 else None,
+                                  dtype=param_dtype, kernels=self.kernels)
+        self.model = self.chunks[0]  # the whole model when pp = 1
+        self.zero = build_optimizer(res, topo, self.chunks, self.kernels)
+        self.optimizer = self.zero.optimizer
+        self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model, activation_dtype=param_dtype,
+                                     loss_fn=self.chunks[-1].loss)
+        # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
+        self.actions = schedule(par.schedule if topo.pp > 1 else "1f1b", t.grad_accum, topo.pp, topo.pp_rank,
+                                par.virtual_stages)
+        self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
+                                          topo.dp_rank, topo.dp, seed=t.seed)
+        half = compute in (torch.float16, torch.bfloat16)
+        self.autocast = (lambda: torch.autocast(topo.device.type, dtype=compute)) if half else contextlib.nullcontext
+        ls = res.recipe.loss_scale
+        self.scaler = DynamicLossScaler(ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) \
+            if compute == torch.float16 else None
+        self.consecutive_skips = 0
+
+    def _batches(self, samples: Samples, micro_batches: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) per micro-batch: the samples' tokens shifted by one."""
+        out = []
+        for indices in micro_batches:
+            batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
+            out.append((batch[:, :-1], batch[:, 1:]))
+        return out
+
+    def _mean_over_ranks(self, total: torch.Tensor) -> float:
+        """Only the last pipeline stage computes losses: sum over pp, then average over dp."""
+        if self.topo.pp_group is not None:
+            dist.all_reduce(total, group=self.topo.pp_group)
+        if self.topo.dp_group is not None:
+            dist.all_reduce(total, group=self.topo.dp_group)
+            total = total / self.topo.dp
+        return total.item()
+
+    def _set_mode(self, training: bool) -> None:
+        for chunk in self.chunks:
+            chunk.train(training)
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step; returns its metrics (the loss is averaged over micro-batches and dp ranks).
+
+        Under fp16 the loss is multiplied by the loss scale before backward; a step whose gradients overflow on
+        any rank is skipped everywhere (parameters untouched) and the scaler backs off.
+        """
+        start = time.perf_counter()
+        t, zero, stats = self.train_cfg, self.zero, self.engine.stats
+        lr = lr_at(step, t, self.res.lr_decay_steps)
+        zero.comm.reset()
+        self._set_mode(True)
+        busy_before, total_before = stats.busy_s, stats.total_s
+        losses = self.engine.run(self._batches(self.data.train, self.sampler.indices_for_step(step)), self.actions,
+                                 loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+                                 autocast=self.autocast, before_backward=lambda last: zero.begin_micro_batch(last))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for loss in losses:
+            loss_sum += loss
+        outcome = optimizer_step(zero, lr=lr, grad_clip=t.grad_clip, device=self.topo.device, scaler=self.scaler)
+        self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
+        if outcome.skipped and self.consecutive_skips >= self.res.recipe.loss_scale.max_consecutive_skips:
+            raise FloatingPointError(
+                f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "
+                f"{self.scaler.scale:g}): the run diverged; lower train.lr, or use precision = \"bf16\"")
+        loss_value = self._mean_over_ranks(loss_sum / t.grad_accum)
+        if not math.isfinite(loss_value) and self.scaler is None:
+            raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
+                                     f"(try a lower train.lr or train.grad_clip)")
+        elapsed = time.perf_counter() - start
+        metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": outcome.grad_norm.item(),
+                   "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
+                   "peak_memory_bytes": peak_memory_bytes(self.topo.device),
+                   "comm_bytes": zero.comm.summary()["total_bytes"]}
+        if self.scaler is not None:
+            metrics.update(loss_scale=outcome.loss_scale, skipped=outcome.skipped)
+        if self.topo.pp > 1:  # this rank's pipeline stage: compute vs waiting within the schedule
+            busy = stats.busy_s - busy_before
+            idle = stats.total_s - total_before - busy
+            metrics.update(pipeline_busy_s=busy, pipeline_idle_s=idle, pipeline_bubble=idle / max(busy + idle, 1e-12))
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the first eval_batches global batches of the validation set, split over dp
+        ranks: the same samples, so the same number, for every layout. None without validation data."""
+        t, val = self.train_cfg, self.data.val
+        if val is None:
+            return None
+        self._set_mode(False)
+        per_rank = max(1, min(t.eval_batches * self.res.global_batch, len(val)) // self.topo.dp)
+        first = self.topo.dp_rank * per_rank
+        micro = [list(range(i, min(i + t.micro_batch, first + per_rank)))
+                 for i in range(first, first + per_rank, t.micro_batch)]
+        losses = self.engine.run(self._batches(val, micro), forward_only(len(micro), len(self.chunks)),
+                                 autocast=self.autocast, forward_only=True)
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for loss, indices in zip(losses, micro):
+            total += loss * len(indices)
+        self._set_mode(True)
+        return self._mean_over_ranks(total / per_rank)
+
+    def save_checkpoint(self, step: int) -> Path:
+        return checkpointing.save(self, step)
+
+    def load_checkpoint(self, path: str | Path, *, load_optimizer: bool = True) -> int:
+        return checkpointing.load(self, path, load_optimizer=load_optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) parameters of the whole model, whatever the tp, pp and ZeRO layout. Collective."""
+        with self.zero.gathered():
+            state = {name: value for chunk in self.chunks for name, value in full_state_dict(chunk).items()}
+        if self.topo.pp_group is None:
+            return state
+        stages = [None] * self.topo.pp
+        dist.all_gather_object(stages, state, group=self.topo.pp_group)  # every stage's parameters, all ranks
+        return {name: value for part in stages for name, value in part.items()}
+
+    def sample(self) -> str | None:
+        s, tok = self.res.recipe.sample, self.data.tokenizer
+        if tok is None or s.tokens == 0 or self.topo.pp > 1:  # sampling is not pipelined (yet)
+            return None
+        ids = generate(self.model, tok.encode(s.prompt), s.tokens, temperature=s.temperature, top_k=s.top_k,
+                       seed=self.train_cfg.seed)
+        return tok.decode(ids)
+
+    def _agreed(self, flag: bool) -> bool:
+        """True on every rank when any rank says so (a preemption signal may reach ranks at different steps).
+        Collective: one all-reduce (max) over all ranks."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.topo.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def fit(self, *, log: MetricsLog | None = None, progress: bool = False, start_step: int = 0,
+            stop_requested: Callable[[], bool] | None = None) -> TrainResult:
+        """Train steps start_step .. train.steps - 1 (the step number is the whole data position), saving a
+        checkpoint every checkpoint.every steps and at the end. When `stop_requested()` turns true on any rank
+        (SIGTERM: preemption), the step in progress finishes, a checkpoint is saved and training stops."""
+        t, result = self.train_cfg, TrainResult()
+        every = self.res.recipe.checkpoint.every
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        for step in range(start_step, t.steps):
+            metrics = self.train_step(step)
+            stop = stop_requested is not None and self._agreed(stop_requested())
+            if stop or (every and ((step + 1) % every == 0 or step + 1 == t.steps)):
+                self.save_checkpoint(step + 1)
+            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+                metrics["val_loss"] = self.evaluate()
+            result.losses.append(metrics["loss"])
+            result.grad_norms.append(metrics["grad_norm"])
+            if log is not None:
+                log.write(metrics)
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.update(1)
+            if stop:
+                result.stopped_at = step + 1
+                break
+        if bar is not None:
+            bar.close()
+        if result.stopped_at is None:
+            result.val_loss = self.evaluate()
+            result.sample = self.sample()
+        return result
