@@ -5,9 +5,12 @@ evaluated."""
 from __future__ import annotations
 
 import json
+import tomllib
+from pathlib import Path
 
 import torch
 from harness import run_distributed
+from recipe_helpers import TINY
 from test_hf_interop import tiny_hf_model
 from transformers import GPT2LMHeadModel
 
@@ -17,18 +20,28 @@ from megazoo.eval.cli import main as eval_main
 from megazoo.models.gpt2.convert_cli import load_consolidated, register, save_consolidated
 from megazoo.models.gpt2.hf import config_from_hf, gpt_from_full_state, hf_to_megazoo_state
 from megazoo.parallel.topology import Topology
-from recipe_helpers import tiny_resolved
+from megazoo.recipes.config import Recipe, from_dict
+from megazoo.recipes.resolve import resolve
 from megazoo.recipes.trainer import Trainer
+
+FINETUNE_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.toml"
 
 
 def _finetune(ckpt: str, corpus: str, tokenizer: str, run_dir: str, hf_state: dict):
-    res = tiny_resolved(
-        model={"preset": "gpt2-tiny", "n_layer": 2, "d_model": 64, "n_head": 4, "n_positions": 128,
-               "vocab_size": 50257},
-        parallel={"dp": 2}, zero={"stage": 3}, train={"steps": 4, "micro_batch": 2, "seq_len": 64, "lr": 1e-3,
-                                                       "precision": "fp32"},
-        data={"source": "indexed", "paths": [corpus], "tokenizer": tokenizer},
-        checkpoint={"load": ckpt, "load_optimizer": False, "every": 4}, run={"dir": run_dir})
+    """recipes/finetune.toml, shrunk to the tiny HF model and this test's corpus, at dp=2 under ZeRO-3."""
+    table = tomllib.loads(FINETUNE_RECIPE.read_text())
+    overrides = {
+        "model": {"preset": "gpt2-tiny", "n_layer": 2, "d_model": 64, "n_head": 4, "n_positions": 128,
+                  "vocab_size": 50257, "dropout": 0.0, "attn_dropout": 0.0},
+        "parallel": {"dp": 2}, "zero": {"stage": 3},
+        "train": {**TINY["train"], "steps": 4, "micro_batch": 2, "seq_len": 64, "lr": 1e-3, "precision": "fp32",
+                  "eval_every": 0},
+        "data": {"source": "indexed", "paths": [corpus], "tokenizer": tokenizer},
+        "checkpoint": {"load": ckpt, "load_optimizer": False, "every": 4}, "run": {"dir": run_dir},
+        "logging": TINY["logging"], "kernels": TINY["kernels"], "sample": {"tokens": 0}}
+    for section, values in overrides.items():
+        table.setdefault(section, {}).update(values)
+    res = resolve(from_dict(Recipe, table))
     trainer = Trainer(res, Topology.build(2, 1))
     start = trainer.load_checkpoint(res.recipe.checkpoint.load + "/step_00000000", load_optimizer=False)
     loaded = trainer.full_state_dict()

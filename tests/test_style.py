@@ -1,0 +1,107 @@
+"""Guards for the layout rules in ../shared/DESIGN.md, so they live in the suite and not only in heads.
+
+- every source file stays under ~400 lines (split it instead);
+- imports point down: data and parallel import nothing else of megazoo, kernels only parallel's public tensor
+  layer, models no training or evaluation code, eval no recipes (ALLOWED below is the whole table);
+- no process group, device mesh or distributed initialisation at module level (the Topology is passed in);
+- every recipe in recipes/ has a test that names it;
+- every package folder is installed under the megazoo.* namespace (pyproject's package list).
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("data", "eval", "kernels", "models", "parallel", "recipes")
+SOURCE_DIRS = PACKAGES + ("benchmarks", "tests")
+MAX_LINES = 400
+
+# Which top-level megazoo packages (or sub-modules) each package may import. The order of the layers, lowest
+# first: data, parallel, kernels, models, eval, recipes.
+ALLOWED = {
+    "data": ("data",),
+    "parallel": ("parallel",),
+    "kernels": ("kernels", "parallel.tensor", "parallel.topology", "parallel.collectives"),
+    "models": ("models", "kernels", "data", "parallel.tensor", "parallel.topology", "parallel.checkpoint"),
+    "eval": ("eval", "models", "kernels", "data", "parallel"),
+    "recipes": PACKAGES,
+}
+
+# Calls that create process groups or initialise torch.distributed: never at import time.
+GROUP_CALLS = {"new_group", "init_process_group", "init_device_mesh", "DeviceMesh", "new_subgroups",
+               "init_distributed"}
+
+
+def _sources(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _megazoo_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every `megazoo.*` import in the file, function-level ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, name.removeprefix("megazoo.")) for name in names if name.startswith("megazoo.")]
+    return found
+
+
+@pytest.mark.parametrize("path", _sources(*SOURCE_DIRS), ids=lambda p: str(p.relative_to(REPO)))
+def test_source_files_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(REPO)} has {lines} lines (> {MAX_LINES}): split it by purpose"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_point_down(package):
+    allowed = ALLOWED[package]
+    wrong = [f"{path.relative_to(REPO)}:{line} imports megazoo.{module}"
+             for path in _sources(package) for line, module in _megazoo_imports(path)
+             if not any(module == a or module.startswith(a + ".") for a in allowed)]
+    assert not wrong, f"{package}/ may import only {allowed}:\n" + "\n".join(wrong)
+
+
+def test_the_import_scan_sees_every_form(tmp_path):
+    """A broken scan would pass every rule above: it must see top-level, function-level and aliased imports."""
+    source = tmp_path / "module.py"
+    source.write_text("import torch\nimport megazoo.data.tokenizer as tok\nfrom megazoo.models import config\n"
+                      "def f():\n    from megazoo.kernels.optimizer import adamw_reference\n")
+    assert _megazoo_imports(source) == [(2, "data.tokenizer"), (3, "models"), (5, "kernels.optimizer")]
+
+
+@pytest.mark.parametrize("path", _sources(*PACKAGES), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_level_process_groups(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:  # module-level statements only: functions and classes run when called
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            continue
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            func = call.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            assert name not in GROUP_CALLS, (f"{path.relative_to(REPO)}:{call.lineno} calls {name} at import time; "
+                                             "build groups in Topology.build and pass the Topology in")
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.toml")), ids=lambda p: p.name)
+def test_every_recipe_has_a_test_that_names_it(recipe):
+    callers = [p.name for p in _sources("tests") if p.name != "test_style.py" and recipe.name in p.read_text()]
+    assert callers, f"recipes/{recipe.name} is named by no test: add one that loads it (at least shortened)"
+
+
+def test_every_package_folder_is_installed_under_megazoo():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"megazoo." + ".".join(p.parent.relative_to(REPO).parts)
+               for top in PACKAGES for p in (REPO / top).rglob("__init__.py") if "__pycache__" not in p.parts}
+    assert set(config["packages"]) == folders
+    assert config["package-dir"] == {f"megazoo.{top}": top for top in PACKAGES}
