@@ -25,7 +25,8 @@ from megazoo.data import GlobalBatchSampler
 from megazoo.kernels import resolve_kernels
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel.pipeline.engine import PipelineEngine
-from megazoo.parallel.pipeline.schedules import forward_only, schedule
+from megazoo.parallel.pipeline.p2p import plan
+from megazoo.parallel.pipeline.schedules import forward_only, schedule, warmup_forwards
 from megazoo.parallel.tensor.random import seed_default_stream
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.interface import optimizer_step
@@ -67,8 +68,9 @@ class Trainer:
         self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model, activation_dtype=param_dtype,
                                      loss_fn=self.chunks[-1].loss)
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
-        self.actions = schedule(par.schedule if topo.pp > 1 else "1f1b", t.grad_accum, topo.pp, topo.pp_rank,
-                                par.virtual_stages)
+        name, shape = par.schedule if topo.pp > 1 else "1f1b", (t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
+        self.plan = plan(schedule(name, *shape), topo.pp, topo.pp_rank, par.virtual_stages,
+                         warmup=warmup_forwards(name, *shape))
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
         half = compute in (torch.float16, torch.bfloat16)
@@ -111,7 +113,7 @@ class Trainer:
         zero.comm.reset()
         self._set_mode(True)
         busy_before, total_before = stats.busy_s, stats.total_s
-        losses = self.engine.run(self._batches(self.data.train, self.sampler.indices_for_step(step)), self.actions,
+        losses = self.engine.run(self._batches(self.data.train, self.sampler.indices_for_step(step)), self.plan,
                                  loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
                                  autocast=self.autocast, before_backward=lambda last: zero.begin_micro_batch(last))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
@@ -152,8 +154,9 @@ class Trainer:
         first = self.topo.dp_rank * per_rank
         micro = [list(range(i, min(i + t.micro_batch, first + per_rank)))
                  for i in range(first, first + per_rank, t.micro_batch)]
-        losses = self.engine.run(self._batches(val, micro), forward_only(len(micro), len(self.chunks)),
-                                 autocast=self.autocast, forward_only=True)
+        steps = plan(forward_only(len(micro), len(self.chunks), self.topo.pp), self.topo.pp, self.topo.pp_rank,
+                     len(self.chunks))
+        losses = self.engine.run(self._batches(val, micro), steps, autocast=self.autocast, forward_only=True)
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for loss, indices in zip(losses, micro):
             total += loss * len(indices)

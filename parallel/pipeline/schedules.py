@@ -21,8 +21,18 @@ def gpipe(m: int, pp: int, rank: int) -> list[Action]:
     return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
+def warmup_forwards(name: str, m: int, pp: int, rank: int, virtual: int = 1) -> int | None:
+    """How many forwards a 1F1B-style schedule runs before its steady state of (forward, backward) pairs; None
+    for schedules without one (GPipe). The p2p plan (p2p.py) batches each steady pair's transfers together."""
+    if name == "1f1b":
+        return min(pp - rank - 1, m)
+    if name == "interleaved":
+        return min((pp - rank - 1) * 2 + (virtual - 1) * pp, m * virtual)
+    return None
+
+
 def one_f_one_b(m: int, pp: int, rank: int) -> list[Action]:
-    warmup = min(pp - rank - 1, m)
+    warmup = warmup_forwards("1f1b", m, pp, rank)
     actions: list[Action] = [("F", i, 0) for i in range(warmup)]
     next_b = 0
     for i in range(warmup, m):
@@ -47,7 +57,7 @@ def interleaved(m: int, pp: int, rank: int, v: int) -> list[Action]:
     def backward(k: int) -> Action:
         return ("B", (k // (pp * v)) * pp + k % pp, v - 1 - (k // pp) % v)
 
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    warmup = warmup_forwards("interleaved", m, pp, rank, v)
     actions = [forward(k) for k in range(warmup)]
     for k in range(warmup, total):
         actions.append(forward(k))
@@ -66,6 +76,10 @@ def schedule(name: str, m: int, pp: int, rank: int, virtual: int = 1) -> list[Ac
     raise ValueError(f"parallel.schedule = {name!r} is invalid; valid: {', '.join(SCHEDULES)}")
 
 
-def forward_only(m: int, virtual: int = 1) -> list[Action]:
-    """Evaluation: every micro-batch through every chunk, no backward."""
-    return [("F", i, c) for c in range(virtual) for i in range(m)]
+def forward_only(m: int, virtual: int = 1, pp: int | None = None) -> list[Action]:
+    """Evaluation: every micro-batch through every chunk, no backward. With virtual chunks the micro-batches go
+    in groups of pp, each group through every chunk before the next starts (the interleaved order): a stage then
+    never holds more than a group's messages, which unbuffered p2p (NCCL) needs. pp None: one group."""
+    group = pp or max(m, 1)
+    return [("F", i, c) for start in range(0, m, group) for c in range(virtual)
+            for i in range(start, min(start + group, m))]
