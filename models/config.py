@@ -1,13 +1,16 @@
 """ModelConfig and the preset registry.
 
 Presets are frozen dataclass instances registered per model family (models/gpt2, models/turing_nlg). Nothing
-switches behaviour on a preset's name: everything a model does follows from the fields.
+switches behaviour on a preset's name: everything a model does follows from the fields. The parameters those
+fields imply (names, shapes, tp splits) and the (tp, pp) layouts they admit are described in models/layout.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from megazoo.models.layout import parameter_layout
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,9 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def num_parameters(self, vocab: int | None = None) -> int:
-        """Exact parameter count by formula (tied embeddings counted once); `vocab` defaults to the true size."""
-        d, f = self.d_model, self.d_ff
-        vocab = self.vocab_size if vocab is None else vocab
-        per_block = (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (2 * d) + (d * f + f) + (f * d + d)
-        return vocab * d + self.n_positions * d + self.n_layer * per_block + 2 * d
+        """Exact parameter count of the full model (tied embeddings counted once), from models/layout.py;
+        `vocab` (rows of the word embedding) defaults to the true size."""
+        return sum(p.numel for p in parameter_layout(self, vocab=self.vocab_size if vocab is None else vocab))
 
     def replace(self, **changes) -> "ModelConfig":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -63,6 +64,18 @@ class ModelConfig:
         if "d_model" in changes and "d_ff" not in changes and self.d_ff == 4 * self.d_model:
             changes["d_ff"] = 0  # the MLP width follows d_model (4x) unless it was set on its own
         return dataclasses.replace(self, **changes)
+
+
+# The fields that change parameter shapes: two configs that differ in one of them cannot share weights.
+ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions")
+
+
+def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
+    """One message per architecture field in which two `dataclasses.asdict(ModelConfig)` dicts differ, e.g.
+    "model.n_layer = 2 there, 12 here" (`saved`: a checkpoint's config, `mine`: the model about to load it)."""
+    missing = "(not recorded)"
+    return [f"model.{field} = {saved.get(field, missing)} there, {mine.get(field, missing)} here"
+            for field in ARCHITECTURE_FIELDS if saved.get(field, missing) != mine.get(field, missing)]
 
 
 def model_fields() -> list[str]:

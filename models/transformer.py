@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megazoo.kernels import Implementation, KernelChoice, LayerNorm, kernels_for_model
 from megazoo.models.config import ModelConfig
+from megazoo.models.layout import check_parallel_compat
 from megazoo.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker, VocabParallelEmbedding,
                              copy_to_tp_region)
 from megazoo.parallel.topology import Topology
@@ -38,9 +39,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
                  kernels: Mapping[str, Implementation] | None = None):
         super().__init__()
-        if cfg.n_head % topo.tp:
-            raise ValueError(f"parallel.tp = {topo.tp} does not divide model.n_head = {cfg.n_head} "
-                             f"({cfg.name}); valid tp: {divisors(cfg.n_head)}")
+        check_parallel_compat(cfg, topo.tp)
         self.n_local_heads = cfg.n_head // topo.tp  # from the shard, never from a global
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attn_dropout
@@ -163,7 +162,3 @@ class GPT(nn.Module):
 def residual_std(cfg: ModelConfig) -> float:
     """GPT-2's scaled init of the projections that write into the residual stream: 0.02 / sqrt(2 n_layer)."""
     return cfg.init_std / math.sqrt(2 * cfg.n_layer)
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]

@@ -94,9 +94,7 @@ class Topology:
             )
         world = dist.get_world_size()
         check_layout(dp, tp, pp, world)
-        if device is None:
-            device = _default_device()
-        device = torch.device(device)
+        device = torch.device(device) if device is not None else backend_device()
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
         coords = mesh.get_coordinate()
         assert coords is not None, "this rank is not part of the mesh"
@@ -126,25 +124,44 @@ class Topology:
                 f"tp {self.tp_rank}/{self.tp} on {self.device}")
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        local = dist.get_rank() % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+def local_device(local_rank: int = 0) -> torch.device:
+    """The device of the process with this node-local rank (torchrun's LOCAL_RANK, Slurm's SLURM_LOCALID): GPU
+    `local_rank` when CUDA exists, else the CPU. The caller (an entry point) reads the environment; never the
+    global rank modulo the GPU count, which breaks as soon as a scheduler places ranks differently."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise ValueError(f"LOCAL_RANK = {local_rank} but this node has {count} visible GPU(s) (CUDA_VISIBLE_DEVICES): "
+                         f"start at most {count} processes per node, or set CUDA_VISIBLE_DEVICES='' to run on CPU")
+    return torch.device("cuda", local_rank)
+
+
+def backend_device() -> torch.device:
+    """The device the initialised default process group communicates on: the current GPU for NCCL (set by
+    init_distributed), the CPU for gloo, even when CUDA exists (gloo tests must not push CUDA tensors)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def init_distributed(rank: int, world_size: int, store: dist.Store | None = None, *, device: str | None = None,
-                     timeout_s: float = 600.0, init_method: str | None = None) -> None:
+def init_distributed(rank: int, world_size: int, store: dist.Store | None = None, *, local_rank: int = 0,
+                     device: str | torch.device | None = None, timeout_s: float = 600.0,
+                     init_method: str | None = None) -> None:
     """Initialise the default process group with the backend that fits the device.
 
-    The launcher (torchrun entry point or the test harness) calls this; library code never does. `timeout_s`
-    bounds every collective, so a dead or diverged rank ends the job with an error naming the operation instead
-    of a silent hang.
+    The launcher (torchrun entry point or the test harness) calls this; library code never does. The device is
+    `device`, or `local_device(local_rank)`: NCCL on a GPU (selected with set_device BEFORE the group exists and
+    passed as device_id, so NCCL binds each rank to its own GPU), gloo on the CPU. `timeout_s` bounds every
+    collective, so a dead or diverged rank ends the job with an error naming the operation instead of a silent
+    hang.
     """
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else local_device(local_rank)
     kwargs = dict(backend=default_backend(dev), rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
     if store is not None:
         kwargs["store"] = store
     elif init_method is not None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megazoo.models.config import architecture_mismatches
 from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
 from megazoo.parallel.checkpoint.load import load_views
 from megazoo.parallel.checkpoint.views import StateView, optimizer_steps, set_optimizer_steps
@@ -21,9 +22,6 @@ from megazoo.recipes.resolve import Resolved
 
 if TYPE_CHECKING:
     from megazoo.recipes.trainer import Trainer
-
-ARCHITECTURE_KEYS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions")
-
 
 def layout(res: Resolved) -> dict:
     """The parallel layout a checkpoint was written in (loading into another one reshards)."""
@@ -76,11 +74,9 @@ def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> 
     if not (path / "common.pt").is_file():
         raise CheckpointError(f"checkpoint {path} has no common.pt")
     common = torch.load(path / "common.pt", map_location="cpu", weights_only=False)
-    mine, saved = dataclasses.asdict(trainer.res.model), common["model"]
-    for key in ARCHITECTURE_KEYS:
-        if mine[key] != saved[key]:
-            raise CheckpointError(f"checkpoint {path} is for a different model: model.{key} = {saved[key]} "
-                                  f"there, {mine[key]} here")
+    mismatches = architecture_mismatches(common["model"], dataclasses.asdict(trainer.res.model))
+    if mismatches:
+        raise CheckpointError(f"checkpoint {path} is for a different model: {'; '.join(mismatches)}")
     manifest = load_views(path, state_views(trainer), kinds=None if load_optimizer else ("param", "master"))
     trainer.zero.after_load()
     if not load_optimizer:

@@ -15,22 +15,35 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megazoo.models.config import ModelConfig
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run: the message names the field, the value and what would be valid."""
 
 
+def _overrides_of(config: type, *, skip: tuple[str, ...] = ("name",)):
+    """Class decorator (apply below @dataclass): one optional override field, default None, per field of the
+    dataclass `config` (except `skip`), typed like it. So a section can never fall behind the config it sets."""
+    def add(cls: type) -> type:
+        hints = typing.get_type_hints(config)
+        annotations = cls.__dict__.get("__annotations__", {})
+        for f in dataclasses.fields(config):
+            if f.name not in skip:
+                annotations[f.name] = hints[f.name] | None
+                setattr(cls, f.name, None)
+        cls.__annotations__ = annotations
+        return cls
+    return add
+
+
 @dataclass(frozen=True)
+@_overrides_of(ModelConfig)
 class ModelSection:
+    """`[model]`: a preset, plus optional overrides of every ModelConfig field but its name (n_layer, n_head,
+    d_model, n_positions, vocab_size, d_ff, dropout, ...; None keeps the preset's value)."""
+
     preset: str = "gpt2-tiny"
-    # Optional overrides of the preset's fields (None keeps the preset's value).
-    n_layer: int | None = None
-    n_head: int | None = None
-    d_model: int | None = None
-    n_positions: int | None = None
-    vocab_size: int | None = None
-    dropout: float | None = None
-    attn_dropout: float | None = None
 
 
 @dataclass(frozen=True)

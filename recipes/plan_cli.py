@@ -1,4 +1,4 @@
-"""`megazoo plan`: the ZeRO planner (parallel/zero/planner.py) on the command line.
+"""`megazoo plan`: the ZeRO planner (parallel/zero/planner.py, recipes/plan.py) on the command line.
 
     megazoo plan --model tnlg-17b --dp 64 --tp 4 --pp 1 --zero 3 [--offload] [--json]
     megazoo plan --params 7.5e9 --dp 64            # the ZeRO paper's Table 1 row: 120, 31.4, 16.6, 1.88 GB
@@ -16,7 +16,8 @@ import sys
 from decimal import Decimal, InvalidOperation
 
 from megazoo.parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
-                                   StateBytes, format_gb, format_sig, plan, plan_model)
+                                           StateBytes, format_gb, format_sig, plan)
+from megazoo.recipes.plan import plan_model
 
 PRECISIONS = {"mixed": MIXED_ADAM, "fp32": FP32_ADAM}
 
@@ -73,10 +74,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--model {args.model!r} is not a known preset; valid: {', '.join(registry)}")
     try:
         return plan_model(registry[args.model], dp, tp, pp, stages, **common)
-    except PlanError as err:  # the planner names "tp"/"pp"; the user typed "--tp"/"--pp"
+    except PlanError as err:  # the check names "parallel.tp"/"parallel.pp"; the user typed "--tp"/"--pp"
         message = str(err)
         for name in ("tp", "pp"):
-            message = message.replace(f"{name} = ", f"--{name} ", 1).replace(f"valid {name}:", f"valid --{name}:")
+            message = message.replace(f"parallel.{name} = ", f"--{name} ", 1).replace(f"valid {name}:",
+                                                                                     f"valid --{name}:")
         raise UsageError(message) from None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megazoo.data.tokenizer import check_tokenizer_spec
 from megazoo.models.config import ModelConfig, get_preset
-from megazoo.models.transformer import divisors
+from megazoo.models.layout import check_parallel_compat, parameter_layout
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
 from megazoo.parallel.pipeline.schedules import SCHEDULES
 from megazoo.recipes.config import Recipe, RecipeError
@@ -92,13 +92,14 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
         raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
                           "'interleaved'; valid with gpipe/1f1b: 1")
     # "parameters" balancing counts the embeddings on the first stage and the tied head's copy on the last,
-    # in units of one block's parameters.
-    embeddings = (cfg.vocab_size + cfg.n_positions) * cfg.d_model
-    per_block = (cfg.num_parameters() - embeddings - 2 * cfg.d_model) / cfg.n_layer
+    # in units of one block's parameters (block 0's: every block has the same shapes).
+    numel = {p.name: p.numel for p in parameter_layout(cfg, vocab=cfg.vocab_size, layers=range(1))}
+    per_block = sum(n for name, n in numel.items() if name.startswith("h.0."))
+    embeddings = numel["wte.weight"] + numel["wpe.weight"]
     try:
         stages = virtual_stage_layers(cfg.n_layer, par.pp, virtual=par.virtual_stages, method=par.partition,
                                       layers=par.layers or None, first_extra=embeddings / per_block,
-                                      last_extra=cfg.vocab_size * cfg.d_model / per_block)
+                                      last_extra=numel["wte.weight"] / per_block)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     if par.pp > 1 and recipe.zero.stage == 3:
@@ -130,14 +131,10 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     _positive("parallel.timeout_s", par.timeout_s)
     cfg = model_config(recipe)
 
-    if cfg.n_head % par.tp:
-        raise RecipeError(f"parallel.tp = {par.tp} does not divide the head count of {cfg.name} "
-                          f"(n_head = {cfg.n_head}); valid tp: {', '.join(map(str, divisors(cfg.n_head)))}")
-    if cfg.d_ff % par.tp:
-        raise RecipeError(f"parallel.tp = {par.tp} does not divide the MLP width {cfg.d_ff} of {cfg.name}")
-    if par.pp > cfg.n_layer:
-        raise RecipeError(f"parallel.pp = {par.pp} is larger than the number of blocks of {cfg.name} "
-                          f"(n_layer = {cfg.n_layer}); valid pp: 1..{cfg.n_layer}")
+    try:
+        check_parallel_compat(cfg, par.tp, par.pp)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
     stages = _check_pipeline(recipe, cfg)
     layout = par.dp * par.tp * par.pp
     if world_size is not None and world_size != layout:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megazoo.parallel.topology import Topology, init_distributed
+from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.recipes import checkpointing
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.metrics import MetricsLog
@@ -80,20 +80,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """torchrun entry point: reads the launcher's RANK/WORLD_SIZE, never library code."""
+    """torchrun entry point: reads the launcher's RANK / WORLD_SIZE / LOCAL_RANK (library code never does).
+    Each process runs on GPU LOCAL_RANK when CUDA exists (NCCL), else on the CPU (gloo)."""
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         res = resolve(load_recipe(args.recipe, args.overrides), world_size=world_size)
     except RecipeError as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
         return 2
-    if world_size == 1:
-        run(res, Topology.build(res.recipe.parallel.dp, res.recipe.parallel.tp, res.recipe.parallel.pp))
-        return 0
-    init_distributed(rank, world_size, init_method="env://", timeout_s=res.recipe.parallel.timeout_s)
     par = res.recipe.parallel
+    if world_size == 1:
+        run(res, Topology.solo(local_device(local_rank)))
+        return 0
+    init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s)
     run(res, Topology.build(par.dp, par.tp, par.pp))
     # torch 2.13 + gloo may abort at interpreter exit after all work is done: finish deterministically.
     dist.barrier()

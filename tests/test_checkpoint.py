@@ -175,4 +175,7 @@ def test_different_model_is_refused(tmp_path):
     other = tiny_resolved(model={"n_layer": 3}, run={"dir": str(tmp_path / "other")})
     with pytest.raises(CheckpointError, match="model.n_layer = 2 there, 3 here"):
         Trainer(other, Topology.solo()).load_checkpoint(tmp_path / "checkpoints" / "step_00000004")
+    two_off = tiny_resolved(model={"n_layer": 3, "n_positions": 64}, run={"dir": str(tmp_path / "other")})
+    with pytest.raises(CheckpointError, match="model.n_layer = 2 there, 3 here; model.n_positions = 256 there"):
+        Trainer(two_off, Topology.solo()).load_checkpoint(tmp_path / "checkpoints" / "step_00000004")
     shutil.rmtree(tmp_path / "checkpoints")

@@ -1,4 +1,4 @@
-"""The ZeRO planner (parallel/zero/planner.py) and `megazoo plan` (recipes/plan_cli.py).
+"""The ZeRO planner (parallel/zero/planner.py, recipes/plan.py) and `megazoo plan` (recipes/plan_cli.py).
 
 The paper's Table 1 row is checked through the command line, the per-shard Psi against the parameters a
 meta-device model really allocates (solo, pipeline stages, and tp=2 on two gloo ranks), the formulas against
@@ -14,10 +14,11 @@ import re
 import pytest
 
 from megazoo.models.config import ModelConfig, get_preset, presets
+from megazoo.parallel.pipeline.partition import uniform_stage_layers
 from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes, buffer_memory,
-                                   communication_volume, format_sig, model_state_memory, plan, plan_model,
-                                   shard_parameters, stage_layers)
+                                           communication_volume, format_sig, model_state_memory, plan)
 from megazoo.recipes import plan_cli
+from megazoo.recipes.plan import plan_model, shard_parameters
 
 TABLE1 = ["120", "31.4", "16.6", "1.88"]  # ZeRO paper, Table 1: Psi = 7.5B, N = 64, K = 12, GB per device
 
@@ -183,7 +184,7 @@ def test_tp2_halves_sharded_and_keeps_replicated(name):
 
 
 def test_pipeline_stages_split_layers_and_hold_embeddings():
-    assert stage_layers(78, 4) == [range(0, 20), range(20, 40), range(40, 59), range(59, 78)]
+    assert uniform_stage_layers(78, 4) == [range(0, 20), range(20, 40), range(40, 59), range(59, 78)]
     cfg = get_preset("gpt2-117m")
     shard = shard_parameters(cfg, 1, 4)
     names = [{t.name for t in s.tensors} for s in shard.stages]
@@ -201,7 +202,7 @@ def _meta_counts(cfg: ModelConfig, topo, pp: int) -> list[list[tuple[str, int]]]
 
     from megazoo.models.transformer import GPT
     stages = []
-    for rank, layers in enumerate(stage_layers(cfg.n_layer, pp)):
+    for rank, layers in enumerate(uniform_stage_layers(cfg.n_layer, pp)):
         model = GPT(cfg, topo, layers=layers, with_embedding=rank == 0, with_head=rank == pp - 1,
                     device=torch.device("meta"))
         stages.append(sorted((n, p.numel()) for n, p in model.named_parameters()))

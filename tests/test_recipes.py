@@ -110,3 +110,29 @@ def test_explicit_global_batch_must_add_up():
 ])
 def test_bad_values_name_the_field(section, values, fragment):
     assert fragment in _error(lambda: resolve(tiny_recipe(**{section: values})))
+
+
+def test_model_section_overrides_every_model_field():
+    import dataclasses
+
+    from megazoo.models.config import model_fields
+    from megazoo.recipes.config import ModelSection
+    fields = {f.name: f.default for f in dataclasses.fields(ModelSection)}
+    assert fields.pop("preset") == "gpt2-tiny"
+    assert set(fields) == set(model_fields()) - {"name"} and set(fields.values()) == {None}
+    assert "d_ff" in _error(lambda: tiny_recipe(model={"d_fff": 64}))  # unknown keys still list the valid ones
+    assert "model.d_ff" in _error(lambda: tiny_recipe(model={"d_ff": "wide"}))  # and types are still checked
+
+
+def test_d_ff_override_reaches_the_model(tmp_path):
+    cfg = resolve(tiny_recipe(model={"d_ff": 200})).model
+    assert cfg.d_ff == 200 and cfg.n_layer == 2  # the other overrides of the recipe still apply
+    assert resolve(tiny_recipe()).model.d_ff == 4 * cfg.d_model  # unset: the preset's (4 x d_model)
+    assert resolve(tiny_recipe(model={"d_model": 64})).model.d_ff == 256  # follows an overridden d_model
+    path = tmp_path / "r.toml"
+    path.write_text("[model]\npreset = 'gpt2-tiny'\n")
+    recipe = load_recipe(path, ["model.d_ff=384", "model.layer_norm_eps=1e-6"])
+    cfg = resolve(recipe).model
+    assert (cfg.d_ff, cfg.layer_norm_eps) == (384, 1e-6)
+    msg = _error(lambda: resolve(tiny_recipe(model={"d_ff": 6}, parallel={"tp": 4})))
+    assert "parallel.tp = 4" in msg and "d_ff = 6" in msg and "valid tp: 1, 2" in msg

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.layout import parameter_layout
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import named_shards
 from megazoo.parallel.tensor import shard_of
@@ -60,16 +61,9 @@ def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the full model with its full shape (embedding at the true vocabulary size)."""
-    d, f = cfg.d_model, cfg.d_ff
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (cfg.vocab_size, d), "wpe.weight": (cfg.n_positions, d)}
-    for i in range(cfg.n_layer):
-        block = {"ln_1.weight": (d,), "ln_1.bias": (d,), "attn.c_attn.weight": (3 * d, d), "attn.c_attn.bias": (3 * d,),
-                 "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
-                 "mlp.c_fc.weight": (f, d), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (d, f), "mlp.c_proj.bias": (d,)}
-        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
-    shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
-    return shapes
+    """Every parameter of the full model with its full shape (embedding at the true vocabulary size), from
+    models/layout.py."""
+    return {p.name: p.shape for p in parameter_layout(cfg, vocab=cfg.vocab_size)}
 
 
 def _check_names_and_shapes(full: dict[str, torch.Tensor], cfg: ModelConfig) -> None:

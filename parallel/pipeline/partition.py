@@ -13,12 +13,13 @@ from typing import Sequence
 PARTITION_METHODS = ("uniform", "parameters")
 
 
-def _uniform(n_layer: int, parts: int) -> list[list[int]]:
+def uniform_stage_layers(n_layer: int, parts: int) -> list[range]:
+    """Blocks of each of `parts` stages, as even as possible; the first n_layer % parts stages get one more."""
     base, extra = divmod(n_layer, parts)
     out, start = [], 0
     for s in range(parts):
         size = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + size)))
+        out.append(range(start, start + size))
         start += size
     return out
 
@@ -77,7 +78,7 @@ def virtual_stage_layers(n_layer: int, pp: int, *, virtual: int = 1, method: str
                              "in order, with at least one block per stage")
         return layers
     if method == "uniform":
-        return _uniform(n_layer, parts)
+        return [list(stage) for stage in uniform_stage_layers(n_layer, parts)]
     if method == "parameters":
         weights = list(block_weights) if block_weights is not None else [1.0] * n_layer
         weights[0] += first_extra

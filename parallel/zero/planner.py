@@ -1,11 +1,13 @@
 """The ZeRO planner: per-device model-state memory and communication volume, by formula, before any process runs.
 
 Pure arithmetic (no torch, no torch.distributed), so a 100B-class layout can be planned on a laptop and the
-training code can test what it *measures* against what this file *claims* (DESIGN.md principle 6).
+training code can test what it *measures* against what this file *claims* (DESIGN.md principle 6). Model-agnostic:
+it takes a parameter count; counting a GPT preset's parameters per tp/pp shard is recipes/plan.py's job.
 
 Memory (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 5
-and Table 1). Psi is the parameter count one device holds before ZeRO (one tensor-parallel rank of the largest
-pipeline stage: `shard_parameters`), N the data-parallel degree, K the optimizer bytes per parameter. Mixed
+and Table 1). Psi is the parameter count one device holds before ZeRO (for a model split by tensor and pipeline
+parallelism, one tp rank of its largest pipeline stage), N the data-parallel degree, K the optimizer bytes per
+parameter. Mixed
 precision Adam: 2 bytes fp16/bf16 params + 2 bytes grads + K = 12 (fp32 master copy, momentum, variance):
 
     stage 0 (baseline)   (2 + 2 + K) Psi
@@ -37,8 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
-
-from megazoo.models.config import ModelConfig
+from typing import Protocol
 
 GB = 1e9  # the paper's GB: 10^9 bytes
 STAGES = (0, 1, 2, 3)
@@ -188,7 +189,7 @@ def buffer_memory(psi: int, stage: int, buffers: BufferConfig = BufferConfig(), 
 
     Stage 0: one all-reduce bucket; stages 1-2: a reduce bucket and an all-gather bucket; stage 3: a reduce
     bucket, the prefetch window and the persistent (never partitioned) small tensors, which need the tensor
-    list (`ModelShard.persistent_elements`) and are None when only a count is known.
+    list (`ShardCounts.persistent_elements`) and are None when only a count is known.
     """
     _check(stage, psi, 1)
     reduce = min(buffers.reduce_bucket, psi) * element_bytes
@@ -198,138 +199,6 @@ def buffer_memory(psi: int, stage: int, buffers: BufferConfig = BufferConfig(), 
     if stage == 3 and persistent_elements is not None:
         persistent = persistent_elements * element_bytes
     return BufferMemory(stage, reduce, gather, prefetch, persistent if stage == 3 else 0.0)
-
-
-# ---- Psi of one device from a preset --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TensorCount:
-    name: str  # the model's parameter name (models/transformer.py), e.g. "h.3.attn.c_attn.weight"
-    numel: int  # elements on one tp rank
-    tp_sharded: bool  # True: 1/tp of the global tensor; False: replicated on every tp rank
-
-
-@dataclass(frozen=True)
-class StageShard:
-    """The parameters of one tensor-parallel rank of one pipeline stage."""
-
-    pp_rank: int
-    layers: range
-    tensors: tuple[TensorCount, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(t.numel for t in self.tensors)
-
-    @property
-    def sharded(self) -> int:
-        return sum(t.numel for t in self.tensors if t.tp_sharded)
-
-    @property
-    def replicated(self) -> int:
-        return sum(t.numel for t in self.tensors if not t.tp_sharded)
-
-    def persistent_elements(self, threshold: int) -> int:
-        """Elements in tensors smaller than `threshold` (stage 3 keeps these whole on every dp rank)."""
-        return sum(t.numel for t in self.tensors if t.numel < threshold)
-
-
-@dataclass(frozen=True)
-class ModelShard:
-    """Per-device parameter counts of a preset under (tp, pp): `psi` is the largest stage's (the peak)."""
-
-    model: str
-    tp: int
-    pp: int
-    padded_vocab: int
-    stages: tuple[StageShard, ...]
-
-    @property
-    def peak(self) -> StageShard:
-        return max(self.stages, key=lambda s: s.numel)  # ties: the first such stage
-
-    @property
-    def psi(self) -> int:
-        return self.peak.numel
-
-    def describe(self) -> str:
-        peak = self.peak
-        sizes = ", ".join(f"{s.numel:,}" for s in self.stages)
-        text = (f"Psi = {self.psi:,} parameters per device: {self.model} with tp={self.tp} pp={self.pp}; "
-                f"padded vocab {self.padded_vocab:,} (a multiple of 128 x tp); tp-sharded {peak.sharded:,} "
-                f"({f'1/{self.tp}' if self.tp > 1 else 'all, at tp=1,'} of the QKV, MLP, attention/MLP output weights, "
-                f"column biases and word embedding) "
-                f"+ replicated {peak.replicated:,} (LayerNorms, row-parallel biases"
-                f"{', position embedding' if peak.pp_rank == 0 else ''})")
-        if self.pp > 1:
-            text += (f"; pipeline stage {peak.pp_rank} of {self.pp} (blocks {peak.layers.start}.."
-                     f"{peak.layers.stop - 1}) is the largest; every stage: [{sizes}]")
-        return text
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def stage_layers(n_layer: int, pp: int) -> list[range]:
-    """Blocks per pipeline stage, as even as possible; the first n_layer % pp stages get one more block."""
-    base, extra = divmod(n_layer, pp)
-    ranges, start = [], 0
-    for rank in range(pp):
-        stop = start + base + (1 if rank < extra else 0)
-        ranges.append(range(start, stop))
-        start = stop
-    return ranges
-
-
-def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> ModelShard:
-    """Exact per-rank parameter counts of `cfg` under tensor parallelism `tp` and pipeline parallelism `pp`.
-
-    Mirrors models/transformer.py tensor by tensor (tests compare names and sizes with a meta-device model):
-    - The *padded* vocabulary is counted, since the padded rows are allocated, trained (they get weight decay
-      and Adam state) and partitioned like any other row: padded_vocab(tp) / tp rows of wte per tp rank.
-    - Column-parallel weights and biases (c_attn in 3 head-aligned sections, mlp.c_fc) and row-parallel weights
-      (attn.c_proj, mlp.c_proj) hold 1/tp; row-parallel biases (added after the all-reduce), LayerNorms and the
-      position embedding are replicated on every tp rank.
-    - Pipeline: stage 0 holds wte and wpe, the last stage ln_f and its own copy of wte for the tied head (so with
-      pp > 1 the word embedding is counted on two stages, as it is allocated twice).
-    """
-    for name, value in (("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise PlanError(f"{name} = {value!r} is invalid: it must be an integer >= 1")
-    if cfg.n_head % tp:
-        raise PlanError(f"tp = {tp} does not divide the {cfg.n_head} attention heads of {cfg.name}; "
-                        f"valid tp: {', '.join(map(str, divisors(cfg.n_head)))}")
-    if cfg.d_ff % tp:
-        raise PlanError(f"tp = {tp} does not divide the MLP width {cfg.d_ff} of {cfg.name}; "
-                        f"valid tp: {', '.join(str(k) for k in divisors(cfg.n_head) if cfg.d_ff % k == 0)}")
-    if pp > cfg.n_layer:
-        raise PlanError(f"pp = {pp} is larger than the {cfg.n_layer} blocks of {cfg.name}; "
-                        f"valid pp: 1..{cfg.n_layer}")
-    d, f, vocab = cfg.d_model, cfg.d_ff, cfg.padded_vocab(tp)
-
-    def block(i: int) -> list[TensorCount]:  # (name, elements on one tp rank, split over tp?)
-        sizes = [("ln_1.weight", d, False), ("ln_1.bias", d, False), ("attn.c_attn.weight", 3 * d * d // tp, True),
-                 ("attn.c_attn.bias", 3 * d // tp, True), ("attn.c_proj.weight", d * d // tp, True),
-                 ("attn.c_proj.bias", d, False), ("ln_2.weight", d, False), ("ln_2.bias", d, False),
-                 ("mlp.c_fc.weight", f * d // tp, True), ("mlp.c_fc.bias", f // tp, True),
-                 ("mlp.c_proj.weight", d * f // tp, True), ("mlp.c_proj.bias", d, False)]
-        return [TensorCount(f"h.{i}.{name}", numel, split) for name, numel, split in sizes]
-
-    stages = []
-    for rank, layers in enumerate(stage_layers(cfg.n_layer, pp)):
-        first, last = rank == 0, rank == pp - 1
-        tensors = []
-        if first or last:  # the tied head of the last stage owns its copy of the word embedding
-            tensors.append(TensorCount("wte.weight", vocab // tp * d, True))
-        if first:
-            tensors.append(TensorCount("wpe.weight", cfg.n_positions * d, False))
-        for i in layers:
-            tensors.extend(block(i))
-        if last:
-            tensors += [TensorCount("ln_f.weight", d, False), TensorCount("ln_f.bias", d, False)]
-        stages.append(StageShard(rank, layers, tuple(tensors)))
-    return ModelShard(cfg.name, tp, pp, vocab, tuple(stages))
 
 
 # ---- one plan for every stage ---------------------------------------------------------------------------------
@@ -345,6 +214,16 @@ class StagePlan:
         return self.memory.stage
 
 
+class ShardCounts(Protocol):
+    """What a model-specific count of one device's parameters tells the formulas (recipes/plan.py's ModelShard
+    for the GPT presets): the tensor sizes matter only for stage 3's persistent (never partitioned) tensors."""
+
+    @property
+    def psi(self) -> int: ...
+
+    def persistent_elements(self, threshold: int) -> int: ...
+
+
 @dataclass(frozen=True)
 class Plan:
     psi: int
@@ -355,26 +234,20 @@ class Plan:
     buffer_config: BufferConfig
     derivation: str  # how psi was obtained
     stages: tuple[StagePlan, ...]
-    shard: ModelShard | None = None
+    shard: ShardCounts | None = None  # the model-specific counts psi came from, when a model was given
 
 
 def plan(psi: int, dp: int, stages=STAGES, *, state: StateBytes = MIXED_ADAM, offload: bool = False,
-         grad_accum: int = 1, buffers: BufferConfig = BufferConfig(), shard: ModelShard | None = None,
+         grad_accum: int = 1, buffers: BufferConfig = BufferConfig(), shard: ShardCounts | None = None,
          derivation: str = "") -> Plan:
     """Memory, communication and buffers for each ZeRO stage in `stages`, for Psi = `psi` over `dp` ranks."""
-    persistent = shard.peak.persistent_elements(buffers.persistence_threshold) if shard else None
+    persistent = shard.persistent_elements(buffers.persistence_threshold) if shard else None
     rows = tuple(StagePlan(model_state_memory(psi, dp, s, state, offload=offload),
                            communication_volume(psi, dp, s, state, grad_accum=grad_accum),
                            buffer_memory(psi, s, buffers, element_bytes=state.params,
                                          persistent_elements=persistent)) for s in stages)
     return Plan(psi, dp, state, offload, grad_accum, buffers,
                 derivation or f"Psi = {psi:,} parameters per device (given)", rows, shard)
-
-
-def plan_model(cfg: ModelConfig, dp: int, tp: int = 1, pp: int = 1, stages=STAGES, **kwargs) -> Plan:
-    """`plan` with Psi = the largest per-device shard of `cfg` under (tp, pp)."""
-    shard = shard_parameters(cfg, tp, pp)
-    return plan(shard.psi, dp, stages, shard=shard, derivation=shard.describe(), **kwargs)
 
 
 def format_sig(x: float, sig: int = 3) -> str:
