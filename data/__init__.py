@@ -37,6 +37,7 @@ __all__ += [
 # Every kind of tokenizer behind the Tokenizer protocol, and the one loader for a user's tokenizer spec.
 from megazoo.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
-from megazoo.data.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
+from megazoo.data.tokenizer import HFTokenizer  # noqa: E402
+from megazoo.data.tokenizer_loading import load_tokenizer  # noqa: E402
 
 __all__ += ["GPT2BPETokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer"]

@@ -21,14 +21,13 @@ deterministic every rename publishes identical bytes.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megazoo.data.fileio import atomic_write
 from megazoo.data.indexed_dataset import IndexedDataset
 
 INDEX_VERSION = 1  # bump when the algorithm changes, so old caches are not reused
@@ -40,13 +39,8 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """np.save to a temporary name beside `path`, then rename: readers see no file or a whole one, and
     concurrent writers of the same deterministic array just replace identical bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_write(path) as f:
+        np.save(f, array)
 
 
 def _smallest_int(upper: int) -> type[np.signedinteger]:

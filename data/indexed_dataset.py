@@ -26,20 +26,19 @@ unless asked.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-import tempfile
 from array import array
 from pathlib import Path
 
 import numpy as np
+
+from megazoo.data.fileio import AtomicFile, file_sha256
 
 MAGIC = b"MZIDX\x00\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<8sIBB2xQQ32s")  # 64 bytes
 DIGEST_BYTES = 32
 DTYPE_CODES = {1: np.uint8, 2: np.uint16, 3: np.int32, 4: np.uint32, 5: np.int64}
-_CHUNK = 1 << 24  # bytes hashed per read: bounded memory however large the file
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
@@ -60,17 +59,8 @@ def data_paths(prefix: str | Path) -> tuple[Path, Path]:
 
 
 def _sha256_file(path: Path, limit: int | None = None) -> bytes:
-    """SHA-256 of the first `limit` bytes (all when None), read in chunks."""
-    digest = hashlib.sha256()
-    remaining = path.stat().st_size if limit is None else limit
-    with open(path, "rb") as f:
-        while remaining > 0:
-            block = f.read(min(_CHUNK, remaining))
-            if not block:
-                break
-            digest.update(block)
-            remaining -= len(block)
-    return digest.digest()
+    """SHA-256 (raw 32 bytes, as the index stores it) of the first `limit` bytes (all when None), streamed."""
+    return bytes.fromhex(file_sha256(path, limit=limit))
 
 
 class IndexedDataset:
@@ -179,9 +169,8 @@ class IndexedDatasetWriter:
         if not directory.is_dir():
             raise FileNotFoundError(f"output directory {directory} does not exist (output prefix {self.prefix!r})")
         # Temporary files beside the targets, so the final os.replace is a same-filesystem atomic rename.
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.bin_path.name}.", suffix=".tmp", dir=directory)
-        self._bin_tmp = Path(tmp)
-        self._bin = os.fdopen(fd, "wb")
+        self._bin_file = AtomicFile(self.bin_path)
+        self._bin = self._bin_file.file
         self._sha = hashlib.sha256()
         self._lengths = array("q")
         self._bytes = 0
@@ -229,9 +218,7 @@ class IndexedDatasetWriter:
         if self._closed:
             raise RuntimeError(f"writer for {self.prefix} is already closed")
         try:
-            self._bin.flush()
-            os.fsync(self._bin.fileno())
-            self._bin.close()
+            self._bin_file.sync()
             lengths = np.frombuffer(self._lengths, dtype=np.int64) if len(self._lengths) else np.zeros(0, np.int64)
             offsets = np.zeros(len(lengths), dtype=np.int64)
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=offsets[1:])
@@ -240,19 +227,16 @@ class IndexedDatasetWriter:
                                self._bytes, self._sha.digest())
             body += lengths.astype(np.dtype(len_dtype).newbyteorder("<")).tobytes()
             body += offsets.astype("<i8").tobytes()
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.idx_path.name}.", suffix=".tmp", dir=self.idx_path.parent)
-            idx_tmp = Path(tmp)
+            idx_file = AtomicFile(self.idx_path)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(body + hashlib.sha256(body).digest())
-                    f.flush()
-                    os.fsync(f.fileno())
+                idx_file.file.write(body + hashlib.sha256(body).digest())
+                idx_file.sync()
                 self._refuse_existing()  # another process may have created the prefix while we were writing
                 # .bin first, .idx last: a reader that sees the new .idx also sees the .bin it describes.
-                os.replace(self._bin_tmp, self.bin_path)
-                os.replace(idx_tmp, self.idx_path)
+                self._bin_file.commit()
+                idx_file.commit()
             finally:
-                idx_tmp.unlink(missing_ok=True)
+                idx_file.discard()
         except BaseException:
             self.abort()
             raise
@@ -261,9 +245,7 @@ class IndexedDatasetWriter:
 
     def abort(self) -> None:
         """Drop everything written so far; the output prefix is left as it was."""
-        if not self._bin.closed:
-            self._bin.close()
-        self._bin_tmp.unlink(missing_ok=True)
+        self._bin_file.discard()
         self._closed = True
 
     def __enter__(self) -> "IndexedDatasetWriter":

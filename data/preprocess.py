@@ -34,7 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
-from megazoo.data.tokenizer import Tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
+from megazoo.data.tokenizer import Tokenizer
+from megazoo.data.tokenizer_loading import load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)

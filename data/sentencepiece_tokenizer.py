@@ -26,7 +26,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megazoo.data.tokenizer import EOD_TOKEN, write_new_file
+from megazoo.data.fileio import write_new_file
+from megazoo.data.tokenizer import EOD_TOKEN
 
 MODEL_TYPES = ("bpe", "unigram")
 SPACE_MARK = "\u2581"  # "▁": sentencepiece's whitespace symbol

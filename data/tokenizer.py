@@ -1,15 +1,14 @@
 """Tokenizers behind one small interface: encode, decode, the end-of-document id and the vocabulary size.
 
-`load_tokenizer(spec)` is the one entry point that turns a user's tokenizer argument into a `Tokenizer`:
-
-- a directory with GPT-2's BPE files (vocab.json + merges.txt, or encoder.json + vocab.bpe) -> GPT2BPETokenizer
-- a `tokenizers` `.json` file (e.g. written by `megazoo tokenizer train --type bpe`) -> BPETokenizer
-- a sentencepiece `.model` file (e.g. from `megazoo tokenizer train --type sentencepiece`) -> SentencePieceTokenizer
-- `hf:NAME` or `hf:/path/to/dir` -> `transformers.AutoTokenizer.from_pretrained(NAME)` as an HFTokenizer
-  (eod = its eos token). NAME is looked up in the local Hugging Face cache first, then on the hub.
+`Tokenizer` (the protocol), `BPETokenizer` (a `tokenizers` byte-level BPE) and `HFTokenizer` (any
+`transformers` tokenizer) live here; GPT-2's own BPE files and sentencepiece models have their modules
+(data/gpt2_bpe.py, data/sentencepiece_tokenizer.py), and `load_tokenizer(spec)`, which turns a user's tokenizer
+argument into any of them, lives in data/tokenizer_loading.py (above all of them, so no import circle). It is
+still reachable as `megazoo.data.tokenizer.load_tokenizer` (loaded on first use), as are `check_tokenizer_spec`
+and `load_hf_tokenizer`.
 """
 
-import os
+import importlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from megazoo.data.fileio import atomic_write_text, write_new_file  # noqa: F401  (write_new_file: moved to data.fileio)
 
 EOD_TOKEN = "<|endoftext|>"
 HF_PREFIX = "hf:"
@@ -85,7 +86,7 @@ class BPETokenizer:
         return cls(backend, source=str(path))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        atomic_write_text(path, self.to_json())
 
     def to_json(self) -> str:
         return self._backend.to_str()
@@ -142,119 +143,12 @@ class HFTokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def load_hf_tokenizer(name: str) -> HFTokenizer:
-    """`AutoTokenizer.from_pretrained(name)` wrapped in the protocol; `name` is a hub name or a local directory.
-
-    A hub name is tried in the local cache first (no network, no retries), then on the hub. When the hub
-    cannot be reached (offline, or HF_HUB_OFFLINE=1) the error says so and asks for a local directory.
-    """
-    if not name:
-        raise ValueError(f"tokenizer {HF_PREFIX!r} names no tokenizer: use hf:NAME (e.g. hf:gpt2) or hf:/path/to/dir")
-    from transformers import AutoTokenizer  # slow import (seconds): only for hf: tokenizers
-
-    local = Path(name).expanduser()
-    if local.exists() or name.startswith((".", "/", "~")):  # hub names look like "gpt2" or "org/name"
-        if not local.is_dir():
-            raise FileNotFoundError(f"Hugging Face tokenizer directory {local} not found (or not a directory)")
-        try:
-            return HFTokenizer(AutoTokenizer.from_pretrained(str(local)), source=str(local))
-        except Exception as error:  # transformers raises many types for a directory it cannot read
-            raise ValueError(f"{local} is not a Hugging Face tokenizer directory that AutoTokenizer can load "
-                             f"(for GPT-2 BPE files give the directory without {HF_PREFIX!r}): {error}") from error
-    try:
-        try:
-            backend = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        except OSError:
-            backend = AutoTokenizer.from_pretrained(name)
-    except Exception as error:  # transformers / huggingface_hub raise many types (OSError, HTTP, value errors)
-        if _hub_unreachable(error):
-            raise ConnectionError(
-                f"cannot load Hugging Face tokenizer {name!r}: the Hugging Face hub could not be reached (offline, "
-                f"or HF_HUB_OFFLINE=1) and {name!r} is not in the local cache. Pass a local directory instead: "
-                f"hf:/path/to/dir (saved with save_pretrained) or a GPT-2 BPE directory (vocab.json + merges.txt)"
-            ) from error
-        raise ValueError(f"cannot load Hugging Face tokenizer {name!r}: {error}") from error
-    return HFTokenizer(backend, source=f"{HF_PREFIX}{name}")
+# The loader factory moved to data/tokenizer_loading.py (it imports gpt2_bpe and sentencepiece_tokenizer, which
+# import this module); its names stay reachable from here, imported on first use.
+_MOVED_TO_LOADING = ("check_tokenizer_spec", "load_hf_tokenizer", "load_tokenizer")
 
 
-def _hub_unreachable(error: BaseException) -> bool:
-    """True when `error` (or what caused it) says the hub could not be contacted and nothing was cached."""
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError)):
-            return True
-        if type(error).__name__ in ("ConnectError", "ConnectTimeout", "ConnectionError"):  # httpx / requests
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def check_tokenizer_spec(spec: str | Path) -> None:
-    """Cheap validation of a tokenizer spec without loading it (for recipe checks before any process starts):
-    `hf:` specs are accepted as they are, paths must exist and be of a supported kind."""
-    text = str(spec)
-    if text.startswith(HF_PREFIX):
-        if not text[len(HF_PREFIX):]:
-            raise ValueError(f"tokenizer {text!r} names no tokenizer: use hf:NAME (e.g. hf:gpt2) or hf:/path/to/dir")
-        return
-    path = Path(spec)
-    if path.is_dir():
-        return  # which files it holds is checked on load, with a message listing them
-    if not path.exists():
-        looks_like_name = not path.suffix and not text.startswith((".", "/", "~"))
-        hint = f" (for the Hugging Face tokenizer {text!r} write {HF_PREFIX}{text})" if looks_like_name else ""
-        raise FileNotFoundError(f"tokenizer {path} not found{hint}: give a GPT-2 BPE directory, a tokenizers "
-                                f".json file, a sentencepiece .model file or hf:NAME")
-    if path.suffix not in (".json", ".model"):
-        raise ValueError(f"tokenizer file {path} has an unsupported suffix {path.suffix!r}: use a tokenizers .json, "
-                         f"a sentencepiece .model, a GPT-2 BPE directory or hf:NAME")
-
-
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """The tokenizer a user named (see the module docstring for the accepted specs).
-
-    Raises FileNotFoundError / ValueError / ConnectionError (hub unreachable) naming the path or name.
-    """
-    text = str(spec)
-    if text.startswith(HF_PREFIX):
-        return load_hf_tokenizer(text[len(HF_PREFIX):])
-    check_tokenizer_spec(spec)
-    path = Path(spec)
-    if path.is_dir():
-        from megazoo.data.gpt2_bpe import GPT2BPETokenizer  # imported here: data.gpt2_bpe imports this module
-
-        return GPT2BPETokenizer.from_dir(path)
-    if path.suffix == ".model":
-        from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
-
-        return SentencePieceTokenizer.load(path)
-    return BPETokenizer.load(path)
-
-
-def write_new_file(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path`, which must not exist: all or nothing, and never over an existing file.
-
-    The bytes go to a temporary file beside `path` that is then hard-linked into place (link fails when
-    `path` exists, even if it appeared meanwhile), so a crash never leaves a half-written tokenizer.
-    """
-    path = Path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} already exists; not overwriting it (remove it or choose another output)")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise FileExistsError(f"{path} already exists; not overwriting it") from None
-        except OSError:  # a filesystem without hard links: fall back to an exists-check + rename
-            if path.exists():
-                raise FileExistsError(f"{path} already exists; not overwriting it") from None
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def __getattr__(name: str):
+    if name in _MOVED_TO_LOADING:
+        return getattr(importlib.import_module("megazoo.data.tokenizer_loading"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megazoo.data.preprocess import PreprocessError, check_inputs, parse_record
-from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer, Tokenizer, write_new_file
+from megazoo.data.fileio import write_new_file
+from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer, Tokenizer
 
 KINDS = ("bpe", "sentencepiece")
 TEXT_BLOCK_CHARS = 1 << 20  # a .txt file reaches the trainer in blocks of whole lines of about this size

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ class ModelSource:
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
     """Validate model config, tokenizer and data path before any process is started or weights are read."""
-    from megazoo.data.tokenizer import load_tokenizer
+    from megazoo.data.tokenizer_loading import load_tokenizer
     from megazoo.models.gpt2.convert_cli import load_consolidated_config
 
     if args.hf is not None:
@@ -69,7 +68,7 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     return ModelSource(cfg, cfg.name, tokenizer)
 
 
-def _logits_fn(args: argparse.Namespace, source: ModelSource, topology):
+def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
     from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
     from megazoo.models.gpt2.convert_cli import load_consolidated
     from megazoo.models.gpt2.hf import gpt_from_full_state, read_hf_dir
@@ -77,30 +76,30 @@ def _logits_fn(args: argparse.Namespace, source: ModelSource, topology):
     if args.backend == "transformers":
         from transformers import GPT2LMHeadModel
 
-        return hf_logits_fn(GPT2LMHeadModel.from_pretrained(args.hf).to(topology.device))
+        return hf_logits_fn(GPT2LMHeadModel.from_pretrained(args.hf).to(topo.device))
     cfg, full_state = read_hf_dir(args.hf) if args.hf is not None else load_consolidated(args.checkpoint)
-    return gpt_logits_fn(gpt_from_full_state(cfg, full_state, topology))
+    return gpt_logits_fn(gpt_from_full_state(cfg, full_state, topo))
 
 
-def evaluate(args: argparse.Namespace, topology) -> dict:
+def evaluate(args: argparse.Namespace, topo) -> dict:
     """Run the evaluation on this rank; rank 0 prints the summary and writes the JSON. Returns the result."""
     from megazoo.eval import lambada, wikitext103
 
     source = check_inputs(args)
     tokenizer = source.tokenizer
-    lead = topology.rank == 0
+    lead = topo.rank == 0
     common = dict(context=source.cfg.n_positions, pad_id=tokenizer.eod_id, batch_size=args.batch_size,
                   limit=args.limit, progress=lead, model_name=source.name)
     if args.task == "wikitext103":
         data = wikitext103.load_wikitext(args.data, tokenizer)
-        result = wikitext103.evaluate_wikitext(_logits_fn(args, source, topology), data, stride=args.stride,
+        result = wikitext103.evaluate_wikitext(_logits_fn(args, source, topo), data, stride=args.stride,
                                                **common)
         line = wikitext103.summary_line(result)
     else:
         data = lambada.load_lambada(args.data, tokenizer)
-        result = lambada.evaluate_lambada(_logits_fn(args, source, topology), data, **common)
+        result = lambada.evaluate_lambada(_logits_fn(args, source, topo), data, **common)
         line = lambada.summary_line(result)
-    result.update(backend=args.backend, tp=topology.tp, limit=args.limit)
+    result.update(backend=args.backend, tp=topo.tp, limit=args.limit)
     if lead:
         print(line, flush=True)
         if args.json:
@@ -123,14 +122,13 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    from megazoo.parallel.local_launch import launch_local
     from megazoo.parallel.topology import Topology
 
     try:
         if args.tp > 1:
             check_inputs(args)  # in this process: bad input fails before any worker starts
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={args.tp}", "-m", "eval.cli", *_forwarded_argv(args)]
-            return subprocess.call(command)
+            return launch_local(args.tp, "megazoo.eval.cli", _forwarded_argv(args))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         evaluate(args, Topology.solo(device))
     except (FileNotFoundError, ValueError) as error:
@@ -173,8 +171,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point (`python -m megazoo.eval.cli TASK ...`): reads the launcher's RANK/WORLD_SIZE."""
-    import torch.distributed as dist
-
+    from megazoo.parallel.local_launch import finish_worker
     from megazoo.parallel.topology import Topology, init_distributed
 
     parser = argparse.ArgumentParser(prog="megazoo eval")
@@ -192,13 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
         code = 2
-    # torch 2.13 + gloo may abort at interpreter exit after all work is done: finish deterministically.
-    if code == 0:
-        dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    finish_worker(code)  # barrier (when all went well), destroy the group, flush, os._exit(code)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megazoo.parallel.checkpoint.io import sha256_file
+from megazoo.data.fileio import atomic_write_text
 from megazoo.parallel.tensor import gather_from_tp_region
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids (b, s) long -> logits (b, s, V) float
@@ -87,15 +87,10 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{what} file {path} is not UTF-8 text (corrupt or the wrong file?): {error}") from error
 
 
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file, streamed (the one helper checkpoints use too)."""
-    return sha256_file(Path(path))
-
-
 def write_result_json(result: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 def batches(items: list, batch_size: int):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megazoo.kernels.availability import Candidate, triton_missing
+from megazoo.parallel.collectives import all_reduce
 from megazoo.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megazoo.parallel.topology import group_rank
 
@@ -70,12 +71,6 @@ class TorchChunkedBackend:
         return grad
 
 
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, backend):
@@ -88,10 +83,10 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         local_target = local_target.masked_fill((local_target < 0) | (local_target >= local_vocab), -1)
 
         row_max, sum_exp, target_logit = backend.local_stats(x, local_target, n_valid)
-        global_max = _all_reduce(row_max.clone(), group, dist.ReduceOp.MAX)
+        global_max = all_reduce(row_max.clone(), group, dist.ReduceOp.MAX)
         # Rescale each rank's sum to the global max; a shard of padding only has row_max -inf and sum 0.
         sums = torch.stack([sum_exp * torch.exp(row_max - global_max), target_logit])
-        _all_reduce(sums, group)
+        all_reduce(sums, group)
         lse = global_max + sums[0].log()
         ignored = flat_target == ignore_index
         loss = (lse - sums[1]).masked_fill(ignored, 0.0)

@@ -63,12 +63,17 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, op=dist.Reduc
     return _reduce_scatter_single(out, x, op=op, group=group, async_op=async_op)
 
 
-def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, ledger: CommLedger | None = None) -> None:
-    """In-place all-reduce over `group` (None: nothing to do)."""
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, ledger: CommLedger | None = None) -> torch.Tensor:
+    """In-place all-reduce of `x` over `group` (None: nothing to do); returns `x`, so it chains.
+
+    The one plain all-reduce: ZeRO and data parallelism, the tensor-parallel autograd functions (comms.py) and
+    both vocab-parallel cross-entropies call it. A plain collective, not an autograd function: callers that need
+    a gradient rule wrap it (parallel/tensor/comms.py). `x` must be contiguous (gloo and NCCL reduce in place)."""
     if group is None:
-        return
+        return x
     _record(ledger, "all_reduce", x, group)
     dist.all_reduce(x, op=op, group=group)
+    return x
 
 
 def all_gather_stacked(x: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -10,13 +10,13 @@ runs one process in place or N local processes through torchrun (`python -m torc
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from megazoo.data.preprocess import register as register_preprocess
 from megazoo.data.tokenizer_cli import register as register_tokenizer
 from megazoo.eval.cli import register as register_eval
 from megazoo.models.gpt2.convert_cli import register as register_convert
+from megazoo.parallel.local_launch import launch_local
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.plan_cli import register as register_plan
 from megazoo.recipes.resolve import resolve
@@ -41,18 +41,9 @@ def _train(args: argparse.Namespace) -> int:
         from megazoo.recipes.train import main as train_main
         return train_main([args.recipe, *sets])
     # Restarts: a failed job (a rank died, a collective timed out) is started again, every worker, and resumes
-    # from the latest good checkpoint. Each attempt is a fresh torchrun with a fresh rendezvous: torchrun's own
-    # --max-restarts reuses the rendezvous, and with torch 2.13 + gloo the restarted ranks intermittently failed
-    # to reconnect ("connectFullMesh ... Connection refused") on this machine.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megazoo.recipes.train", args.recipe, *sets]
-    for attempt in range(args.max_restarts + 1):
-        code = subprocess.call(command)
-        if code == 0 or attempt == args.max_restarts:
-            return code
-        print(f"megazoo: attempt {attempt + 1} failed (exit code {code}); restarting all {nproc} workers from the "
-              f"latest good checkpoint ({args.max_restarts - attempt} restart(s) left)", file=sys.stderr, flush=True)
-    return code
+    # from the latest good checkpoint (checkpoint.resume=true above).
+    return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
+                        restart_note=" from the latest good checkpoint")
 
 
 def _presets(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megazoo.data.tokenizer import check_tokenizer_spec
+from megazoo.data.tokenizer_loading import check_tokenizer_spec
 from megazoo.models.config import ModelConfig, get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers

@@ -15,8 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
+from megazoo.parallel.local_launch import finish_worker
 from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.recipes import checkpointing
 from megazoo.recipes.config import RecipeError, load_recipe
@@ -97,12 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s)
     run(res, Topology.build(par.dp, par.tp, par.pp))
-    # torch 2.13 + gloo may abort at interpreter exit after all work is done: finish deterministically.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker(0)  # barrier, destroy the group, flush, os._exit: torch 2.13 + gloo may abort at exit
 
 
 if __name__ == "__main__":

@@ -206,9 +206,10 @@ def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer_dir is not None:
+        from megazoo.data.fileio import atomic_write_bytes
         from megazoo.data.gpt2_bpe import find_bpe_files
 
         vocab, merges = find_bpe_files(tokenizer_dir)
-        (out_dir / "vocab.json").write_bytes(vocab.read_bytes())
-        (out_dir / "merges.txt").write_bytes(merges.read_bytes())
+        atomic_write_bytes(out_dir / "vocab.json", vocab.read_bytes())
+        atomic_write_bytes(out_dir / "merges.txt", merges.read_bytes())
     return out_dir

@@ -17,7 +17,6 @@ both and load into any layout with a few lines of assembly (load.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megazoo.data.fileio import atomic_write_bytes
+from megazoo.data.fileio import file_sha256 as sha256_file
 from megazoo.parallel.checkpoint.views import StateView
 
 FORMAT = "megazoo-sharded-checkpoint/1"
@@ -40,14 +41,6 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -57,15 +50,6 @@ def _world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extras: dict, common: dict,
@@ -105,12 +89,12 @@ def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extr
         for filename, rank_files, rank_index in gathered:
             manifest["files"].update(rank_files)
             manifest["pieces"] += [dict(entry, file=filename) for entry in rank_index]
-        _write_atomic(tmp / "manifest.json", json.dumps(manifest).encode())
+        atomic_write_bytes(tmp / "manifest.json", json.dumps(manifest).encode())
         verify_checkpoint(tmp)  # every file there and intact before it is published
         if final.exists():  # the same step saved again: replace it only now that the new one is complete
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name.encode())
+        atomic_write_bytes(root / LATEST, final.name.encode())
         _prune(root, keep, protect=final)
     _barrier()
     return final

@@ -40,17 +40,27 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer, tensors: list[torch.Tens
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
-    """How many updates AdamW has applied (its bias correction depends on it)."""
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
+    """How many updates AdamW has applied (its bias correction depends on it). torch keeps the count per tensor
+    in `state[p]["step"]`, apex's FusedAdam per group in `param_groups[i]["step"]`: the larger one is live."""
+    counts = [int(state["step"]) for state in optimizer.state.values() if "step" in state]
+    counts += [int(group["step"]) for group in optimizer.param_groups if "step" in group]
+    return max(counts, default=0)
 
 
 def set_optimizer_steps(optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """Set the update count wherever the optimizer keeps it (see optimizer_steps): per tensor and per group."""
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].fill_(float(steps))
+    for group in optimizer.param_groups:
+        group["step"] = steps
+
+
+def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """`zero_grad(set_to_none=True)` for every optimizer: apex's FusedAdam.zero_grad takes no argument."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 def whole_param_views(name: str, spec: ShardSpec, param: torch.Tensor, state: dict | None,

@@ -14,18 +14,9 @@ Each is a pair: what runs in forward, and its adjoint in backward. All act on th
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megazoo.parallel.collectives import all_gather_stacked
+from megazoo.parallel.collectives import all_gather_stacked, all_reduce
 from megazoo.parallel.topology import group_rank, group_size
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group is None:
-        return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
 
 
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -53,13 +44,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone() if ctx.group is not None else grad, ctx.group), None
+        return (grad if ctx.group is None else all_reduce(grad.clone().contiguous(), ctx.group)), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group) if group is not None else x
+        return all_reduce(x.clone().contiguous(), group) if group is not None else x
 
     @staticmethod
     def backward(ctx, grad):

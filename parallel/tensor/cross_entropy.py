@@ -14,13 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazoo.parallel.collectives import all_reduce
 from megazoo.parallel.topology import group_rank
-
-
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(x, op=op, group=group)
-    return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -34,18 +29,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits[..., max(valid_cols, 0):] = float("-inf")
 
         row_max = logits.max(dim=-1).values
-        _all_reduce(row_max, group, dist.ReduceOp.MAX)
+        all_reduce(row_max, group, dist.ReduceOp.MAX)
         logits.sub_(row_max.unsqueeze(-1))
 
         local_target = target - start
         not_here = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(not_here, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(not_here, 0.0)
-        _all_reduce(target_logit, group)
+        all_reduce(target_logit, group)
 
         probs = logits.exp_()
         sum_exp = probs.sum(dim=-1)
-        _all_reduce(sum_exp, group)
+        all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
         ignored = target == ignore_index

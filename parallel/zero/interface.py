@@ -4,8 +4,8 @@ A training loop holds one `ZeroOptimizer` and never asks which stage it is:
 
   per micro-batch   begin_micro_batch(last) before its backward: stage 1 reduces gradients only in the last
                     backward; stages 2/3 reduce-scatter during every backward.
-  per step          `optimizer_step(...)` below: finish_gradients (wait for the reductions) -> fp16 overflow
-                    check -> unscale -> global norm -> clip -> AdamW (+ all-gather for stages 1/2).
+  per step          `optimizer_step(...)` below: finish_gradients (wait for the reductions) -> fp16 unscale and
+                    overflow check (one fused op) -> global norm -> clip -> AdamW (+ all-gather, stages 1/2).
   full weights      `with zero.gathered():` every parameter is full on this rank (stage 3 gathers each unit,
                     then frees it again; a no-op below stage 3).
 
@@ -38,7 +38,6 @@ class ZeroOptimizer(Protocol):
     def gradients(self) -> list[torch.Tensor]: ...
     def grad_norm(self) -> torch.Tensor: ...
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None: ...
-    def scale_grads_(self, factor: float) -> None: ...
     def zero_grads_(self) -> None: ...
     def step(self, lr: float) -> None: ...
     def gathered(self) -> ContextManager: ...
@@ -74,13 +73,11 @@ def optimizer_step(zero: ZeroOptimizer, *, lr: float, grad_clip: float, device: 
     zero.finish_gradients()
     scale = scaler.scale if scaler is not None else 1.0  # the scale this step's backward used
     if scaler is not None:
-        overflow = scaler.found_overflow(zero.gradients(), device)
+        overflow = scaler.unscale_and_check(zero.gradients(), device)  # the step's one host read before metrics
         scaler.update(overflow)
         if overflow:  # every rank agreed: drop the step
             zero.zero_grads_()
             return StepOutcome(torch.tensor(float("nan")), skipped=True, loss_scale=scale)
-        if scale != 1.0:
-            zero.scale_grads_(1.0 / scale)
     norm = zero.grad_norm()
     if grad_clip > 0:
         zero.clip_(norm, grad_clip)

@@ -32,16 +32,27 @@ class DynamicLossScaler:
         self._good_steps = 0
         self._hysteresis_left = self.hysteresis
 
-    @staticmethod
     @torch.no_grad()
-    def found_overflow(grads: Iterable[torch.Tensor], device: torch.device) -> bool:
-        """True when any gradient on any rank of the job is inf/NaN. Collective: all-reduce (max) over all ranks,
-        so every rank takes the same decision (dp, tp and pp ranks hold different gradients)."""
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
+    def unscale_and_check(self, grads: Iterable[torch.Tensor], device: torch.device) -> bool:
+        """Divide `grads` by the scale in place and return True when any gradient on any rank of the job holds
+        an inf/NaN (the gradients are then garbage: drop them). One fused kernel per (device, dtype) group
+        checks and unscales (torch's AMP foreach op), and the verdict is read on the host once. Collective:
+        all-reduce (max) over all ranks, so every rank takes the same decision (dp, tp and pp ranks hold
+        different gradients)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
-            if g is not None and not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+            if g is not None:
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for (where, dtype), tensors in groups.items():
+            found = torch.zeros(1, dtype=torch.float32, device=where)
+            if dtype in (torch.float16, torch.bfloat16, torch.float32):
+                inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=where)
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+            else:  # fp64 (parity tests): the op takes no fp64 tensors
+                found.fill_(float(not all(torch.isfinite(t).all() for t in tensors)))
+                torch._foreach_mul_(tensors, 1.0 / self.scale)
+            flag = torch.maximum(flag, found.to(device, non_blocking=True))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -149,12 +149,6 @@ class PartitionedOptimizer:
     def gradients(self) -> list[torch.Tensor]:
         return self.owned_grads
 
-    @torch.no_grad()
-    def scale_grads_(self, factor: float) -> None:
-        """Multiply the owned gradients (e.g. by 1 / loss scale)."""
-        for g in self.owned_grads:
-            g.mul_(factor)
-
     def zero_grads_(self) -> None:
         """Drop this step's gradients (a step skipped on overflow)."""
         for g in self.owned_grads:

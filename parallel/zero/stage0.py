@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state, whole_param_views
+from megazoo.parallel.checkpoint.views import StateView, drop_gradients, ensure_adam_state, whole_param_views
 from megazoo.parallel.collectives import CommLedger
 from megazoo.parallel.data_parallel import all_reduce_gradients
 from megazoo.parallel.grad_norm import clip_gradients_, global_grad_norm
@@ -53,19 +53,14 @@ class DataParallelAdamW(NothingToGather):
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         clip_gradients_(self.params, total_norm, max_norm)
 
-    @torch.no_grad()
-    def scale_grads_(self, factor: float) -> None:
-        for g in self.gradients():
-            g.mul_(factor)
-
     def zero_grads_(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        drop_gradients(self.optimizer)
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        drop_gradients(self.optimizer)
 
     def state_views(self) -> list[StateView]:
         """Full parameters (also the fp32 masters here) and Adam moments; dp rank 0 writes them."""

@@ -24,7 +24,6 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
