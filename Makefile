@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megazoo-installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q --durations=15
+
+# The GPU suite (tests/gpu): on a CUDA machine, install the CUDA torch wheel first (README "On a GPU machine").
+# MEGAZOO_TEST_GPU=1 keeps the GPUs visible to the tests; Triton runs compiled, never interpreted.
+test-gpu: install
+	MEGAZOO_TEST_GPU=1 TRITON_INTERPRET=0 $(PY) -m pytest -q --durations=15 -m "cuda or cuda_multi" tests/gpu
 
 clean:
 	rm -rf runs .pytest_cache
