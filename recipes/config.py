@@ -120,7 +120,8 @@ class KernelsSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every: int = 0  # save every N steps (and at the end) under run.dir/checkpoints; 0: never
+    every: int = 0  # also save every N steps under run.dir/checkpoints; 0: only at the end (at_end)
+    at_end: bool = True  # save when training ends, so every finished run leaves something to evaluate or resume
     keep: int = 2  # newest checkpoints kept
     load: str = ""  # start from this checkpoint (a step_N directory or a checkpoints folder), any layout
     load_optimizer: bool = True  # false: weights only, from step 0 (fine-tuning)
@@ -244,9 +245,14 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
     try:
-        table = tomllib.loads(path.read_text())
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
     except tomllib.TOMLDecodeError as err:
         raise RecipeError(f"recipe file {path} is not valid TOML: {err}") from None
+    if not table:
+        raise RecipeError(f"recipe file {path} is empty: a recipe needs at least a [model] or [data] section "
+                          "(see recipes/demo.toml)")
     for text in overrides:
         (section, key), value = parse_override(text)
         target = table.setdefault(section, {})

@@ -7,6 +7,7 @@ value and what would be valid. A topology can be checked at its real size here: 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +48,45 @@ def _choice(where: str, value: str, valid: tuple[str, ...]) -> None:
 
 
 def _positive(where: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise RecipeError(f"{where} = {value!r} is invalid: it must be {'>= 0' if allow_zero else '> 0'}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise RecipeError(f"{where} = {value!r} is invalid: it must be a finite number "
+                          f"{'>= 0' if allow_zero else '> 0'}")
+
+
+def _unit_interval(where: str, value: float) -> None:
+    if not (math.isfinite(value) and 0.0 <= value < 1.0):
+        raise RecipeError(f"{where} = {value!r} is invalid; valid: 0 <= value < 1")
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective that waits longer than a week is a hang, not a slow network
+MIN_BPE_VOCAB = 257  # byte-level BPE: the 256 byte tokens plus the end-of-document token
+
+
+def _check_run_and_sample(recipe: Recipe, global_batch: int) -> None:
+    """Keys whose mistakes used to surface only after training (a crash in the closing sample loses the run)."""
+    run_dir = Path(recipe.run.dir)
+    if not recipe.run.dir.strip():
+        raise RecipeError("run.dir is empty: give the folder the run writes to (e.g. runs/my-run)")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RecipeError(f"run.dir = {recipe.run.dir!r} is an existing file, not a folder: choose another path")
+    sample = recipe.sample
+    _positive("sample.tokens", sample.tokens, allow_zero=True)
+    _positive("sample.top_k", sample.top_k, allow_zero=True)
+    _positive("sample.temperature", sample.temperature, allow_zero=True)
+    if sample.tokens > 0 and not sample.prompt:
+        raise RecipeError("sample.prompt is empty: give a prompt (e.g. \"def \") or set sample.tokens = 0")
+    data, seq_len = recipe.data, recipe.train.seq_len
+    if data.source == "stdlib":
+        if data.vocab_size < MIN_BPE_VOCAB:
+            raise RecipeError(f"data.vocab_size = {data.vocab_size} is too small for a byte-level BPE; valid: >= "
+                              f"{MIN_BPE_VOCAB} (256 bytes + the end-of-document token)")
+        # A byte-level BPE token covers at least one byte: fewer bytes than one global batch of samples can
+        # never fill it, whatever the tokenizer learns.
+        needed = (seq_len + 1) * global_batch
+        if data.max_bytes * (1.0 - data.val_fraction) < needed:
+            raise RecipeError(f"data.max_bytes = {data.max_bytes} cannot make one global batch: "
+                              f"{global_batch} samples x {seq_len + 1} tokens need at least "
+                              f"{math.ceil(needed / (1.0 - data.val_fraction))} bytes of corpus")
 
 
 def _check_indexed(data) -> None:
@@ -129,6 +167,9 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     for name in ("dp", "tp", "pp"):
         _positive(f"parallel.{name}", getattr(par, name))
     _positive("parallel.timeout_s", par.timeout_s)
+    if par.timeout_s > MAX_TIMEOUT_S:
+        raise RecipeError(f"parallel.timeout_s = {par.timeout_s} is invalid; valid: 0 < value <= {MAX_TIMEOUT_S:.0f} "
+                          "(one week: a collective waiting longer is a hang)")
     cfg = model_config(recipe)
 
     try:
@@ -146,6 +187,9 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "min_lr"):
         _positive(f"train.{name}", getattr(train, name), allow_zero=True)
     _positive("train.lr", train.lr)
+    _unit_interval("train.beta1", train.beta1)
+    _unit_interval("train.beta2", train.beta2)
+    _positive("train.eps", train.eps)
     if train.min_lr > train.lr:
         raise RecipeError(f"train.min_lr = {train.min_lr} is larger than train.lr = {train.lr}")
     if train.lr_decay_steps is not None:
@@ -191,7 +235,6 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if data.source == "stdlib" and cfg.vocab_size < data.vocab_size:
         raise RecipeError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's data.vocab_size = "
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
-    _positive("sample.tokens", recipe.sample.tokens, allow_zero=True)
-    _positive("sample.top_k", recipe.sample.top_k, allow_zero=True)
+    _check_run_and_sample(recipe, global_batch)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
                     world_size=layout, stage_layers=stages)

@@ -47,6 +47,7 @@ class TrainResult:
     val_loss: float | None = None
     sample: str | None = None
     stopped_at: int | None = None  # set when a stop request (SIGTERM) ended training early
+    checkpoint: Path | None = None  # the last checkpoint this run saved
 
 
 class Trainer:
@@ -202,7 +203,7 @@ class Trainer:
         checkpoint every checkpoint.every steps and at the end. When `stop_requested()` turns true on any rank
         (SIGTERM: preemption), the step in progress finishes, a checkpoint is saved and training stops."""
         t, result = self.train_cfg, TrainResult()
-        every = self.res.recipe.checkpoint.every
+        every, at_end = self.res.recipe.checkpoint.every, self.res.recipe.checkpoint.at_end
         bar = None
         if progress:
             from tqdm import tqdm
@@ -210,8 +211,9 @@ class Trainer:
         for step in range(start_step, t.steps):
             metrics = self.train_step(step)
             stop = stop_requested is not None and self._agreed(stop_requested())
-            if stop or (every and ((step + 1) % every == 0 or step + 1 == t.steps)):
-                self.save_checkpoint(step + 1)
+            last = step + 1 == t.steps
+            if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
+                result.checkpoint = self.save_checkpoint(step + 1)
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                 metrics["val_loss"] = self.evaluate()
             result.losses.append(metrics["loss"])

@@ -19,6 +19,7 @@ TINY = {
               "warmup_steps": 3, "grad_clip": 0.5, "seed": 7, "eval_batches": 2, "precision": "fp64"},
     "data": {"source": "synthetic", "synthetic_tokens": 20_000},
     "logging": {"progress": False},
+    "checkpoint": {"at_end": False},  # tests that save say so (and where)
     # The elementwise reference AdamW: torch's fused CPU kernel rounds an element differently depending on its
     # SIMD lane, i.e. on its offset in a ZeRO flat buffer, and Adam amplifies that 1-ulp noise on near-zero
     # gradients. Kernel equivalence (fused == reference) is tested in tests/test_kernels*.py.
