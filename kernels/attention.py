@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megazoo.kernels.availability import Candidate, apex_missing, triton_missing
+from megazoo.kernels.availability import Candidate, HALF_AND_FLOAT, apex_missing, triton_missing
 
 
 def scaled_causal_softmax_reference(scores: torch.Tensor, scale: float) -> torch.Tensor:
@@ -103,10 +103,12 @@ def sdpa_backends() -> str:
 
 CANDIDATES = (
     Candidate("torch", lambda: attention_sdpa, f"scaled_dot_product_attention(is_causal=True): {sdpa_backends()}"),
+    # Both below hold the (b, h, s, s) scores: only an explicit kernels.attention picks them, never `prefer`.
     Candidate("apex", lambda: unfused_attention(scaled_causal_softmax_apex),
               "q k^T -> apex scaled_upper_triang_masked_softmax -> p v", apex_missing(
-                  "scaled_upper_triang_masked_softmax_cuda")),
+                  "scaled_upper_triang_masked_softmax_cuda"), dtypes=(torch.bfloat16, torch.float16),
+              by_prefer=False),
     Candidate("triton", _load_triton, "q k^T -> kernels/triton_softmax.py scaled causal softmax -> p v",
-              triton_missing),
+              triton_missing, dtypes=HALF_AND_FLOAT, by_prefer=False),
     Candidate("reference", lambda: attention_reference, "q k^T -> plain masked softmax (fp32) -> p v"),
 )

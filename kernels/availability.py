@@ -31,12 +31,28 @@ class Candidate:
 
     `load` imports lazily and returns the op's function (so apex / Triton are imported only when picked);
     `missing(device)` is None when it can run on `device`, else the reason; `detail` says what runs, for the log.
+    `dtypes`: the tensor dtypes it takes (None: any). `by_prefer`: whether `[kernels] prefer` may pick it; False
+    for an implementation that is worse than the default in a way a family preference should never buy (an
+    attention that materialises the s x s scores instead of SDPA's fused kernel): only a per-op override does.
     """
 
     name: str
     load: Callable[[], Callable]
     detail: str
     missing: Callable[[torch.device], str | None] = lambda device: None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    by_prefer: bool = True
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None) -> str | None:
+        """Why it cannot run on `device` for tensors of `dtype` (None: it can)."""
+        reason = self.missing(device)
+        if reason is None and dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            reason = f"it takes {names} tensors, not {str(dtype).removeprefix('torch.')}"
+        return reason
+
+
+HALF_AND_FLOAT = (torch.float32, torch.bfloat16, torch.float16)  # what our Triton and apex kernels are built for
 
 
 def module_exists(name: str) -> bool:

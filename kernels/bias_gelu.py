@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megazoo.kernels.availability import Candidate, triton_missing
+from megazoo.kernels.availability import Candidate, HALF_AND_FLOAT, triton_missing
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_COEF = 0.044715
@@ -42,7 +42,7 @@ def _load_triton():
 
 CANDIDATES = (
     Candidate("triton", _load_triton, "kernels/triton_bias_gelu.py (bias add + tanh-GELU, fwd + bwd)",
-              triton_missing),
+              triton_missing, dtypes=HALF_AND_FLOAT),
     Candidate("torch", lambda: bias_gelu_torch, "torch.nn.functional.gelu(approximate='tanh'); "
               "in the MLP the bias is added inside c_fc's GEMM (addmm)"),
     Candidate("reference", lambda: bias_gelu_reference, "plain torch ops (kernels/bias_gelu.py)"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazoo.kernels.availability import Candidate, triton_missing
+from megazoo.kernels.availability import Candidate, HALF_AND_FLOAT, triton_missing
 from megazoo.parallel.collectives import all_reduce
 from megazoo.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megazoo.parallel.topology import group_rank
@@ -133,7 +133,7 @@ def _load_triton():
 
 CANDIDATES = (
     Candidate("triton", _load_triton, "kernels/triton_cross_entropy.py (online softmax in registers, "
-              "grad in the logits' dtype)", triton_missing),
+              "grad in the logits' dtype)", triton_missing, dtypes=HALF_AND_FLOAT),
     Candidate("torch", lambda: cross_entropy_torch, f"chunked fp32 rows (~{CHUNK_ELEMENTS:,} elements per chunk), "
               "lse saved, grad recomputed per chunk"),
     Candidate("reference", lambda: cross_entropy_reference, "parallel/tensor/cross_entropy.py "

@@ -108,33 +108,41 @@ def _pick(op: str, candidate: Candidate, why: str) -> Implementation:
     return Implementation(op, candidate.name, candidate.load(), detail, why)
 
 
-def resolve_op(op: str, choice: KernelChoice, device: torch.device) -> Implementation:
+def resolve_op(op: str, choice: KernelChoice, device: torch.device,
+               dtype: torch.dtype | None = None) -> Implementation:
+    """`op`'s implementation for tensors of `dtype` (None: any) on `device` (see the module docstring)."""
     candidates = {c.name: c for c in REGISTRY[op]}
     if op in choice.overrides:
         wanted, source = choice.overrides[op], f"kernels.{op} = {choice.overrides[op]!r}"
-    elif choice.prefer != "auto" and choice.prefer in candidates:
+    elif choice.prefer != "auto" and choice.prefer in candidates and candidates[choice.prefer].by_prefer:
         wanted, source = choice.prefer, f"kernels.prefer = {choice.prefer!r}"
     else:
         wanted, source = None, None
+    where = f"{device}" + (f" for {str(dtype).removeprefix('torch.')}" if dtype is not None else "")
     if wanted is not None:
-        reason = candidates[wanted].missing(device)
+        reason = candidates[wanted].unavailable(device, dtype)
         if reason:
-            runnable = [c.name for c in REGISTRY[op] if c.missing(device) is None]
-            raise KernelError(f"{source}: the {wanted} implementation of {op} cannot run on {device}: {reason}\n"
+            runnable = [c.name for c in REGISTRY[op] if c.unavailable(device, dtype) is None]
+            raise KernelError(f"{source}: the {wanted} implementation of {op} cannot run on {where}: {reason}\n"
                               f"Implementations of {op} that run here: {', '.join(runnable)}")
         return _pick(op, candidates[wanted], source)
     skipped = []
     for c in REGISTRY[op]:
-        reason = c.missing(device)
+        reason = c.unavailable(device, dtype)
         if reason is None and c.name == "triton" and (device.type != "cuda" or triton_interpreted()):
             reason = "interpreted, for tests only"
         if reason is None:
-            why = "auto" if choice.prefer == "auto" else f"auto: no {choice.prefer} implementation of {op}"
+            if choice.prefer == "auto":
+                why = "auto"
+            elif choice.prefer in candidates:  # the family has one, but `prefer` may not pick it (by_prefer)
+                why = f"auto: prefer does not pick the {choice.prefer} {op} (set kernels.{op} to use it)"
+            else:
+                why = f"auto: no {choice.prefer} implementation of {op}"
             if skipped:
                 why += "; not " + ", ".join(skipped)
             return _pick(op, c, why)
         skipped.append(f"{c.name}: {_short(reason)}")
-    raise KernelError(f"no implementation of {op} runs on {device}: {'; '.join(skipped)}")  # reference always runs
+    raise KernelError(f"no implementation of {op} runs on {where}: {'; '.join(skipped)}")  # reference always runs
 
 
 def _short(reason: str) -> str:
@@ -142,11 +150,17 @@ def _short(reason: str) -> str:
     return re.split(r"\s\(|[.;:]\s", reason, maxsplit=1)[0].strip()
 
 
-def resolve_kernels(choice: KernelChoice | None, device: torch.device | str) -> Kernels:
-    """Every op's implementation for `device` under `choice` (default: prefer "auto")."""
+def resolve_kernels(choice: KernelChoice | None, device: torch.device | str, dtype: torch.dtype | None = None, *,
+                    optimizer_device: torch.device | str | None = None,
+                    optimizer_dtype: torch.dtype | None = None) -> Kernels:
+    """Every op's implementation under `choice` (default: prefer "auto"): the model's ops for tensors of `dtype`
+    on `device`, AdamW for the optimizer states' device and dtype (which differ under ZeRO-Offload: fp32 masters
+    in CPU memory), defaulting to the model's."""
     choice = choice or KernelChoice()
     device = torch.device(device)
-    return Kernels({op: resolve_op(op, choice, device) for op in OPS})
+    opt_device = torch.device(optimizer_device) if optimizer_device is not None else device
+    return Kernels({op: resolve_op(op, choice, opt_device, optimizer_dtype or dtype) if op == "adamw"
+                    else resolve_op(op, choice, device, dtype) for op in OPS})
 
 
 def model_defaults() -> Kernels:

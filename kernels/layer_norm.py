@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazoo.kernels.availability import Candidate, apex_missing, triton_missing
+from megazoo.kernels.availability import Candidate, HALF_AND_FLOAT, apex_missing, triton_missing
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,8 +46,10 @@ def _load_triton():
 
 
 CANDIDATES = (
-    Candidate("apex", _load_apex, "apex.normalization.fused_layer_norm_affine", apex_missing("fused_layer_norm_cuda")),
-    Candidate("triton", _load_triton, "kernels/triton_layer_norm.py (fwd + bwd, fp32 statistics)", triton_missing),
+    Candidate("apex", _load_apex, "apex.normalization.fused_layer_norm_affine", apex_missing("fused_layer_norm_cuda"),
+              dtypes=HALF_AND_FLOAT),
+    Candidate("triton", _load_triton, "kernels/triton_layer_norm.py (fwd + bwd, fp32 statistics)", triton_missing,
+              dtypes=HALF_AND_FLOAT),
     Candidate("torch", lambda: layer_norm_torch, "torch.nn.functional.layer_norm"),
     Candidate("reference", lambda: layer_norm_reference, "plain torch ops (kernels/layer_norm.py)"),
 )

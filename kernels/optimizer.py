@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megazoo.kernels.availability import Candidate, apex_missing
+from megazoo.kernels.availability import Candidate, HALF_AND_FLOAT, apex_missing
 
 
 class ReferenceAdamW(torch.optim.Optimizer):
@@ -80,7 +80,8 @@ def _fused_missing(device: torch.device) -> str | None:
 
 
 CANDIDATES = (
-    Candidate("apex", _load_apex, "apex.optimizers.FusedAdam(adam_w_mode=True)", apex_missing("amp_C")),
+    Candidate("apex", _load_apex, "apex.optimizers.FusedAdam(adam_w_mode=True)", apex_missing("amp_C"),
+              dtypes=HALF_AND_FLOAT),
     Candidate("torch", lambda: adamw_torch_fused, "torch.optim.AdamW(fused=True)", _fused_missing),
     Candidate("foreach", lambda: adamw_foreach, "torch.optim.AdamW(foreach=True) (multi-tensor)"),
     Candidate("reference", lambda: adamw_reference, "kernels/optimizer.py ReferenceAdamW (a plain loop)"),

@@ -60,7 +60,11 @@ class Trainer:
         compute = compute_dtype(t.precision, topo.device)
         param_dtype = parameter_dtype(compute, res.recipe.zero.stage)
         # Which implementation runs each fused op; run() prints the choice as the log's first lines.
-        self.kernels = resolve_kernels(res.recipe.kernels.choice(), topo.device)
+        # AdamW runs where the optimizer states live (the CPU under ZeRO-Offload), on fp32 masters (fp64 in fp64).
+        self.kernels = resolve_kernels(
+            res.recipe.kernels.choice(), topo.device, compute,
+            optimizer_device="cpu" if res.recipe.zero.offload == "cpu" else topo.device,
+            optimizer_dtype=torch.promote_types(param_dtype, torch.float32))
         self.chunks = build_model(res, topo, device="meta" if res.recipe.zero.stage == 3 else None,
                                   dtype=param_dtype, kernels=self.kernels)
         self.model = self.chunks[0]  # the whole model when pp = 1

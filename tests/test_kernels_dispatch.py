@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from harness import run_distributed  # noqa: E402
 
 from megazoo.kernels import OPS, KernelChoice, KernelError, implementations, model_defaults, resolve_kernels  # noqa: E402
+from megazoo.kernels.dispatch import resolve_op  # noqa: E402
 from megazoo.kernels.availability import module_exists  # noqa: E402
 from megazoo.models.config import get_preset  # noqa: E402
 from megazoo.models.transformer import GPT  # noqa: E402
@@ -101,7 +102,7 @@ def test_describe_gives_one_log_line_per_op():
 @needs_triton
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from kernels import KernelChoice, KernelError, resolve_kernels\n"
+    code = ("from megazoo.kernels import KernelChoice, KernelError, resolve_kernels\n"
             "try:\n    resolve_kernels(KernelChoice(overrides={'cross_entropy': 'triton'}), 'cpu')\n"
             "except KernelError as e:\n    print(e)\nelse:\n    print('resolved')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
@@ -203,8 +204,27 @@ def _train(choice: KernelChoice, steps=3, seed=1234):
 @needs_triton
 def test_training_with_triton_gives_the_losses_of_reference():
     ref, ref_names = _train(KernelChoice("reference"))
-    got, names = _train(KernelChoice("triton"))
+    got, names = _train(KernelChoice("triton", {"attention": "triton"}))  # prefer alone keeps SDPA (below)
     assert ref_names == ["reference"] * len(OPS)
     assert names == ["triton", "triton", "triton", "triton", "torch"]  # no Triton AdamW: auto gives torch fused
     assert ref[-1] < ref[0], "the demo model learns"
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("prefer", ["apex", "triton"])
+def test_prefer_never_swaps_sdpa_for_an_attention_that_holds_the_scores(prefer):
+    """The apex and Triton attentions materialise the (b, h, s, s) scores: a family preference keeps SDPA;
+    only kernels.attention picks them."""
+    chosen = resolve_op("attention", KernelChoice(prefer), CPU)
+    assert chosen.name == "torch" and chosen.why.startswith(f"auto: prefer does not pick the {prefer} attention")
+
+
+def test_kernels_are_chosen_for_the_dtype_and_the_optimizer_device():
+    """Triton kernels take fp32/bf16/fp16: an fp64 model gets torch's; AdamW is chosen where its states live."""
+    with pytest.raises(KernelError, match="cannot run on cpu for float64: it takes float32, bfloat16, float16"):
+        resolve_kernels(KernelChoice(overrides={"layer_norm": "triton"}), CPU, torch.float64)
+    auto = resolve_kernels(KernelChoice("auto"), CPU, torch.float64)
+    assert auto["layer_norm"].name == "torch"
+    chosen = resolve_kernels(KernelChoice("auto"), "meta", torch.bfloat16, optimizer_device=CPU,
+                             optimizer_dtype=torch.float32)
+    assert chosen["adamw"].name == "torch" and chosen["layer_norm"].name in ("torch", "reference")
