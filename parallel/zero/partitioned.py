@@ -8,6 +8,7 @@ never sees a full parameter. How gradients reach the owned chunks and how parame
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +46,7 @@ class GradientReducer:
     def __init__(self, group, dp: int, ledger: CommLedger):
         self.group, self.dp, self.ledger = group, dp, ledger
         self._pending: deque = deque()
+        self._host_adds: deque = deque()  # ZeRO-Offload: (event, pinned staging, owned CPU chunk) not yet added
 
     def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor, on_done: Callable[[], object] | None = None) -> None:
         """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done."""
@@ -62,16 +64,48 @@ class GradientReducer:
         work, out, owned_grad, on_done = self._pending.popleft()
         if work is not None:
             work.wait()
-        owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
+        if out.device != owned_grad.device and out.device.type == "cuda":
+            # ZeRO-Offload: copy the reduced chunk into pinned host memory without blocking the backward that
+            # called us; the CPU add happens once the copy's event has completed (at the latest in drain()).
+            staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            staging.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._host_adds.append((event, staging, owned_grad))
+        else:
+            owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
         if on_done is not None:
             on_done()
+        self._add_copied(block=False)
+
+    def _add_copied(self, block: bool) -> None:
+        while self._host_adds and (block or self._host_adds[0][0].query()):
+            event, staging, owned_grad = self._host_adds.popleft()
+            event.synchronize()
+            owned_grad.add_(staging.to(owned_grad.dtype), alpha=1.0 / self.dp)
 
     def in_flight_bytes(self) -> int:
-        return sum(item[1].numel() * item[1].element_size() * (self.dp + 1) for item in self._pending)
+        pending = sum(item[1].numel() * item[1].element_size() * (self.dp + 1) for item in self._pending)
+        return pending + sum(item[1].numel() * item[1].element_size() for item in self._host_adds)
 
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()
+        self._add_copied(block=True)
+
+
+def host_tensor(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A CPU tensor, page-locked when `pin` (so host <-> GPU copies are asynchronous DMA). Pinned with
+    cudaHostRegister on exactly its own bytes: torch's pinned allocator rounds every block up to a power of two,
+    which for ZeRO-Offload's fp32 masters and moments can cost up to 2x the host memory they need."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if not pin or tensor.numel() == 0:
+        return tensor
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)) != 0:
+        return tensor.pin_memory()  # registration refused (e.g. a locked-memory limit): torch's allocator
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())  # unpin when it is freed
+    return tensor
 
 
 class PartitionedOptimizer:
@@ -102,13 +136,17 @@ class PartitionedOptimizer:
         self.offload = offload
         state_device = torch.device("cpu") if offload == "cpu" else topo.device
         pin = offload == "cpu" and torch.cuda.is_available()
-        # fp32 masters of the owned chunks (fp64 when the model is fp64, for parity tests).
-        self.masters = []
+        # fp32 masters of the owned chunks (fp64 when the model is fp64, for parity tests), and their gradients.
+        self.masters, self.owned_grads = [], []
         for s in shards:
-            master = torch.empty(s.shape, dtype=torch.promote_types(s.dtype, torch.float32), device=state_device,
-                                 pin_memory=pin)
+            dtype = torch.promote_types(s.dtype, torch.float32)
+            if offload == "cpu":
+                master, grad = host_tensor(s.shape, dtype, pin), host_tensor(s.shape, dtype, pin).zero_()
+            else:
+                master, grad = torch.empty(s.shape, dtype=dtype, device=state_device), \
+                    torch.zeros(s.shape, dtype=dtype, device=state_device)
             self.masters.append(master.copy_(s.detach()))
-        self.owned_grads = [torch.zeros_like(m) for m in self.masters]
+            self.owned_grads.append(grad)
         for master, grad in zip(self.masters, self.owned_grads):
             master.grad = grad
         groups = [{"params": [m for m, b in zip(self.masters, buckets) if b.weight_decay],
@@ -144,7 +182,11 @@ class PartitionedOptimizer:
         """Sum the owned chunks of tied parameters over their group (first + last pipeline stage)."""
         if self.tied.group is not None:
             for i in self.tied_buckets:
-                dist.all_reduce(self.owned_grads[i], group=self.tied.group)
+                grad = self.owned_grads[i]
+                on_device = grad.to(self.topo.device)  # under ZeRO-Offload it lives on the CPU; NCCL needs GPU
+                dist.all_reduce(on_device, group=self.tied.group)
+                if on_device is not grad:
+                    grad.copy_(on_device)
 
     def gradients(self) -> list[torch.Tensor]:
         return self.owned_grads
