@@ -181,7 +181,9 @@ class Trainer:
         if self.topo.pp_group is None:
             return state
         stages = [None] * self.topo.pp
-        dist.all_gather_object(stages, state, group=self.topo.pp_group)  # every stage's parameters, all ranks
+        # Pickled through the host: CUDA tensors would be unpickled onto the sender's GPU on every rank.
+        cpu_state = {name: value.cpu() for name, value in state.items()}
+        dist.all_gather_object(stages, cpu_state, group=self.topo.pp_group)  # every stage's parameters, all ranks
         return {name: value for part in stages for name, value in part.items()}
 
     def sample(self) -> str | None:

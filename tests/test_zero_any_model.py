@@ -199,3 +199,26 @@ def test_bad_arguments_fail_clearly():
         ZeroEngine(torch.nn.Linear(2, 2), Topology.solo(), stage=4)
     with pytest.raises(ValueError, match="meta-device parameters: pass init_fn"):
         ZeroEngine(tiny_gpt2("meta"), Topology.solo(), stage=3)
+
+
+def test_the_engine_moves_the_model_to_the_topology_device(monkeypatch):
+    """A model built on the CPU for a GPU job is moved before anything is broadcast or bucketed (the device is
+    faked: the move is recorded and stops the construction)."""
+    model = torch.nn.Linear(4, 4)
+    moved = []
+
+    class Moved(Exception):
+        pass
+
+    def record(device):
+        moved.append(torch.device(device))
+        raise Moved
+
+    monkeypatch.setattr(model, "to", record)
+    with pytest.raises(Moved):
+        ZeroEngine(model, Topology.solo(torch.device("cuda", 3)), stage=2)
+    assert moved == [torch.device("cuda", 3)]
+    # Already on the topology's device: nothing to move.
+    same = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(same, "to", record)
+    ZeroEngine(same, Topology.solo(), stage=0)

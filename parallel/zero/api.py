@@ -71,6 +71,7 @@ class ZeroEngine:
     """Wraps `model` for ZeRO-`stage` data parallelism over `topology.dp_group`; see the module docstring.
 
     `lr` is read at every step (settable: `engine.lr = ...`), unless `lr_schedule(step) -> lr` is given.
+    The model is moved to `topology.device` first (where the collectives run).
     `units` (stage 3): modules or their qualified names. `init_fn(owner, name, tensor, spec)` initialises a
     model built on the meta device, one unit at a time (stage 3 only). `offload="cpu"`: ZeRO-Offload (stage
     >= 1). `loss_scaler`: fp16 dynamic loss scaling. `engine.comm` counts this rank's communication.
@@ -93,6 +94,10 @@ class ZeroEngine:
         self.skipped_steps = 0  # steps dropped because fp16 gradients overflowed
         self._micro = 0  # backward calls since the last boundary
         self._boundary = False  # a backward closed an accumulation window: step() must update
+        tensors = list(model.parameters()) + list(model.buffers())
+        if any(t.device != topology.device for t in tensors if not t.is_meta):
+            # A model built on the CPU for a GPU job: NCCL broadcasts and stage-3 buckets need it on the device.
+            model.to(topology.device)
         named, self.aliases = unique_named_shards(model)
         meta = any(p.is_meta for _, p, _ in named)
         if init_fn is not None and stage != 3:
