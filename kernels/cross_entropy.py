@@ -65,8 +65,10 @@ class TorchChunkedBackend:
             p = x.sub_(lse[rows].unsqueeze(-1)).exp_()
             p[:, n_valid:] = 0.0
             target = local_target[rows]
-            here = target >= 0
-            p[here.nonzero().squeeze(-1), target[here]] -= 1.0
+            # -1 at the target column of rows whose target is in this shard, -0 elsewhere: no nonzero() (that
+            # would wait for the GPU twice per chunk).
+            minus_one = -(target >= 0).to(p.dtype).unsqueeze(-1)
+            p.scatter_add_(-1, target.clamp(min=0).unsqueeze(-1), minus_one)
             grad[rows] = p.mul_(scale[rows].unsqueeze(-1))
         return grad
 

@@ -50,9 +50,7 @@ def test_the_counter_sees_a_sync():
     assert count_syncs(lambda: x.mul_(2)) == []  # a kernel launch alone does not wait
 
 
-CE = [pytest.param("triton", id="ce-triton"),
-      pytest.param("torch", id="ce-torch", marks=pytest.mark.xfail(
-          reason="TorchChunkedBackend.grad: here.nonzero() and target[here] sync twice per micro-batch", strict=False)),
+CE = [pytest.param("triton", id="ce-triton"), pytest.param("torch", id="ce-torch"),
       pytest.param("reference", id="ce-reference")]
 
 
