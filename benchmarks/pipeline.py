@@ -34,7 +34,7 @@ def _measure(table: dict, warmup: int):
     trainer = Trainer(res, Topology.build(par.dp, par.tp, par.pp))
     for step in range(warmup):
         trainer.train_step(step)
-    trainer.engine.stats.busy_s = trainer.engine.stats.total_s = 0.0
+    trainer.engine.stats.reset()
     for step in range(warmup, res.recipe.train.steps):
         trainer.train_step(step)
     stats = trainer.engine.stats

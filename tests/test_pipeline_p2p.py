@@ -108,3 +108,37 @@ def _exchange(large: int):
 def test_paired_batch_exchanges_large_buffers_both_ways():
     results = run_distributed(_exchange, 2, 1 << 22)  # 16 MiB each way
     assert results == [(1.0, 1.0), (0.0, 0.0)]
+
+
+def test_pipeline_times_come_from_cuda_events_on_a_gpu(monkeypatch):
+    """Host clocks around a CUDA kernel time its launch: on a GPU the stats record events and read them after
+    the step (CUDA's Event is faked here: each event is stamped with a counter in milliseconds)."""
+    from megazoo.parallel.pipeline.engine import PipelineStats
+
+    clock = iter(range(0, 1000, 10))
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.ms, self.synced = None, False
+
+        def record(self):
+            self.ms = next(clock)
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, end):
+            assert end.synced, "read only after the end event completed"
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    stats = PipelineStats(cuda=True)
+    whole = stats.start()          # t = 0 ms
+    compute = stats.start()        # t = 10
+    stats.stop(compute, busy=True)  # t = 20: 10 ms busy
+    stats.stop(whole, busy=False)   # t = 30: 30 ms in all
+    assert stats.busy_s == pytest.approx(0.010) and stats.total_s == pytest.approx(0.030)
+    assert stats.bubble == pytest.approx(2 / 3)
+    stats.reset()
+    assert stats.busy_s == 0.0 and stats.max_live_micro_batches == 0

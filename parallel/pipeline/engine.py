@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,13 +26,60 @@ from megazoo.parallel.topology import Topology
 
 @dataclass
 class PipelineStats:
-    busy_s: float = 0.0  # forward + backward compute on this rank
-    total_s: float = 0.0  # wall time of the whole schedule
+    """Compute (busy) and schedule (total) time on this rank, and the most micro-batches alive at once.
+
+    On a GPU the times come from CUDA events (host clocks would time kernel launches, not kernels) and are
+    resolved when read, after the step; on the CPU from the host clock."""
+
+    cuda: bool = False
     max_live_micro_batches: int = 0  # activations held at once (forwards without their backward yet)
+    _busy: float = 0.0
+    _total: float = 0.0
+    _pending: list = field(default_factory=list)  # (start event, end event, busy?) not yet read
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started, busy: bool) -> None:
+        if not self.cuda:
+            elapsed = time.perf_counter() - started
+            if busy:
+                self._busy += elapsed
+            else:
+                self._total += elapsed
+            return
+        self._pending.append((started, self.start(), busy))
+
+    def _resolve(self) -> None:
+        for started, ended, busy in self._pending:
+            ended.synchronize()
+            elapsed = started.elapsed_time(ended) / 1000.0
+            if busy:
+                self._busy += elapsed
+            else:
+                self._total += elapsed
+        self._pending.clear()
+
+    @property
+    def busy_s(self) -> float:  # forward + backward compute on this rank
+        self._resolve()
+        return self._busy
+
+    @property
+    def total_s(self) -> float:  # wall time of the whole schedule
+        self._resolve()
+        return self._total
 
     @property
     def bubble(self) -> float:
         return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
+
+    def reset(self) -> None:
+        self._busy, self._total, self._pending, self.max_live_micro_batches = 0.0, 0.0, [], 0
 
 
 class PipelineEngine:
@@ -42,7 +89,7 @@ class PipelineEngine:
         self.v = len(chunks)
         self.stages = topo.pp * self.v
         self.hidden, self.dtype, self.loss_fn = hidden_size, activation_dtype, loss_fn
-        self.stats = PipelineStats()
+        self.stats = PipelineStats(cuda=topo.device.type == "cuda")
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.topo.pp + self.topo.pp_rank
@@ -53,7 +100,7 @@ class PipelineEngine:
         """Execute a p2p plan (p2p.plan of a schedule). Returns the per-micro-batch losses (detached, unscaled)
         on the rank holding the last stage, [] elsewhere. Backward uses loss * loss_scale / len(micro_batches),
         so gradients accumulate to the mean over micro-batches exactly as without pipelining."""
-        start = time.perf_counter()
+        start = self.stats.start()
         m = len(micro_batches)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -79,13 +126,13 @@ class PipelineEngine:
             if kind == "F":
                 x = micro_batches[micro][0] if first else \
                     inbox.pop((micro, stage - 1, False)).requires_grad_(not forward_only)
-                tick = time.perf_counter()
+                tick = self.stats.start()
                 with torch.set_grad_enabled(not forward_only), autocast():
                     out = self.chunks[chunk](x)
                 if last:
                     out = self.loss_fn(out, micro_batches[micro][1])
                     losses[micro] = out.detach()
-                self.stats.busy_s += time.perf_counter() - tick
+                self.stats.stop(tick, busy=True)
                 if not last:
                     outbox[(micro, stage, False)] = out.detach().contiguous()
                 if not forward_only:
@@ -95,15 +142,15 @@ class PipelineEngine:
                 x, out = saved.pop((micro, chunk))
                 if before_backward is not None:
                     before_backward(k == last_backward)
-                tick = time.perf_counter()
+                tick = self.stats.start()
                 if last:
                     (out * (loss_scale / m)).backward()
                 else:
                     torch.autograd.backward(out, inbox.pop((micro, stage + 1, True)))
-                self.stats.busy_s += time.perf_counter() - tick
+                self.stats.stop(tick, busy=True)
                 if not first:
                     outbox[(micro, stage, True)] = x.grad.contiguous()
                 del x, out  # this micro-batch's activations are free now
         assert not outbox and not inbox, "the p2p plan left transfers unposted"
-        self.stats.total_s += time.perf_counter() - start
+        self.stats.stop(start, busy=False)
         return [losses[i] for i in range(m)] if losses else []
