@@ -35,7 +35,9 @@ from megazoo.recipes import checkpointing
 from megazoo.recipes.data_setup import Samples, TrainData, load_data
 from megazoo.recipes.generate import generate
 from megazoo.recipes.metrics import MetricsLog, peak_memory_bytes
-from megazoo.recipes.model_setup import build_model, build_optimizer, compute_dtype, parameter_dtype
+from megazoo.recipes.flops import model_flops_per_token, peak_flops
+from megazoo.recipes.model_setup import (build_model, build_optimizer, compute_dtype, configure_matmuls,
+                                         parameter_dtype)
 from megazoo.recipes.optim import lr_at
 from megazoo.recipes.resolve import Resolved
 
@@ -58,6 +60,10 @@ class Trainer:
         seed_default_stream(t.seed, topo.device)
         self.data = data or load_data(res, topo)
         compute = compute_dtype(t.precision, topo.device)
+        configure_matmuls(topo.device, t.tf32)
+        # MFU: this rank's share of the model FLOPs of a step over the GPU's spec peak (none on CPU).
+        self.flops_per_token = model_flops_per_token(res.model, t.seq_len, res.padded_vocab)
+        self.peak_flops = peak_flops(topo.device, compute)
         param_dtype = parameter_dtype(compute, res.recipe.zero.stage)
         # Which implementation runs each fused op; run() prints the choice as the log's first lines.
         # AdamW runs where the optimizer states live (the CPU under ZeRO-Offload), on fp32 masters (fp64 in fp64).
@@ -139,6 +145,8 @@ class Trainer:
                    "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
                    "peak_memory_bytes": peak_memory_bytes(self.topo.device),
                    "comm_bytes": zero.comm.summary()["total_bytes"]}
+        if self.peak_flops:
+            metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
             metrics.update(loss_scale=outcome.loss_scale, skipped=outcome.skipped)
         if self.topo.pp > 1:  # this rank's pipeline stage: compute vs waiting within the schedule

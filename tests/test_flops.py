@@ -1,0 +1,46 @@
+"""MFU's two halves: model FLOPs per token (held to Megatron-LM's closed form) and the GPU's spec peak; TF32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazoo.models.config import get_preset
+from megazoo.recipes.flops import model_flops_per_token, peak_flops
+from megazoo.recipes.model_setup import configure_matmuls
+
+
+@pytest.mark.parametrize("preset, seq", [("gpt2-117m", 1024), ("gpt2-1.5b", 1024), ("tnlg-17b", 1024),
+                                         ("gpt3-175b", 2048)])
+def test_flops_per_token_is_megatrons_formula(preset, seq):
+    """Narayanan et al. (2021): 72 L h^2 (1 + s / 6h + V / 12hL) per token, without recomputation (d_ff = 4h)."""
+    cfg = get_preset(preset)
+    L, h, V = cfg.n_layer, cfg.d_model, cfg.vocab_size
+    megatron = 72 * L * h * h * (1 + seq / (6 * h) + V / (12 * h * L))
+    assert model_flops_per_token(cfg, seq) == pytest.approx(megatron, rel=1e-12)
+    assert model_flops_per_token(get_preset("gpt2-117m"), 1024) == 854_438_400
+
+
+def test_peak_flops_by_device_name(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    for name, dtype, peak in [("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
+                              ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+                              ("NVIDIA H200", torch.float32, 494e12), ("NVIDIA A100-SXM4-80GB", torch.float16, 312e12),
+                              ("Tesla V100-SXM2-32GB", torch.bfloat16, None), ("NVIDIA GeForce GTX 1080", torch.float32,
+                                                                               None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, n=name: n)
+        assert peak_flops(cuda, dtype) == peak, name
+    assert peak_flops(torch.device("cpu"), torch.float32) is None
+
+
+def test_tf32_is_set_on_gpu_only():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        configure_matmuls(torch.device("cpu"), True)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+        configure_matmuls(torch.device("cuda", 0), True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        configure_matmuls(torch.device("cuda", 0), False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
