@@ -99,21 +99,29 @@ class Trainer:
             out.append((batch[:, :-1], batch[:, 1:]))
         return out
 
-    def _mean_over_ranks(self, total: torch.Tensor) -> float:
-        """Only the last pipeline stage computes losses: sum over pp, then average over dp."""
-        if self.topo.pp_group is not None:
-            dist.all_reduce(total, group=self.topo.pp_group)
-        if self.topo.dp_group is not None:
-            dist.all_reduce(total, group=self.topo.dp_group)
-            total = total / self.topo.dp
-        return total.item()
+    def _host_values(self, total: torch.Tensor, stop: bool = False,
+                     norm: torch.Tensor | None = None) -> tuple[float, bool, float]:
+        """The step's host reads, in one place and one collective: the loss averaged over dp (only the last
+        pipeline stage computed it; tp ranks hold copies, so tp rank 0 speaks for them), whether any rank asked
+        to stop (SIGTERM may reach ranks at different steps) and the gradient norm (the same on every rank:
+        rank 0's is taken). Collective: one all-reduce (sum) over all ranks, then one device-to-host read."""
+        f64, device = torch.float64, total.device
+        share = total.to(f64) / self.topo.dp if self.topo.tp_rank == 0 else torch.zeros((), dtype=f64, device=device)
+        norm = norm.to(device, f64) if norm is not None and self.topo.rank == 0 else torch.zeros((), dtype=f64,
+                                                                                                device=device)
+        packed = torch.stack([share, torch.tensor(float(stop), dtype=f64, device=device), norm])
+        if self.topo.world_size > 1:
+            dist.all_reduce(packed)
+        loss, stops, grad_norm = packed.tolist()
+        return loss, stops > 0, grad_norm
 
     def _set_mode(self, training: bool) -> None:
         for chunk in self.chunks:
             chunk.train(training)
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step; returns its metrics (the loss is averaged over micro-batches and dp ranks).
+    def train_step(self, step: int, stop: bool = False) -> dict:
+        """One optimizer step; returns its metrics (the loss is averaged over micro-batches and dp ranks) and,
+        under "stop", whether any rank passed `stop` (agreed in the same collective as the loss).
 
         Under fp16 the loss is multiplied by the loss scale before backward; a step whose gradients overflow on
         any rank is skipped everywhere (parameters untouched) and the scaler backs off.
@@ -136,15 +144,15 @@ class Trainer:
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "
                 f"{self.scaler.scale:g}): the run diverged; lower train.lr, or use precision = \"bf16\"")
-        loss_value = self._mean_over_ranks(loss_sum / t.grad_accum)
+        loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm)
         if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
                                      f"(try a lower train.lr or train.grad_clip)")
         elapsed = time.perf_counter() - start
-        metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": outcome.grad_norm.item(),
+        metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
                    "peak_memory_bytes": peak_memory_bytes(self.topo.device),
-                   "comm_bytes": zero.comm.summary()["total_bytes"]}
+                   "comm_bytes": zero.comm.summary()["total_bytes"], "stop": stop}
         if self.peak_flops:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
@@ -174,7 +182,7 @@ class Trainer:
         for loss, indices in zip(losses, micro):
             total += loss * len(indices)
         self._set_mode(True)
-        return self._mean_over_ranks(total / per_rank)
+        return self._host_values(total / per_rank)[0]
 
     def save_checkpoint(self, step: int) -> Path:
         return checkpointing.save(self, step)
@@ -202,15 +210,6 @@ class Trainer:
                        seed=self.train_cfg.seed)
         return tok.decode(ids)
 
-    def _agreed(self, flag: bool) -> bool:
-        """True on every rank when any rank says so (a preemption signal may reach ranks at different steps).
-        Collective: one all-reduce (max) over all ranks."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=self.topo.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
-
     def fit(self, *, log: MetricsLog | None = None, progress: bool = False, start_step: int = 0,
             stop_requested: Callable[[], bool] | None = None) -> TrainResult:
         """Train steps start_step .. train.steps - 1 (the step number is the whole data position), saving a
@@ -223,8 +222,8 @@ class Trainer:
             from tqdm import tqdm
             bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         for step in range(start_step, t.steps):
-            metrics = self.train_step(step)
-            stop = stop_requested is not None and self._agreed(stop_requested())
+            metrics = self.train_step(step, stop=stop_requested is not None and stop_requested())
+            stop = metrics.pop("stop")
             last = step + 1 == t.steps
             if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
                 result.checkpoint = self.save_checkpoint(step + 1)
