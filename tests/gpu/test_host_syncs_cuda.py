@@ -3,16 +3,14 @@ the metrics'). torch's sync debug mode warns at every operation that makes the h
 device-to-host copies, nonzero, boolean-mask indexing, ...); one warmed-up `Trainer.train_step` runs under it.
 
 The budget, counted from recipes/trainer.py `train_step` (dp = pp = 1, no fp16 scaler, no offload):
-  1. `_mean_over_ranks(...)` -> `total.item()`              the step's loss
-  2. `outcome.grad_norm.item()`                             the pre-clip gradient norm
+  1. `_host_values(...)` -> `packed.tolist()`   the step's loss, grad norm and agreed stop, read together
 Nothing else reads a device value on the host: the batches go up with non_blocking copies, clipping multiplies by
 a device tensor, AdamW (torch fused) keeps its step counts on the GPU, peak memory is the allocator's counter.
 NOT YET MEASURED: no GPU has run this yet. The test prints the observed count and where each sync happened;
 record the first GPU run's number here if it is lower (a tighter budget), never raise it without a reason.
 
-Known extra syncs (a library change would remove them, see the report): the torch cross-entropy backend's
-backward (kernels/cross_entropy.py TorchChunkedBackend.grad) indexes with `here.nonzero()` and `target[here]`
-(two syncs per micro-batch and chunk); that case is an expected failure until it is fixed.
+(The torch cross-entropy backward used to index with nonzero(): two syncs per micro-batch and chunk; it now
+scatters, so every cross-entropy implementation is held to the same budget.)
 """
 
 import warnings
@@ -26,7 +24,7 @@ from megazoo.recipes.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 
-METRIC_READS = 2  # loss .item() + grad_norm .item(): the design budget, counted from the code (see above)
+METRIC_READS = 1  # the one packed read of loss, grad norm and stop: the design budget, counted from the code
 GRAD_ACCUM = 2  # more than one micro-batch, so a per-micro-batch sync shows up as a multiple
 
 
