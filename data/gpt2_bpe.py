@@ -44,6 +44,7 @@ class GPT2BPETokenizer(BPETokenizer):
     def from_dir(cls, directory: str | Path) -> "GPT2BPETokenizer":
         vocab, merges = find_bpe_files(directory)
         _check_vocab_json(vocab)
+        check_merges_file(merges)
         try:
             bpe = models.BPE.from_file(str(vocab), str(merges))
         except Exception as error:  # tokenizers raises a bare Exception for unreadable merges
@@ -62,6 +63,22 @@ class GPT2BPETokenizer(BPETokenizer):
         # The eod token is an ordinary vocabulary entry here (not an added token), so the model vocabulary
         # is exactly the BPE vocabulary: 50,257 for GPT-2.
         return self._backend.get_vocab_size(with_added_tokens=False)
+
+
+def check_merges_file(path: Path) -> None:
+    """A merges file with no merge (empty, or only the `#version` header) would silently tokenize per byte."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and not line.startswith("#version"):
+                    if len(line.split()) != 2:
+                        raise ValueError(f"GPT-2 merges file {path} is corrupt: line {line.strip()[:40]!r} is not "
+                                         "two symbols")
+                    return
+    except UnicodeDecodeError as error:
+        raise ValueError(f"GPT-2 merges file {path} is not UTF-8 text: {error}") from error
+    raise ValueError(f"GPT-2 merges file {path} holds no merges (empty or only a header): the tokenizer would "
+                     "split text into single bytes")
 
 
 def _check_vocab_json(path: Path) -> None:

@@ -21,24 +21,36 @@ unless asked.
     64      N * 4|8       document lengths in tokens
     ...     N * 8  int64  document byte offsets into .bin
     end-32  32            SHA-256 of every byte above
+
+Verifying the .bin (`verify_data()`, `check_indexed()`) hashes it once and records the result in
+`PREFIX.bin.verified` (JSON: the .bin's size, mtime and SHA-256, the index checksum and the largest token id,
+written atomically), so a 100 GB corpus is not re-hashed at every start: a later check only compares size and
+mtime. A file modified within the last few seconds is not cached (its mtime could still change within the
+timestamp's granularity). `check_indexed(prefix, vocab_size)` is the pre-start check the recipe resolver calls
+before any process starts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
+import time
 from array import array
 from pathlib import Path
 
 import numpy as np
 
-from megazoo.data.fileio import AtomicFile, file_sha256
+from megazoo.data.fileio import AtomicFile, atomic_write_text, file_sha256
 
 MAGIC = b"MZIDX\x00\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<8sIBB2xQQ32s")  # 64 bytes
 DIGEST_BYTES = 32
 DTYPE_CODES = {1: np.uint8, 2: np.uint16, 3: np.int32, 4: np.uint32, 5: np.int64}
+VERIFIED_SUFFIX = ".verified"  # PREFIX.bin.verified: the cached result of hashing PREFIX.bin
+_SCAN_BYTES = 1 << 24  # block size when hashing and scanning the .bin (a multiple of every token size)
+_RACY_NS = 3_000_000_000  # a .bin modified more recently than this is verified but not cached
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
@@ -139,13 +151,79 @@ class IndexedDataset:
         start = doc_start + offset
         return self.tokens[start:doc_end if length is None else min(start + length, doc_end)]
 
-    def verify_data(self) -> None:
-        """Hash the whole .bin against the SHA-256 the writer recorded (catches in-place corruption)."""
-        if _sha256_file(self.bin_path) != self._bin_sha:
+    @property
+    def verified_path(self) -> Path:
+        return Path(str(self.bin_path) + VERIFIED_SUFFIX)
+
+    def _cached_verification(self) -> dict | None:
+        try:
+            record = json.loads(self.verified_path.read_text(encoding="utf-8"))
+            stat = self.bin_path.stat()
+            fresh = {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns, "bin_sha256": self._bin_sha.hex(),
+                     "index_sha256": self.checksum}
+            if isinstance(record, dict) and all(record.get(k) == v for k, v in fresh.items()) \
+                    and isinstance(record.get("max_token"), int):
+                return record
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def verify_data(self, *, cache: bool = True) -> int:
+        """Hash the whole .bin against the SHA-256 the writer recorded (catches in-place corruption); return the
+        largest token id. With `cache`, a matching PREFIX.bin.verified skips the work, and a successful
+        verification writes one (silently skipped where the folder is read-only)."""
+        if cache and (record := self._cached_verification()) is not None:
+            return record["max_token"]
+        before = self.bin_path.stat()
+        digest, max_token = hashlib.sha256(), -1
+        with open(self.bin_path, "rb") as f:
+            while block := f.read(_SCAN_BYTES):
+                digest.update(block)
+                tokens = np.frombuffer(block[:len(block) - len(block) % self.dtype.itemsize], dtype=self.dtype)
+                if tokens.size:
+                    max_token = max(max_token, int(tokens.max()))
+        if digest.digest() != self._bin_sha:
             raise ValueError(f"{self.bin_path} is corrupt: its SHA-256 differs from the one in {self.idx_path.name}")
+        after = self.bin_path.stat()
+        settled = time.time_ns() - after.st_mtime_ns > _RACY_NS
+        if cache and settled and (before.st_size, before.st_mtime_ns) == (after.st_size, after.st_mtime_ns):
+            record = {"bin_bytes": after.st_size, "bin_mtime_ns": after.st_mtime_ns, "bin_sha256": self._bin_sha.hex(),
+                      "index_sha256": self.checksum, "max_token": max_token}
+            try:
+                atomic_write_text(self.verified_path, json.dumps(record) + "\n")
+            except OSError:
+                pass  # a read-only dataset folder: verified, just not cached
+        return max_token
+
+    def check_tokens(self, vocab_size: int) -> None:
+        """Every token id is < vocab_size, or an error naming the file, the document and the token."""
+        if self.verify_data() < vocab_size:
+            return
+        starts = self.offsets // self.dtype.itemsize
+        step = _SCAN_BYTES // self.dtype.itemsize
+        for lo in range(0, self.num_tokens, step):
+            bad = np.flatnonzero(np.asarray(self.tokens[lo:lo + step]) >= vocab_size)
+            if bad.size:
+                position = lo + int(bad[0])
+                doc = int(np.searchsorted(starts, position, side="right")) - 1
+                raise ValueError(f"{self.bin_path}: document {doc} holds token id {int(self.tokens[position])} (its "
+                                 f"token {position - int(starts[doc])}), outside the vocabulary [0, {vocab_size})")
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, documents={len(self)}, tokens={self.num_tokens}, dtype={self.dtype})"
+
+
+def check_indexed(prefix: str | Path, vocab_size: int | None = None, *, verify: bool = True) -> IndexedDataset:
+    """The pre-start check of a dataset prefix (the recipe resolver calls it before any process starts): both
+    files exist; the index's magic, version, sizes and checksum; the .bin's size and (with `verify`) its SHA-256,
+    cached in PREFIX.bin.verified; and (with `vocab_size`) every token id < vocab_size. Raises FileNotFoundError
+    or ValueError naming the file."""
+    dataset = IndexedDataset(prefix)
+    if verify:
+        dataset.verify_data()
+    if vocab_size is not None:
+        dataset.check_tokens(vocab_size)
+    return dataset
 
 
 class IndexedDatasetWriter:

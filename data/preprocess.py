@@ -70,6 +70,8 @@ def check_inputs(inputs: list[str | Path]) -> list[Path]:
         if path.suffix.lower() not in JSONL_SUFFIXES + TEXT_SUFFIXES:
             raise PreprocessError(f"input {path} has an unsupported suffix {path.suffix!r}: use "
                                   f"{', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)}")
+        if path.stat().st_size == 0:
+            raise PreprocessError(f"input {path} is empty: it holds no documents")
     return paths
 
 
@@ -209,6 +211,9 @@ def preprocess(
                     result, done_bytes = pending.popleft()
                     write(result.get(), done_bytes)
             documents, tokens = writer.num_documents, writer.num_tokens
+            if documents == 0:  # raised inside the block: the writer drops its files
+                raise PreprocessError(f"no documents in {', '.join(map(str, paths))} (only blank lines?): nothing "
+                                      "written")
     finally:
         if pool is not None:
             pool.terminate()  # on error: stop encoding at once; on success: the pool is idle anyway

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.gpt2_bpe import GPT2BPETokenizer, check_merges_file, find_bpe_files
 from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from megazoo.data.tokenizer import HF_PREFIX, BPETokenizer, HFTokenizer, Tokenizer
 
@@ -78,8 +78,9 @@ def check_tokenizer_spec(spec: str | Path) -> None:
             raise ValueError(f"tokenizer {text!r} names no tokenizer: use hf:NAME (e.g. hf:gpt2) or hf:/path/to/dir")
         return
     path = Path(spec)
-    if path.is_dir():
-        return  # which files it holds is checked on load, with a message listing them
+    if path.is_dir():  # GPT-2 BPE files, with at least one merge
+        check_merges_file(find_bpe_files(path)[1])
+        return
     if not path.exists():
         looks_like_name = not path.suffix and not text.startswith((".", "/", "~"))
         hint = f" (for the Hugging Face tokenizer {text!r} write {HF_PREFIX}{text})" if looks_like_name else ""
@@ -88,6 +89,21 @@ def check_tokenizer_spec(spec: str | Path) -> None:
     if path.suffix not in (".json", ".model"):
         raise ValueError(f"tokenizer file {path} has an unsupported suffix {path.suffix!r}: use a tokenizers .json, "
                          f"a sentencepiece .model, a GPT-2 BPE directory or hf:NAME")
+    if path.suffix == ".json":
+        _check_tokenizer_json(path)
+
+
+def _check_tokenizer_json(path: Path) -> None:
+    """A tokenizers .json must parse, and a BPE model in it must have merges."""
+    import json
+
+    try:
+        model = json.loads(path.read_text(encoding="utf-8")).get("model") or {}
+    except (UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise ValueError(f"tokenizer file {path} is not a tokenizers JSON file: {error}") from None
+    if isinstance(model, dict) and model.get("type") == "BPE" and not model.get("merges"):
+        raise ValueError(f"tokenizer file {path} is a BPE tokenizer without merges: it would split text into "
+                         "single characters")
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:

@@ -27,13 +27,17 @@ class ModelSource:
     cfg: object  # models.config.ModelConfig
     name: str
     tokenizer: object  # a data.tokenizer.Tokenizer
+    checkpoint: Path | None = None  # --checkpoint: the step directory it resolved to (recorded in the JSON)
+    step: int | None = None  # that checkpoint's training step
 
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
     """Validate model config, tokenizer and data path before any process is started or weights are read."""
     from megazoo.data.tokenizer_loading import load_tokenizer
     from megazoo.models.gpt2.convert_cli import load_consolidated_config
+    from megazoo.parallel.checkpoint.consolidate import read_common, resolve_checkpoint
 
+    checkpoint = step = None
     if args.hf is not None:
         from megazoo.models.gpt2.hf import read_hf_config
 
@@ -41,7 +45,9 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
         cfg = read_hf_config(model_dir)
     else:
         model_dir = Path(args.checkpoint)
-        cfg = load_consolidated_config(model_dir)
+        checkpoint = resolve_checkpoint(model_dir).resolve()  # a checkpoints folder: its latest good one, once
+        cfg = load_consolidated_config(checkpoint)
+        step = read_common(checkpoint)["step"]
     stride = getattr(args, "stride", None)
     if stride is not None and not 1 <= stride <= cfg.n_positions:
         raise ValueError(f"--stride {stride} must be between 1 and the model's context {cfg.n_positions}")
@@ -65,7 +71,19 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
                          f"in {tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: file not found")
-    return ModelSource(cfg, cfg.name, tokenizer)
+    check_data(args.task, args.data)
+    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step)
+
+
+def check_data(task: str, path: str | Path) -> None:
+    """Read and parse the data file (no tokenizing): malformed data fails before any process starts."""
+    from megazoo.eval.lambada import read_lambada_texts
+    from megazoo.eval.scoring import read_text_file
+
+    if task == "lambada":
+        read_lambada_texts(path)
+    elif len(read_text_file(path, "WikiText").strip().split(" ")) < 2:
+        raise ValueError(f"WikiText file {path} has too little text to evaluate")
 
 
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
@@ -77,7 +95,7 @@ def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
         from transformers import GPT2LMHeadModel
 
         return hf_logits_fn(GPT2LMHeadModel.from_pretrained(args.hf).to(topo.device))
-    cfg, full_state = read_hf_dir(args.hf) if args.hf is not None else load_consolidated(args.checkpoint)
+    cfg, full_state = read_hf_dir(args.hf) if args.hf is not None else load_consolidated(source.checkpoint)
     return gpt_logits_fn(gpt_from_full_state(cfg, full_state, topo))
 
 
@@ -100,6 +118,8 @@ def evaluate(args: argparse.Namespace, topo) -> dict:
         result = lambada.evaluate_lambada(_logits_fn(args, source, topo), data, **common)
         line = lambada.summary_line(result)
     result.update(backend=args.backend, tp=topo.tp, limit=args.limit)
+    if source.checkpoint is not None:  # which checkpoint was evaluated, exactly
+        result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
     if lead:
         print(line, flush=True)
         if args.json:
@@ -127,7 +147,9 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     try:
         if args.tp > 1:
-            check_inputs(args)  # in this process: bad input fails before any worker starts
+            source = check_inputs(args)  # in this process: bad input fails before any worker starts
+            if source.checkpoint is not None:  # every worker evaluates the checkpoint resolved here
+                args.checkpoint = str(source.checkpoint)
             return launch_local(args.tp, "megazoo.eval.cli", _forwarded_argv(args))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         evaluate(args, Topology.solo(device))

@@ -4,6 +4,10 @@ The format and its guarantees (pieces by global name + tp layout + flat range, m
 publish, keep-K, fall back to the last good one) are parallel/checkpoint's; this module only says what a
 training run puts in it: the optimizer's state views, the step, the loss scaler, the recipe, the model's shape
 and each rank's random streams. Every function here is collective: every rank calls it.
+
+Resuming (checkpoint.resume) never starts over on top of damaged checkpoints: when some exist and none verifies,
+restore() raises naming each one and why. It also refuses a changed train.micro_batch, train.seq_len or global
+batch unless the recipe sets checkpoint.allow_batch_change = true (a weights-only fine-tune start may change it).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from megazoo.models.config import architecture_mismatches
-from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint
+from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpoint, load_tensor_file, read_common,
+                                            save_checkpoint, verify_checkpoint)
 from megazoo.parallel.checkpoint.load import load_views
 from megazoo.parallel.checkpoint.views import StateView, optimizer_steps, set_optimizer_steps
 from megazoo.recipes.resolve import Resolved
@@ -62,7 +67,8 @@ def save(trainer: Trainer, step: int) -> Path:
     res = trainer.res
     common = {"step": step, "optimizer_steps": optimizer_steps(trainer.zero.optimizer),
               "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-              "recipe": res.recipe.to_dict(), "model": dataclasses.asdict(res.model)}
+              "recipe": res.recipe.to_dict(), "model": dataclasses.asdict(res.model),
+              "global_batch": res.global_batch}  # plain data: written as common.json
     return save_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
                            extras={"rng": _rng_state(trainer), "layout": layout(res)}, common=common,
                            layout=layout(res), keep=res.recipe.checkpoint.keep)
@@ -71,13 +77,12 @@ def save(trainer: Trainer, step: int) -> Path:
 def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> int:
     """Load a checkpoint saved at any layout; returns the step to continue from (0 for weights only)."""
     path = Path(path)
-    if not (path / "common.pt").is_file():
-        raise CheckpointError(f"checkpoint {path} has no common.pt")
-    common = torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+    manifest = verify_checkpoint(path)  # every file's size and sha256, once
+    common = read_common(path)
     mismatches = architecture_mismatches(common["model"], dataclasses.asdict(trainer.res.model))
     if mismatches:
         raise CheckpointError(f"checkpoint {path} is for a different model: {'; '.join(mismatches)}")
-    manifest = load_views(path, state_views(trainer), kinds=None if load_optimizer else ("param", "master"))
+    load_views(path, state_views(trainer), kinds=None if load_optimizer else ("param", "master"), manifest=manifest)
     trainer.zero.after_load()
     if not load_optimizer:
         return 0
@@ -86,9 +91,42 @@ def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> 
         trainer.scaler.load_state_dict(common["scaler"])
     if manifest["layout"] == layout(trainer.res) and manifest["world_size"] == trainer.topo.world_size:
         # Same layout: every rank resumes its own random streams, so dropout continues bit-identically.
-        extras = torch.load(path / f"rank{trainer.topo.rank:05d}.pt", map_location="cpu", weights_only=False)
-        _set_rng_state(trainer, extras["extras"]["rng"])
+        file = path / f"rank{trainer.topo.rank:05d}.pt"
+        try:
+            rng = load_tensor_file(file)["extras"]["rng"]
+        except (KeyError, TypeError) as err:
+            raise CheckpointError(f"checkpoint file {file} holds no random state: {err!r}") from None
+        _set_rng_state(trainer, rng)
     return common["step"]
+
+
+def batch_changes(res: Resolved, common: dict) -> list[str]:
+    """What differs between the batch a checkpoint was trained with and this recipe's: 'key = old there, new
+    here' for train.micro_batch, train.seq_len and the global batch (micro_batch x grad_accum x dp)."""
+    saved = common.get("recipe") or {}
+    changes = []
+    for section, key in (("train", "micro_batch"), ("train", "seq_len")):
+        old, new = (saved.get(section) or {}).get(key), getattr(getattr(res.recipe, section), key)
+        if old is not None and old != new:
+            changes.append(f"{section}.{key} = {old} in the checkpoint, {new} now")
+    old = common.get("global_batch")
+    if old is not None and old != res.global_batch:
+        changes.append(f"global batch (micro_batch x grad_accum x dp) = {old} in the checkpoint, {res.global_batch} now")
+    return changes
+
+
+def check_batch_unchanged(res: Resolved, path: Path, common: dict, report=print) -> None:
+    """Resuming the same run with another batch shape changes its data order and schedule: refused unless the
+    recipe sets checkpoint.allow_batch_change = true (then only reported)."""
+    changes = batch_changes(res, common)
+    if not changes:
+        return
+    if getattr(res.recipe.checkpoint, "allow_batch_change", False):
+        report(f"megazoo: resuming {path} with a changed batch ({'; '.join(changes)}): allowed by "
+               "checkpoint.allow_batch_change = true")
+        return
+    raise CheckpointError(f"checkpoint.resume: {path} was trained with another batch: {'; '.join(changes)}. Keep "
+                          "the old values, or set checkpoint.allow_batch_change = true to continue anyway")
 
 
 def restore(trainer: Trainer, report=print) -> int:
@@ -96,8 +134,14 @@ def restore(trainer: Trainer, report=print) -> int:
     checkpoint.load (another run's checkpoint, or its checkpoints folder); else step 0."""
     ckpt, run_dir = trainer.res.recipe.checkpoint, Path(trainer.res.recipe.run.dir)
     if ckpt.resume:
-        path = latest_good_checkpoint(run_dir / "checkpoints", report=report)
+        root, problems = run_dir / "checkpoints", []
+        path = latest_good_checkpoint(root, report=report, problems=problems)
+        if path is None and problems:  # never start over silently on top of damaged checkpoints
+            raise CheckpointError(f"checkpoint.resume: no good checkpoint under {root}, and nothing there was "
+                                  "changed:\n" + "\n".join(f"  - {p}" for p in problems) + "\nrepair or restore "
+                                  "them, or use --overwrite to start over (the old run is moved aside)")
         if path is not None:
+            check_batch_unchanged(trainer.res, path, read_common(path), report)
             step = load(trainer, path)
             report(f"megazoo: resumed from {path} at step {step}")
             return step

@@ -127,6 +127,7 @@ class CheckpointSection:
     load: str = ""  # start from this checkpoint (a step_N directory or a checkpoints folder), any layout
     load_optimizer: bool = True  # false: weights only, from step 0 (fine-tuning)
     resume: bool = False  # continue from the latest good checkpoint in run.dir (megazoo train --resume)
+    allow_batch_change: bool = False  # resume even if train.micro_batch / seq_len / the global batch changed
 
 
 @dataclass(frozen=True)

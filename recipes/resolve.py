@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megazoo.data.indexed_dataset import check_indexed
 from megazoo.data.tokenizer_loading import check_tokenizer_spec
 from megazoo.models.config import ModelConfig, get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
@@ -89,8 +90,9 @@ def _check_run_and_sample(recipe: Recipe, global_batch: int) -> None:
                               f"{math.ceil(needed / (1.0 - data.val_fraction))} bytes of corpus")
 
 
-def _check_indexed(data) -> None:
-    """Every dataset file exists before any process starts (the readers verify magic, sizes and checksums)."""
+def _check_indexed(data, vocab_size: int) -> None:
+    """Every dataset file exists and is sound (magic, sizes, checksums, token ids < the model's vocabulary)
+    before any process starts."""
     if not data.paths:
         raise RecipeError("data.source = 'indexed' needs data.paths: the prefixes written by megazoo preprocess "
                           "(e.g. paths = [\"data/wiki_text_document\"])")
@@ -99,12 +101,17 @@ def _check_indexed(data) -> None:
                           "give one weight per path or none (equal weights)")
     if any(w <= 0 for w in data.weights):
         raise RecipeError(f"data.weights = {list(data.weights)} is invalid: every weight must be > 0")
-    for key in ("paths", "valid_paths"):
-        for prefix in getattr(data, key):
-            for suffix in (".bin", ".idx"):
-                if not Path(prefix + suffix).is_file():
-                    raise RecipeError(f"data.{key}: {prefix + suffix} does not exist (write it with "
-                                      f"megazoo preprocess --output-prefix {prefix})")
+    datasets = [(key, prefix) for key in ("paths", "valid_paths") for prefix in getattr(data, key)]
+    for key, prefix in datasets:  # every missing file first: the cheapest news
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise RecipeError(f"data.{key}: {prefix + suffix} does not exist (write it with "
+                                  f"megazoo preprocess --output-prefix {prefix})")
+    for key, prefix in datasets:
+        try:
+            check_indexed(prefix, vocab_size)  # magic, sizes, checksums (the .bin hash is cached), token ids
+        except (OSError, ValueError) as err:
+            raise RecipeError(f"data.{key}: {err}") from None
     if data.tokenizer:
         try:
             check_tokenizer_spec(data.tokenizer)
@@ -231,7 +238,7 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     _positive("data.max_bytes", data.max_bytes)
     _positive("data.synthetic_tokens", data.synthetic_tokens)
     if data.source == "indexed":
-        _check_indexed(data)
+        _check_indexed(data, cfg.vocab_size)
     if data.source == "stdlib" and cfg.vocab_size < data.vocab_size:
         raise RecipeError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's data.vocab_size = "
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")

@@ -39,6 +39,7 @@ from megazoo.recipes.flops import model_flops_per_token, peak_flops
 from megazoo.recipes.model_setup import (build_model, build_optimizer, compute_dtype, configure_matmuls,
                                          parameter_dtype)
 from megazoo.recipes.optim import lr_at
+from megazoo.recipes.progress import Progress
 from megazoo.recipes.resolve import Resolved
 
 
@@ -90,6 +91,7 @@ class Trainer:
         self.scaler = DynamicLossScaler(ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) \
             if compute == torch.float16 else None
         self.consecutive_skips = 0
+        self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
 
     def _batches(self, samples: Samples, micro_batches: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) per micro-batch: the samples' tokens shifted by one."""
@@ -132,18 +134,22 @@ class Trainer:
         zero.comm.reset()
         self._set_mode(True)
         busy_before, total_before = stats.busy_s, stats.total_s
-        losses = self.engine.run(self._batches(self.data.train, self.sampler.indices_for_step(step)), self.plan,
-                                 loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+        self._enter(step, "loading batches")
+        batches = self._batches(self.data.train, self.sampler.indices_for_step(step))
+        self._enter(step, "forward/backward (pipeline schedule, gradient reduction)")
+        losses = self.engine.run(batches, self.plan, loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
                                  autocast=self.autocast, before_backward=lambda last: zero.begin_micro_batch(last))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for loss in losses:
             loss_sum += loss
+        self._enter(step, "optimizer step (gradient norm, AdamW, parameter all-gather)")
         outcome = optimizer_step(zero, lr=lr, grad_clip=t.grad_clip, device=self.topo.device, scaler=self.scaler)
         self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
         if outcome.skipped and self.consecutive_skips >= self.res.recipe.loss_scale.max_consecutive_skips:
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "
                 f"{self.scaler.scale:g}): the run diverged; lower train.lr, or use precision = \"bf16\"")
+        self._enter(step, "step metrics (loss, norm and stop all-reduce)")
         loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm)
         if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
@@ -171,6 +177,7 @@ class Trainer:
         if val is None:
             return None
         self._set_mode(False)
+        self._enter(None, "evaluation (validation forward passes)")
         per_rank = max(1, min(t.eval_batches * self.res.global_batch, len(val)) // self.topo.dp)
         first = self.topo.dp_rank * per_rank
         micro = [list(range(i, min(i + t.micro_batch, first + per_rank)))
@@ -185,7 +192,12 @@ class Trainer:
         return self._host_values(total / per_rank)[0]
 
     def save_checkpoint(self, step: int) -> Path:
+        self._enter(step, "checkpoint save")
         return checkpointing.save(self, step)
+
+    def _enter(self, step: int | None, operation: str) -> None:
+        if self.progress is not None:
+            self.progress.enter(step, operation)
 
     def load_checkpoint(self, path: str | Path, *, load_optimizer: bool = True) -> int:
         return checkpointing.load(self, path, load_optimizer=load_optimizer)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from recipe_helpers import TINY, tiny_recipe
 
+from megazoo.data.indexed_dataset import IndexedDatasetWriter
 from megazoo.recipes.config import Recipe, RecipeError, from_dict, load_recipe, parse_override
 from megazoo.recipes.resolve import resolve
 
@@ -18,13 +20,14 @@ def test_recipes_exist():
 
 
 def _stand_ins(path: Path, tmp_path: Path) -> list[str]:
-    """Overrides pointing a recipe's user files (corpus, checkpoint to start from) at empty stand-ins, so the
+    """Overrides pointing a recipe's user files (corpus, checkpoint to start from) at small stand-ins, so the
     recipe itself is checked at its real size without the user's data."""
     table = load_recipe(path)
     overrides = []
-    if table.data.source == "indexed":
-        for suffix in (".bin", ".idx"):
-            (tmp_path / f"corpus{suffix}").write_bytes(b"")
+    if table.data.source == "indexed":  # a small valid corpus: the resolver checks magic, sizes and checksums
+        with IndexedDatasetWriter(tmp_path / "corpus", 50257) as writer:
+            for doc in range(4):
+                writer.add_document(np.arange(doc, doc + 100) % 50257)
         overrides += [f'data.paths=["{tmp_path / "corpus"}"]', "data.valid_paths=[]"]
     if table.data.tokenizer and not Path(table.data.tokenizer).exists():
         overrides.append(f"data.tokenizer={tmp_path}")

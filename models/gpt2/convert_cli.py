@@ -3,8 +3,9 @@
 megazoo checkpoints are the sharded, topology-independent ones of parallel/checkpoint: hf-to-megazoo writes a
 one-rank checkpoint (a checkpoints folder holding step_00000000) that loads into any layout, e.g. as
 `[checkpoint] load` of a fine-tuning recipe; megazoo-to-hf consolidates a checkpoint of any layout (ZeRO-3
-included) into full tensors and writes a directory `transformers` loads. Sizes and sha256 in the manifest
-detect truncated or corrupt files before anything is unpickled.
+included) into full tensors and writes a directory `transformers` loads. Sizes and sha256 in the manifest (itself
+checked against manifest.sha256) detect truncated or corrupt files before anything is read; the model config
+comes from common.json and tensors are read with torch.load(weights_only=True), so a checkpoint never runs code.
 """
 
 from __future__ import annotations

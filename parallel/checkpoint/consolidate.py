@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, save_checkpoint, verify_checkpoint
+from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpoint, load_tensor_file, read_common,
+                                            save_checkpoint, verify_checkpoint)
 from megazoo.parallel.checkpoint.load import _assemble
 from megazoo.parallel.checkpoint.views import StateView
 from megazoo.parallel.tensor import ShardSpec
@@ -30,13 +31,6 @@ def resolve_checkpoint(path: str | Path, report=print) -> Path:
     return found
 
 
-def read_common(path: Path) -> dict:
-    common = path / "common.pt"
-    if not common.is_file():
-        raise CheckpointError(f"checkpoint {path} has no common.pt")
-    return torch.load(common, map_location="cpu", weights_only=False)
-
-
 def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(model config fields, {name: full fp32 tensor}) of a checkpoint; the embedding at the true vocabulary."""
     path = resolve_checkpoint(path)
@@ -45,14 +39,13 @@ def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     by_name: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for entry in manifest["pieces"]:
         by_name[entry["name"]][entry["kind"]].append(entry)
-    files = {f: torch.load(path / f, map_location="cpu", mmap=True, weights_only=True)
-             for f in manifest["files"] if f.startswith("rank")}
+    files = {f: load_tensor_file(path / f) for f in manifest["files"] if f.startswith("rank")}
     state = {}
     for name, kinds in by_name.items():
         entries = kinds.get("master") or kinds.get("param")
         if not entries:
             raise CheckpointError(f"checkpoint {path} holds no weights for {name}")
-        state[name] = _assemble(entries, files, name).float()
+        state[name] = _assemble(entries, files, name, path).float()
     if "wte.weight" in state:
         state["wte.weight"] = state["wte.weight"][: model["vocab_size"]]
     return model, state
@@ -63,5 +56,5 @@ def write_full_checkpoint(full_state: dict[str, torch.Tensor], model: dict, out:
     views = [StateView(name, ShardSpec(tuple(t.shape)), "param", 0, t.numel(), t.detach().reshape(-1))
              for name, t in full_state.items()]
     layout = {"dp": 1, "tp": 1, "pp": 1, "virtual_stages": 1, "zero_stage": 0, "stage_layers": None}
-    common = {"step": 0, "optimizer_steps": 0, "scaler": None, "recipe": None, "model": model}
+    common = {"step": 0, "optimizer_steps": 0, "scaler": None, "recipe": None, "global_batch": None, "model": model}
     return save_checkpoint(out, 0, views, extras={}, common=common, layout=layout, keep=1)

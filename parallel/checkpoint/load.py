@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megazoo.parallel.checkpoint.io import CheckpointError, verify_checkpoint
+from megazoo.parallel.checkpoint.io import MANIFEST, CheckpointError, load_tensor_file, verify_checkpoint
 from megazoo.parallel.checkpoint.views import StateView
 from megazoo.parallel.tensor import ShardSpec, shard_of
 
@@ -25,7 +25,8 @@ SOURCES = {"param": ("param",), "master": ("master", "param"), "exp_avg": ("exp_
            "exp_avg_sq": ("exp_avg_sq",)}
 
 
-def _assemble(entries: list[dict], files: dict, name: str) -> torch.Tensor:
+def _assemble(entries: list[dict], files: dict, name: str, where: Path | None = None) -> torch.Tensor:
+    """The global tensor `name` from its pieces; a piece that does not fit is an error naming its file."""
     shape = tuple(entries[0]["global_shape"])
     dtype = getattr(torch, entries[0]["dtype"])
     size = entries[0]["tp_size"]
@@ -35,8 +36,17 @@ def _assemble(entries: list[dict], files: dict, name: str) -> torch.Tensor:
     locals_ = [torch.empty(math.prod(s.local_shape), dtype=dtype) for s in specs]
     filled = [0] * size
     for e in entries:
-        piece = files[e["file"]]["pieces"][e["key"]]
-        locals_[e["tp_rank"]][e["start"]:e["stop"]].copy_(piece)
+        file = e["file"] if where is None else where / e["file"]
+        try:
+            piece = files[e["file"]]["pieces"][e["key"]]
+            target = locals_[e["tp_rank"]]
+            if not isinstance(piece, torch.Tensor) or not 0 <= e["start"] <= e["stop"] <= target.numel() \
+                    or piece.numel() != e["stop"] - e["start"]:
+                raise ValueError(f"range [{e['start']}, {e['stop']}) of {target.numel()} elements")
+            target[e["start"]:e["stop"]].copy_(piece.view(-1))
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"checkpoint file {file}: piece {e.get('key')!r} of {name} does not fit its "
+                                  f"entry in {MANIFEST} ({err})") from None
         filled[e["tp_rank"]] += e["stop"] - e["start"]
     if filled != [t.numel() for t in locals_]:
         raise CheckpointError(f"checkpoint pieces of {name} do not cover the tensor ({filled} of "
@@ -62,16 +72,18 @@ def _fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_views(path: str | Path, views: list[StateView], *, kinds: tuple[str, ...] | None = None) -> dict:
-    """Fill every view (of the given kinds) from the checkpoint at `path`; return the manifest."""
+def load_views(path: str | Path, views: list[StateView], *, kinds: tuple[str, ...] | None = None,
+               manifest: dict | None = None) -> dict:
+    """Fill every view (of the given kinds) from the checkpoint at `path`; return the manifest. `manifest`:
+    the one `verify_checkpoint(path)` returned already (the files are then not hashed again)."""
     path = Path(path)
-    manifest = verify_checkpoint(path)
+    manifest = verify_checkpoint(path) if manifest is None else manifest
     by_key: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for entry in manifest["pieces"]:
         by_key[(entry["name"], entry["kind"])].append(entry)
     wanted = [v for v in views if kinds is None or v.kind in kinds]
     needed_files = {e["file"] for v in wanted for k in SOURCES[v.kind] for e in by_key.get((v.name, k), [])}
-    files = {f: torch.load(path / f, map_location="cpu", mmap=True, weights_only=True) for f in sorted(needed_files)}
+    files = {f: load_tensor_file(path / f) for f in sorted(needed_files)}
     cache: dict[tuple[str, str], torch.Tensor] = {}
     for view in sorted(wanted, key=lambda v: v.name):
         sources = SOURCES[view.kind]
@@ -82,7 +94,7 @@ def load_views(path: str | Path, views: list[StateView], *, kinds: tuple[str, ..
             raise CheckpointError(f"checkpoint {path} has no {view.kind} for {view.name}")
         if (view.name, source) not in cache:
             cache = {k: v for k, v in cache.items() if k[0] == view.name}  # one parameter at a time
-            full = _assemble(by_key[(view.name, source)], files, view.name)
+            full = _assemble(by_key[(view.name, source)], files, view.name, path)
             if view.name.endswith("wte.weight"):  # the padded vocabulary depends on tp
                 full = _fit_rows(full, view.spec.global_shape[0])
             cache[(view.name, source)] = full

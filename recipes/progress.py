@@ -1,0 +1,78 @@
+"""Where each rank is in the training loop, so a stalled job says which operation hung and who was missing.
+
+A collective that times out only says "Timed out waiting 600000ms for recv". Every rank therefore records, at
+each operation of the loop that runs collectives (loading batches, forward/backward, optimizer step, metrics,
+checkpoint save, evaluation), a small JSON file `run.dir/.progress/rankNNNNN.json` with its step, the operation
+and a sequence number. All ranks run the same sequence of operations, so when rank r's collective times out, the
+ranks whose sequence number is below r's have not reached the operation r is waiting in: `explain()` names them,
+what they are doing instead, and since when. (Multi-node runs keep run.dir on a shared filesystem, which
+checkpoints need anyway.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """A collective that gave up waiting (gloo: "Timed out ...", NCCL: a DistBackendError / watchdog timeout)."""
+    if isinstance(error, getattr(dist, "DistBackendError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+class Progress:
+    def __init__(self, run_dir: str | Path, rank: int, world_size: int):
+        self.folder = Path(run_dir) / ".progress"
+        self.rank, self.world_size = rank, world_size
+        self.step, self.operation, self.seq = None, "starting", 0
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, rank: int) -> Path:
+        return self.folder / f"rank{rank:05d}.json"
+
+    def enter(self, step: int | None, operation: str) -> None:
+        """Record that this rank starts `operation` of `step` (a rename, so readers never see half a file)."""
+        self.step, self.operation, self.seq = step, operation, self.seq + 1
+        record = {"rank": self.rank, "step": step, "operation": operation, "seq": self.seq,
+                  "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        tmp = self._path(self.rank).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self._path(self.rank))
+
+    def others(self) -> list[dict]:
+        records = []
+        for rank in range(self.world_size):
+            try:
+                records.append(json.loads(self._path(rank).read_text()))
+            except (OSError, ValueError):
+                records.append({"rank": rank, "step": None, "operation": "no record (not started?)", "seq": 0,
+                                "time": None})
+        return records
+
+    def explain(self, error: BaseException) -> str:
+        """One message: the operation this rank was in when its collective gave up, and the ranks that had not
+        arrived there (with what they were doing)."""
+        where = f"step {self.step}, {self.operation}" if self.step is not None else self.operation
+        missing = [r for r in self.others() if r["rank"] != self.rank and r["seq"] < self.seq]
+        lines = [f"megazoo: rank {self.rank} timed out in a collective during {where} "
+                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"]
+        if missing:
+            now = time.time()
+            lines.append(f"ranks that did not arrive: {', '.join(str(r['rank']) for r in missing)}")
+            for r in missing:
+                since = f", for {now - r['time']:.0f} s" if r.get("time") else ""
+                at = f"step {r['step']}, " if r.get("step") is not None else ""
+                lines.append(f"  rank {r['rank']} (host {r.get('host', '?')}, pid {r.get('pid', '?')}) is in "
+                             f"{at}{r['operation']}{since}")
+        else:
+            lines.append("every rank reached this operation: the collective itself stalled (a network or "
+                         "device problem), or a rank died inside it")
+        return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""A stalled rank ends the job with a message naming the operation and the ranks that did not arrive (issue 11,
+item 11): every rank records where it is (recipes/progress.py); the rank whose collective times out explains."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megazoo.recipes.progress import Progress, is_collective_timeout
+
+
+def test_the_timed_out_rank_names_the_operation_and_the_missing_ranks(tmp_path):
+    ranks = [Progress(tmp_path, r, 3) for r in range(3)]
+    for p in ranks:
+        p.enter(4, "loading batches")
+        p.enter(4, "forward/backward")
+    ranks[0].enter(4, "optimizer step")  # rank 0 waits in the optimizer's all-reduce ...
+    ranks[2].enter(4, "optimizer step")  # ... with rank 2; rank 1 is still in its backward
+    message = ranks[0].explain(RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"))
+    assert "rank 0 timed out in a collective during step 4, optimizer step" in message
+    assert "ranks that did not arrive: 1\n" in message
+    assert "rank 1 (host " in message and "is in step 4, forward/backward, for " in message
+    assert "rank 2 (" not in message
+
+
+def test_when_everyone_arrived_the_collective_itself_is_blamed(tmp_path):
+    ranks = [Progress(tmp_path, r, 2) for r in range(2)]
+    for p in ranks:
+        p.enter(0, "checkpoint save")
+    assert "every rank reached this operation" in ranks[1].explain(RuntimeError("Timed out"))
+
+
+def test_a_rank_that_never_started_is_named(tmp_path):
+    p = Progress(tmp_path, 0, 2)
+    p.enter(0, "loading batches")
+    assert "rank 1 (host ?, pid ?) is in no record (not started?)" in p.explain(RuntimeError("timeout"))
+
+
+def test_which_errors_are_collective_timeouts():
+    assert is_collective_timeout(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 20000ms"))
+    assert is_collective_timeout(dist.DistBackendError("NCCL watchdog: Timeout(ms)=600000"))
+    assert not is_collective_timeout(RuntimeError("CUDA out of memory"))
+    assert not is_collective_timeout(ValueError("timed out"))  # not from a collective
