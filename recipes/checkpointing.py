@@ -49,13 +49,20 @@ def state_views(trainer: Trainer) -> list[StateView]:
 
 
 def _rng_state(trainer: Trainer) -> dict:
-    state = {"cpu": torch.get_rng_state(), "tp": trainer.model.rng.get_state()}
+    # The device type tags the streams: a CUDA generator's state means nothing to a CPU one (and vice versa).
+    state = {"cpu": torch.get_rng_state(), "tp": trainer.model.rng.get_state(),
+             "device": torch.tensor(list(trainer.topo.device.type.encode()), dtype=torch.uint8)}
     if trainer.topo.device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(trainer.topo.device)
     return state
 
 
 def _set_rng_state(trainer: Trainer, rng: dict) -> None:
+    """Resume this rank's random streams, when they were saved on the same kind of device: a CPU run resumed on
+    a GPU (or back) starts fresh device streams instead of feeding one generator's state to the other."""
+    saved_on = bytes(rng["device"].tolist()).decode() if "device" in rng else "cpu"
+    if saved_on != trainer.topo.device.type:
+        return
     torch.set_rng_state(rng["cpu"])
     trainer.model.rng.set_state(rng["tp"])
     if "cuda" in rng and trainer.topo.device.type == "cuda":

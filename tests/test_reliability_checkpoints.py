@@ -219,16 +219,14 @@ def test_resume_with_another_batch_is_refused(tmp_path, change, key):
     assert key in str(info.value)
 
 
-def test_a_batch_change_is_reported_when_allowed_and_free_for_fine_tuning(tmp_path, monkeypatch):
+def test_a_batch_change_is_reported_when_allowed_and_free_for_fine_tuning(tmp_path):
     _, trainer = _run(tmp_path)
     trainer.fit()
-    res, resumed = _run(tmp_path, steps=6, train={"micro_batch": 2}, checkpoint={"resume": True})
-    section = type(res.recipe.checkpoint)
-    monkeypatch.setattr(section, "allow_batch_change", True, raising=False)  # the field recipes/config.py adds
+    _, resumed = _run(tmp_path, steps=6, train={"micro_batch": 2},
+                      checkpoint={"resume": True, "allow_batch_change": True})
     reports = []
     assert checkpointing.restore(resumed, report=reports.append) == 4
     assert any("allowed by checkpoint.allow_batch_change" in r for r in reports)
-    monkeypatch.undo()
     load = {"load": str(tmp_path / "checkpoints"), "load_optimizer": False}
     _, tuned = _run(tmp_path / "tune", train={"micro_batch": 2}, checkpoint=load)
     assert checkpointing.restore(tuned, report=lambda *_: None) == 0
@@ -245,3 +243,28 @@ def test_checkpoint_files_get_the_normal_umask(tmp_path):
     for path in [step, *step.iterdir(), tmp_path / "checkpoints" / "latest"]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
+
+
+def test_random_streams_saved_on_another_device_type_are_not_restored(tmp_path):
+    """A CPU checkpoint resumed on a GPU must not pass a CPU generator state to cuda.set_rng_state: the streams
+    are tagged with the device type and restored only on the same kind of device."""
+    import torch
+    from recipe_helpers import tiny_resolved
+
+    from megazoo.parallel.topology import Topology
+    from megazoo.recipes import checkpointing
+    from megazoo.recipes.trainer import Trainer
+
+    trainer = Trainer(tiny_resolved(run={"dir": str(tmp_path)}), Topology.solo())
+    rng = checkpointing._rng_state(trainer)
+    assert bytes(rng["device"].tolist()).decode() == "cpu"
+    before = trainer.model.rng.get_state().clone()
+    torch.manual_seed(123)
+    trainer.model.rng.set_state(before)
+    gpu_saved = {**rng, "device": torch.tensor(list(b"cuda"), dtype=torch.uint8),
+                 "cpu": torch.zeros_like(rng["cpu"])}  # would corrupt the CPU stream if it were applied
+    state_before = torch.get_rng_state().clone()
+    checkpointing._set_rng_state(trainer, gpu_saved)
+    assert torch.equal(torch.get_rng_state(), state_before)
+    checkpointing._set_rng_state(trainer, rng)  # the same device type: restored
+    assert torch.equal(torch.get_rng_state(), rng["cpu"])
