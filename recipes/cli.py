@@ -3,14 +3,19 @@
 `megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
 `megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus).
 
-`train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, then
-runs one process in place or N local processes through torchrun (`python -m torch.distributed.run`).
+`train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, takes
+run.dir's lock (one job per run.dir; exit 2 naming the holder), refuses a fresh run into a run.dir that holds a
+run (exit 2; --resume or --overwrite), then runs one process in place or N local processes through torchrun
+(`python -m torch.distributed.run`). SIGTERM / SIGINT stop the job with a checkpoint and exit status 143 / 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
+from pathlib import Path
 
 from megazoo.data.preprocess import register as register_preprocess
 from megazoo.data.tokenizer_cli import register as register_tokenizer
@@ -20,6 +25,7 @@ from megazoo.parallel.local_launch import launch_local
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.plan_cli import register as register_plan
 from megazoo.recipes.resolve import resolve
+from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -30,20 +36,43 @@ def _train(args: argparse.Namespace) -> int:
         if nproc < 1:
             raise RecipeError(f"--nproc {nproc} is invalid: it must be a positive integer")
         resolve(recipe, world_size=nproc)
-    except RecipeError as err:
+        lock = RunDirLock.acquire(recipe.run.dir)  # one job per run.dir, held until this process ends
+    except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
         return 2
-    overrides = list(args.overrides)
-    if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
-        overrides.append("checkpoint.resume=true")
-    sets = [arg for text in overrides for arg in ("--set", text)]
-    if nproc == 1 and not args.max_restarts:
-        from megazoo.recipes.train import main as train_main
-        return train_main([args.recipe, *sets])
-    # Restarts: a failed job (a rank died, a collective timed out) is started again, every worker, and resumes
-    # from the latest good checkpoint (checkpoint.resume=true above).
-    return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
-                        restart_note=" from the latest good checkpoint")
+    with lock:
+        run_dir, resuming = Path(recipe.run.dir), args.resume or recipe.checkpoint.resume
+        previous = previous_run(run_dir)
+        if previous and (args.overwrite or not resuming):
+            if not args.overwrite:
+                print(f"megazoo: error: run.dir {run_dir} already holds a run ({', '.join(previous)}): continue "
+                      f"it with --resume, or start over with --overwrite (moves the old files to "
+                      f"{run_dir.name}.old-<time>/ beside it)", file=sys.stderr)
+                return 2
+            print(f"megazoo: moved the previous run in {run_dir} to {move_aside(run_dir)}", file=sys.stderr)
+        overrides = list(args.overrides)
+        if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
+            overrides.append("checkpoint.resume=true")
+        sets = [arg for text in overrides for arg in ("--set", text)]
+        if nproc == 1 and not args.max_restarts:
+            from megazoo.recipes.train import main as train_main
+            return train_main([args.recipe, *sets], lock_held=True)
+        # Restarts: a failed job (a rank died, a collective timed out) is started again, every worker, and
+        # resumes from the latest good checkpoint (checkpoint.resume=true above); a stop by signal ends the job.
+        return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
+                            restart_note=" from the latest good checkpoint",
+                            env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"})
+
+
+def _restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be 0 (no restarts, the default) or a "
+                                         f"positive number of restarts")
+    return value
 
 
 def _presets(args: argparse.Namespace) -> int:
@@ -64,10 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a recipe key, e.g. --set train.steps=20 (repeatable)")
     train.add_argument("--nproc", type=int, default=None,
                        help="local processes to start (default: dp x tp x pp from the recipe)")
-    train.add_argument("--resume", action="store_true",
+    fresh = train.add_mutually_exclusive_group()
+    fresh.add_argument("--resume", action="store_true",
                        help="continue from the latest good checkpoint in run.dir (resharding if the layout changed)")
-    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                       help="restart all workers up to N times after a failure, resuming from the latest checkpoint")
+    fresh.add_argument("--overwrite", action="store_true",
+                       help="start over in a run.dir that holds a run: its files move to RUN_DIR.old-<time>/")
+    train.add_argument("--max-restarts", type=_restarts, default=0, metavar="N",
+                       help="restart all workers up to N times after a failure (not after a stop by SIGTERM / "
+                            "SIGINT), resuming from the latest checkpoint")
     train.set_defaults(func=_train)
     listing = sub.add_parser("presets", help="list the model presets and their parameter counts")
     listing.set_defaults(func=_presets)

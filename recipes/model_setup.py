@@ -7,9 +7,12 @@ and the optimizer materialises them one unit at a time.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
-from megazoo.kernels import Kernels
+from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.pipeline.partition import rank_chunks
@@ -18,6 +21,7 @@ from megazoo.parallel.tensor.random import TPRNGTracker
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.build import build_zero
 from megazoo.parallel.zero.interface import ZeroOptimizer
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
 from megazoo.parallel.zero.partitioned import TiedParameters
 from megazoo.recipes.resolve import Resolved
 
@@ -42,6 +46,40 @@ def parameter_dtype(compute: torch.dtype, zero_stage: int) -> torch.dtype:
     dtype. Stage 0 keeps fp32 parameters and runs half precision as autocast (torch AMP style)."""
     half = compute in (torch.float16, torch.bfloat16)
     return compute if (half and zero_stage >= 1) or compute == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The recipe's train.precision on this device: what matmuls run in, what parameters are stored in."""
+
+    compute: torch.dtype
+    params: torch.dtype
+    device_type: str
+
+    @classmethod
+    def of(cls, res: Resolved, device: torch.device) -> "Precision":
+        compute = compute_dtype(res.recipe.train.precision, device)
+        return cls(compute, parameter_dtype(compute, res.recipe.zero.stage), device.type)
+
+    def autocast(self):
+        """bf16/fp16 forwards under torch.autocast; fp32/fp64 as they are."""
+        if self.compute in (torch.float16, torch.bfloat16):
+            return torch.autocast(self.device_type, dtype=self.compute)
+        return contextlib.nullcontext()
+
+    def loss_scaler(self, res: Resolved) -> DynamicLossScaler | None:
+        """fp16 needs dynamic loss scaling; nothing else does."""
+        ls = res.recipe.loss_scale
+        return DynamicLossScaler(ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) \
+            if self.compute == torch.float16 else None
+
+
+def run_kernels(res: Resolved, device: torch.device, precision: Precision) -> Kernels:
+    """Which implementation runs each fused op, for the model's compute dtype on `device`; AdamW where the
+    optimizer states live (the CPU under ZeRO-Offload), on fp32 masters (fp64 in fp64 runs)."""
+    return resolve_kernels(res.recipe.kernels.choice(), device, precision.compute,
+                           optimizer_device="cpu" if res.recipe.zero.offload == "cpu" else device,
+                           optimizer_dtype=torch.promote_types(precision.params, torch.float32))
 
 
 def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype = torch.float32,

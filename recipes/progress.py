@@ -62,7 +62,7 @@ class Progress:
         arrived there (with what they were doing)."""
         where = f"step {self.step}, {self.operation}" if self.step is not None else self.operation
         missing = [r for r in self.others() if r["rank"] != self.rank and r["seq"] < self.seq]
-        lines = [f"megazoo: rank {self.rank} timed out in a collective during {where} "
+        lines = [f"rank {self.rank} timed out in a collective during {where} "
                  f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"]
         if missing:
             now = time.time()

@@ -2,8 +2,8 @@
 
 `megazoo train` checks the recipe and launches this under torchrun (or runs it in place for one process); the
 loop itself is recipes/trainer.py. This module reads the launcher's RANK / WORLD_SIZE, builds the Topology,
-restores a checkpoint when asked, handles SIGTERM (preemption: finish the step, save, stop) and prints the
-run's summary on rank 0.
+restores a checkpoint when asked, handles SIGTERM / SIGINT (preemption: finish the step, save, stop; exit status
+128 + signal), holds run.dir's lock when no `megazoo train` launcher does, and prints the run's summary on rank 0.
 """
 
 from __future__ import annotations
@@ -15,47 +15,54 @@ import signal
 import sys
 from pathlib import Path
 
-from megazoo.parallel.local_launch import finish_worker
+from megazoo.parallel.checkpoint.io import CheckpointError
+from megazoo.parallel.local_launch import (GracefulStop, die_with_parent, finish_worker, orphaned, record_fatal,
+                                          record_stop)
 from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.recipes import checkpointing
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.metrics import MetricsLog
+from megazoo.recipes.progress import Progress, is_collective_timeout
 from megazoo.recipes.resolve import Resolved, resolve
+from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock
 from megazoo.recipes.trainer import Trainer, TrainResult
 
 
-def run(res: Resolved, topo: Topology) -> TrainResult:
-    """Train as the recipe says, log on rank 0, and print the closing summary there."""
+def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> TrainResult:
+    """Train as the recipe says, log on rank 0, and print the closing summary there. SIGTERM / SIGINT (`stop`)
+    is a preemption: the current step finishes, every rank saves a checkpoint, training stops."""
     rank0 = topo.rank == 0
     recipe = res.recipe
-    log = MetricsLog(recipe.run.dir, enabled=rank0, wandb_mode=recipe.logging.wandb,
-                     project=recipe.logging.wandb_project, config=recipe.to_dict())
-    trainer = Trainer(res, topo)
-    if rank0:
-        print("\n".join(trainer.kernels.describe()), flush=True)
-    start_step = checkpointing.restore(trainer, report=print if rank0 else (lambda *_: None))
-    if rank0:
-        n_params = sum(p.numel() for p in trainer.model.parameters())
-        print(f"megazoo: {res.model.name} ({res.model.num_parameters():,} parameters; {n_params:,} on this rank) "
-              f"dp={topo.dp} tp={topo.tp} pp={topo.pp} on {topo.device}; {len(trainer.data.train):,} training "
-              f"samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}", flush=True)
-    # Preemption: SIGTERM lets the current step finish, then every rank saves a checkpoint and stops.
-    terminated = {"flag": False}
-
-    def on_sigterm(*_):
-        terminated["flag"] = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM (e.g. the launcher giving up) kills
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
-                             stop_requested=lambda: terminated["flag"])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        log.close()
+    stop = stop if stop is not None else GracefulStop()
+    with stop:
+        log = MetricsLog(recipe.run.dir, enabled=rank0, wandb_mode=recipe.logging.wandb,
+                         project=recipe.logging.wandb_project, config=recipe.to_dict())
+        try:
+            trainer = Trainer(res, topo)
+            if rank0:
+                print("\n".join(trainer.kernels.describe()), flush=True)
+            start_step = checkpointing.restore(trainer, report=print if rank0 else (lambda *_: None))
+            log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
+            if rank0:
+                n_params = sum(p.numel() for p in trainer.model.parameters())
+                print(f"megazoo: {res.model.name} ({res.model.num_parameters():,} parameters; {n_params:,} on this "
+                      f"rank) dp={topo.dp} tp={topo.tp} pp={topo.pp} on {topo.device}; {len(trainer.data.train):,} "
+                      f"training samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}",
+                      flush=True)
+            if topo.world_size > 1:  # where each rank is: a collective that times out names who is missing
+                trainer.progress = Progress(recipe.run.dir, topo.rank, topo.world_size)
+            try:
+                result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
+                                     stop_requested=stop.requested)
+            except Exception as err:
+                if trainer.progress is not None and is_collective_timeout(err):
+                    raise JobStalled(trainer.progress.explain(err)) from err
+                raise
+        finally:
+            log.close()
     if rank0 and result.stopped_at is not None:
-        print(f"megazoo: stopped by SIGTERM after step {result.stopped_at}; checkpoint saved under "
-              f"{Path(recipe.run.dir) / 'checkpoints'} (continue with --resume)", flush=True)
+        print(f"megazoo: stopped by {stop.name or 'request'} after step {result.stopped_at}; checkpoint saved "
+              f"under {Path(recipe.run.dir) / 'checkpoints'} (continue with --resume)", flush=True)
     elif rank0:
         if result.losses:
             first, last = result.losses[0], result.losses[-1]
@@ -70,6 +77,10 @@ def run(res: Resolved, topo: Topology) -> TrainResult:
     return result
 
 
+class JobStalled(RuntimeError):
+    """A collective timed out; the message names the operation and the ranks that did not arrive."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megazoo.recipes.train", description="Train a megazoo recipe.")
     parser.add_argument("recipe", help="TOML recipe file")
@@ -78,25 +89,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
     """torchrun entry point: reads the launcher's RANK / WORLD_SIZE / LOCAL_RANK (library code never does).
-    Each process runs on GPU LOCAL_RANK when CUDA exists (NCCL), else on the CPU (gloo)."""
+    Each process runs on GPU LOCAL_RANK when CUDA exists (NCCL), else on the CPU (gloo).
+
+    Under torchrun the worker dies with torchrun (PR_SET_PDEATHSIG). Rank 0 holds run.dir's lock unless its
+    launcher does (`lock_held`, or LOCK_HELD_ENV from `megazoo train`). Stopped by SIGTERM / SIGINT after saving,
+    the exit status is 128 + signal (143 for SIGTERM), or 0 with the stop recorded for a `megazoo train` launcher
+    (which then exits 143 itself: torchrun would report a non-zero worker as a failure)."""
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if "TORCHELASTIC_RUN_ID" in os.environ and die_with_parent() and orphaned():
+        print(f"megazoo: rank {rank}: torchrun is gone; not starting", file=sys.stderr)
+        return 1
     try:
         res = resolve(load_recipe(args.recipe, args.overrides), world_size=world_size)
-    except RecipeError as err:
+        own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
+        lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends
+    except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
         return 2
-    par = res.recipe.parallel
+    par, stop = res.recipe.parallel, GracefulStop()
+    if world_size > 1:
+        init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s)
+    try:
+        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.build(par.dp, par.tp, par.pp)
+        result = run(res, topo, stop)
+    except (CheckpointError, JobStalled) as err:
+        # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch; a stalled peer
+        # is reported by every rank that waited for it): say so once, plainly, and end the job.
+        print(f"megazoo: error (rank {rank}): {err}", file=sys.stderr, flush=True)
+        code = 2 if isinstance(err, CheckpointError) else 1
+        if isinstance(err, CheckpointError):
+            record_fatal()
+        if world_size == 1:
+            return code
+        finish_worker(code)
+    code = 0
+    if result.stopped_at is not None:  # every rank stops together, even one the signal did not reach
+        signum = stop.signum or signal.SIGTERM
+        code = 0 if record_stop(signum) else 128 + signum
     if world_size == 1:
-        run(res, Topology.solo(local_device(local_rank)))
-        return 0
-    init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s)
-    run(res, Topology.build(par.dp, par.tp, par.pp))
-    finish_worker(0)  # barrier, destroy the group, flush, os._exit: torch 2.13 + gloo may abort at exit
+        if lock is not None:
+            lock.release()
+        return code
+    finish_worker(code)  # barrier, destroy the group, flush, os._exit: torch 2.13 + gloo may abort at exit
 
 
 if __name__ == "__main__":

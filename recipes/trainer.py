@@ -11,7 +11,6 @@ at any step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from megazoo.data import GlobalBatchSampler
-from megazoo.kernels import resolve_kernels
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel.pipeline.engine import PipelineEngine
 from megazoo.parallel.pipeline.p2p import plan
@@ -30,14 +28,12 @@ from megazoo.parallel.pipeline.schedules import forward_only, schedule, warmup_f
 from megazoo.parallel.tensor.random import seed_default_stream
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.interface import optimizer_step
-from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
 from megazoo.recipes import checkpointing
 from megazoo.recipes.data_setup import Samples, TrainData, load_data
 from megazoo.recipes.generate import generate
 from megazoo.recipes.metrics import MetricsLog, peak_memory_bytes
 from megazoo.recipes.flops import model_flops_per_token, peak_flops
-from megazoo.recipes.model_setup import (build_model, build_optimizer, compute_dtype, configure_matmuls,
-                                         parameter_dtype)
+from megazoo.recipes.model_setup import Precision, build_model, build_optimizer, configure_matmuls, run_kernels
 from megazoo.recipes.optim import lr_at
 from megazoo.recipes.progress import Progress
 from megazoo.recipes.resolve import Resolved
@@ -60,36 +56,27 @@ class Trainer:
         self.train_cfg = t
         seed_default_stream(t.seed, topo.device)
         self.data = data or load_data(res, topo)
-        compute = compute_dtype(t.precision, topo.device)
+        precision = self.precision = Precision.of(res, topo.device)
         configure_matmuls(topo.device, t.tf32)
         # MFU: this rank's share of the model FLOPs of a step over the GPU's spec peak (none on CPU).
         self.flops_per_token = model_flops_per_token(res.model, t.seq_len, res.padded_vocab)
-        self.peak_flops = peak_flops(topo.device, compute)
-        param_dtype = parameter_dtype(compute, res.recipe.zero.stage)
-        # Which implementation runs each fused op; run() prints the choice as the log's first lines.
-        # AdamW runs where the optimizer states live (the CPU under ZeRO-Offload), on fp32 masters (fp64 in fp64).
-        self.kernels = resolve_kernels(
-            res.recipe.kernels.choice(), topo.device, compute,
-            optimizer_device="cpu" if res.recipe.zero.offload == "cpu" else topo.device,
-            optimizer_dtype=torch.promote_types(param_dtype, torch.float32))
+        self.peak_flops = peak_flops(topo.device, precision.compute)
+        self.kernels = run_kernels(res, topo.device, precision)  # run() prints the choice as the log's first lines
         self.chunks = build_model(res, topo, device="meta" if res.recipe.zero.stage == 3 else None,
-                                  dtype=param_dtype, kernels=self.kernels)
+                                  dtype=precision.params, kernels=self.kernels)
         self.model = self.chunks[0]  # the whole model when pp = 1
         self.zero = build_optimizer(res, topo, self.chunks, self.kernels)
         self.optimizer = self.zero.optimizer
-        self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model, activation_dtype=param_dtype,
-                                     loss_fn=self.chunks[-1].loss)
+        self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
+                                     activation_dtype=precision.params, loss_fn=self.chunks[-1].loss)
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
         name, shape = par.schedule if topo.pp > 1 else "1f1b", (t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         self.plan = plan(schedule(name, *shape), topo.pp, topo.pp_rank, par.virtual_stages,
                          warmup=warmup_forwards(name, *shape))
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
-        half = compute in (torch.float16, torch.bfloat16)
-        self.autocast = (lambda: torch.autocast(topo.device.type, dtype=compute)) if half else contextlib.nullcontext
-        ls = res.recipe.loss_scale
-        self.scaler = DynamicLossScaler(ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) \
-            if compute == torch.float16 else None
+        self.autocast = precision.autocast
+        self.scaler = precision.loss_scaler(res)
         self.consecutive_skips = 0
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
 
@@ -129,6 +116,8 @@ class Trainer:
         any rank is skipped everywhere (parameters untouched) and the scaler backs off.
         """
         start = time.perf_counter()
+        if self.topo.device.type == "cuda":  # peak memory per step, not since the process started
+            torch.cuda.reset_peak_memory_stats(self.topo.device)
         t, zero, stats = self.train_cfg, self.zero, self.engine.stats
         lr = lr_at(step, t, self.res.lr_decay_steps)
         zero.comm.reset()
@@ -237,14 +226,14 @@ class Trainer:
             metrics = self.train_step(step, stop=stop_requested is not None and stop_requested())
             stop = metrics.pop("stop")
             last = step + 1 == t.steps
-            if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
-                result.checkpoint = self.save_checkpoint(step + 1)
-            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
-                metrics["val_loss"] = self.evaluate()
+            if t.eval_every and (step + 1) % t.eval_every == 0 and not last:
+                metrics["val_loss"] = self.evaluate()  # eval mode: no dropout, so no random stream moves
             result.losses.append(metrics["loss"])
             result.grad_norms.append(metrics["grad_norm"])
             if log is not None:
-                log.write(metrics)
+                log.write(metrics)  # on disk before the checkpoint of this step exists (a resume keeps it)
+            if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
+                result.checkpoint = self.save_checkpoint(step + 1)
             if bar is not None:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 bar.update(1)

@@ -31,7 +31,7 @@ def test_launch_local_restarts_every_worker_after_a_failure(monkeypatch, capsys)
         commands.append(command)
         return codes.pop(0)
 
-    monkeypatch.setattr(local_launch.subprocess, "call", fake_call)
+    monkeypatch.setattr(local_launch.Job, "attempt", lambda job, command: fake_call(command))
     assert launch_local(2, "megazoo.recipes.train", ["r.toml"], max_restarts=5, restart_note=" from X") == 0
     assert len(commands) == 3 and all(c == torchrun_command(2, "megazoo.recipes.train", ["r.toml"]) for c in commands)
     err = capsys.readouterr().err.splitlines()
@@ -42,7 +42,7 @@ def test_launch_local_restarts_every_worker_after_a_failure(monkeypatch, capsys)
 
 
 def test_launch_local_without_restarts_returns_the_first_exit_code(monkeypatch):
-    monkeypatch.setattr(local_launch.subprocess, "call", lambda command: 9)
+    monkeypatch.setattr(local_launch.Job, "attempt", lambda job, command: 9)
     assert launch_local(4, "megazoo.eval.cli", ["wikitext103"]) == 9
 
 

@@ -40,3 +40,59 @@ def test_which_errors_are_collective_timeouts():
     assert is_collective_timeout(dist.DistBackendError("NCCL watchdog: Timeout(ms)=600000"))
     assert not is_collective_timeout(RuntimeError("CUDA out of memory"))
     assert not is_collective_timeout(ValueError("timed out"))  # not from a collective
+
+
+STALL_RECIPE = """
+[model]
+preset = "gpt2-tiny"
+n_layer = 2
+vocab_size = 300
+[parallel]
+dp = 2
+timeout_s = 6
+[zero]
+stage = 2
+[train]
+steps = 6
+micro_batch = 2
+seq_len = 32
+[data]
+source = "synthetic"
+synthetic_tokens = 20000
+[logging]
+progress = false
+[sample]
+tokens = 0
+"""
+
+# Rank 1 stalls while loading the batches of step 2 (a hung filesystem, say); rank 0 goes on into step 2's
+# backward, whose reduce-scatter waits for rank 1 until parallel.timeout_s.
+STALL_WORKER = """
+import os, sys, time
+from megazoo.recipes import train, trainer
+
+original = trainer.Trainer._batches
+def stalling(self, samples, micro):
+    if self.topo.rank == 1 and self.progress is not None and self.progress.step == 2:
+        time.sleep(20)  # past parallel.timeout_s; then it finds its peer gone and fails too
+    return original(self, samples, micro)
+trainer.Trainer._batches = stalling
+sys.exit(train.main())
+"""
+
+
+def test_a_stalled_rank_is_named_with_what_it_was_doing(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "recipe.toml").write_text(STALL_RECIPE + f'[run]\ndir = "{tmp_path / "run"}"\n')
+    (tmp_path / "worker.py").write_text(STALL_WORKER)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--standalone", str(tmp_path / "worker.py"), str(tmp_path / "recipe.toml")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    # Rank 0 waits for rank 1's gradients (ZeRO-2 reduce-scatter, finished in the optimizer step).
+    assert "megazoo: error (rank 0): rank 0 timed out in a collective during step 2, optimizer step" \
+        in out.stderr, out.stderr[-3000:]
+    assert "ranks that did not arrive: 1" in out.stderr
+    assert "rank 1 (host " in out.stderr and "is in step 2, loading batches" in out.stderr
