@@ -142,7 +142,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from megazoo.parallel.local_launch import launch_local
+    from megazoo.parallel.launcher import launch_local
     from megazoo.parallel.topology import Topology
 
     try:

@@ -21,7 +21,7 @@ from megazoo.data.preprocess import register as register_preprocess
 from megazoo.data.tokenizer_cli import register as register_tokenizer
 from megazoo.eval.cli import register as register_eval
 from megazoo.models.gpt2.convert_cli import register as register_convert
-from megazoo.parallel.local_launch import launch_local
+from megazoo.parallel.launcher import launch_local
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.plan_cli import register as register_plan
 from megazoo.recipes.resolve import resolve

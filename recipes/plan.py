@@ -82,12 +82,12 @@ class ModelShard:
                 f"+ replicated {peak.replicated:,} (LayerNorms, row-parallel biases"
                 f"{', position embedding' if peak.pp_rank == 0 else ''})")
         if self.pp > 1:
-            text += (f"; pipeline stage {peak.pp_rank} of {self.pp} (blocks {peak.layers.start}.."
-                     f"{peak.layers.stop - 1}) is the largest; every stage: [{sizes}]")
+            text += (f"; pipeline stage {peak.pp_rank} of {self.pp} (blocks {min(peak.layers)}.."
+                     f"{max(peak.layers)}) is the largest; every stage: [{sizes}]")
         return text
 
 
-def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> ModelShard:
+def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage_layers=None) -> ModelShard:
     """Exact per-rank parameter counts of `cfg` under tensor parallelism `tp` and pipeline parallelism `pp`.
 
     Every tensor of models/layout.py's `parameter_layout` for each stage of the uniform pipeline split (tests
@@ -99,13 +99,19 @@ def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> ModelShard:
       position embedding are replicated on every tp rank.
     - Pipeline: stage 0 holds wte and wpe, the last stage ln_f and its own copy of wte for the tied head (so with
       pp > 1 the word embedding is counted on two stages, as it is allocated twice).
+    `stage_layers` (a recipe's resolved blocks per (virtual) stage; virtual stage j runs on pp rank j % pp)
+    replaces the uniform split.
     """
     try:
         check_parallel_compat(cfg, tp, pp)
     except ValueError as err:
         raise PlanError(str(err)) from None
+    if stage_layers is None:
+        per_rank = uniform_stage_layers(cfg.n_layer, pp)
+    else:
+        per_rank = [sorted(i for j, chunk in enumerate(stage_layers) if j % pp == r for i in chunk) for r in range(pp)]
     stages = []
-    for rank, layers in enumerate(uniform_stage_layers(cfg.n_layer, pp)):
+    for rank, layers in enumerate(per_rank):
         params = parameter_layout(cfg, tp, layers=layers, embedding=rank == 0, head=rank == pp - 1)
         tensors = tuple(TensorCount(p.name, p.local_numel(tp), p.tp_dim is not None) for p in params)
         stages.append(StageShard(rank, layers, tensors))

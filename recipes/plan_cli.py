@@ -2,6 +2,8 @@
 
     megazoo plan --model tnlg-17b --dp 64 --tp 4 --pp 1 --zero 3 [--offload] [--json]
     megazoo plan --params 7.5e9 --dp 64            # the ZeRO paper's Table 1 row: 120, 31.4, 16.6, 1.88 GB
+    megazoo plan --recipe recipes/tnlg-17b.toml --gpu-memory 32      # fits: yes/no, exit 0/3 (plan_fit_cli.py)
+    megazoo plan --search --model tnlg-17b --gpus 256 --gpu v100-32gb
 
 Without --zero every stage 0-3 is printed. Output: a markdown table per device (GB = 1e9 bytes), how Psi was
 derived, and the buffer line (kept apart from the paper's model-state numbers); --json prints the same data.
@@ -17,6 +19,7 @@ from decimal import Decimal, InvalidOperation
 
 from megazoo.parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
                                            StateBytes, format_gb, format_sig, plan)
+from megazoo.recipes import plan_fit_cli
 from megazoo.recipes.plan import plan_model
 
 PRECISIONS = {"mixed": MIXED_ADAM, "fp32": FP32_ADAM}
@@ -160,7 +163,14 @@ def to_markdown(p: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags."""
+    """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags. With a GPU (--gpu-memory,
+    --gpu), a recipe or --search: the fit verdict / the layouts that fit (recipes/plan_fit_cli.py; 0 fits, 3 not)."""
+    if plan_fit_cli.wanted(args):
+        try:
+            return plan_fit_cli.run(args)
+        except (plan_fit_cli.FitUsageError, PlanError) as err:
+            print(f"megazoo plan: error: {err}", file=sys.stderr)
+            return 2
     try:
         p = build_plan(args)
     except (UsageError, PlanError) as err:
@@ -190,6 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persistence-threshold", default=str(defaults.persistence_threshold),
                         help="stage 3 keeps tensors below this many elements whole (default 1e5)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    plan_fit_cli.add_arguments(parser)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

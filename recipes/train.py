@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from megazoo.parallel.checkpoint.io import CheckpointError
-from megazoo.parallel.local_launch import (GracefulStop, die_with_parent, finish_worker, orphaned, record_fatal,
-                                          record_stop)
+from megazoo.parallel.launcher import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
+from megazoo.parallel.local_launch import finish_worker
 from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.recipes import checkpointing
 from megazoo.recipes.config import RecipeError, load_recipe
@@ -73,6 +73,9 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
             print(f"validation loss {result.val_loss:.4f}, perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         if result.sample is not None:
             print(f"sample:\n{result.sample}")
+        if result.checkpoint is not None:
+            print(f"checkpoint: {result.checkpoint} (evaluate with megazoo eval --checkpoint, convert with "
+                  f"megazoo convert megazoo-to-hf)")
         print(f"metrics: {Path(recipe.run.dir) / 'metrics.jsonl'}", flush=True)
     return result
 

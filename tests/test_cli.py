@@ -35,6 +35,8 @@ def test_demo_runs_on_two_processes_and_loss_falls(tmp_path, recipe, layout):
     assert last < first - 1.5, (first, last)  # ln(4096) = 8.3 at the start
     assert "val_loss" in records[29]
     assert layout in out.stdout and "validation loss" in out.stdout and "sample:" in out.stdout
+    # The run leaves a checkpoint at its end (checkpoint.at_end) and says where.
+    assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000060'}" in out.stdout
 
 
 def test_bad_recipe_fails_before_any_process_starts(tmp_path):

@@ -67,14 +67,15 @@ def test_gloo_topology_uses_the_cpu_when_cuda_exists():
 def test_one_process_training_takes_the_local_gpu(monkeypatch, tmp_path):
     """`megazoo train` with one process used to train on the CPU even on a GPU machine."""
     from megazoo.recipes import train
+    from megazoo.recipes.trainer import TrainResult
 
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[model]\npreset = "gpt2-tiny"\n[data]\nsource = "synthetic"\n')
+    recipe.write_text(f'[model]\npreset = "gpt2-tiny"\n[data]\nsource = "synthetic"\n[run]\ndir = "{tmp_path / "run"}"\n')
     asked, ran = [], []
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(train, "local_device", lambda r: asked.append(r) or torch.device("cpu"))
-    monkeypatch.setattr(train, "run", lambda res, topo: ran.append(topo))
+    monkeypatch.setattr(train, "run", lambda res, topo, stop=None: ran.append(topo) or TrainResult())
     assert train.main([str(recipe)]) == 0
     assert asked == [3] and ran[0].device == torch.device("cpu") and ran[0].world_size == 1
 

@@ -1,6 +1,6 @@
-"""parallel/local_launch.py, the one local launcher: the torchrun command, the restart loop and finish_worker
-(the deterministic end of a worker). `megazoo train` and `megazoo eval --tp N` run through it end to end in
-test_cli.py, test_fault_tolerance.py and test_eval_cli.py."""
+"""parallel/launcher.py, the one local launcher (the torchrun command, the restart loop), and
+local_launch.finish_worker (the deterministic end of a worker). `megazoo train` and `megazoo eval --tp N` run
+through it end to end in test_cli.py, test_fault_tolerance.py and test_eval_cli.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megazoo.parallel import local_launch
-from megazoo.parallel.local_launch import launch_local, torchrun_command
+from megazoo.parallel import launcher
+from megazoo.parallel.launcher import launch_local, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_launch_local_restarts_every_worker_after_a_failure(monkeypatch, capsys)
         commands.append(command)
         return codes.pop(0)
 
-    monkeypatch.setattr(local_launch.Job, "attempt", lambda job, command: fake_call(command))
+    monkeypatch.setattr(launcher.Job, "attempt", lambda job, command: fake_call(command))
     assert launch_local(2, "megazoo.recipes.train", ["r.toml"], max_restarts=5, restart_note=" from X") == 0
     assert len(commands) == 3 and all(c == torchrun_command(2, "megazoo.recipes.train", ["r.toml"]) for c in commands)
     err = capsys.readouterr().err.splitlines()
@@ -42,7 +42,7 @@ def test_launch_local_restarts_every_worker_after_a_failure(monkeypatch, capsys)
 
 
 def test_launch_local_without_restarts_returns_the_first_exit_code(monkeypatch):
-    monkeypatch.setattr(local_launch.Job, "attempt", lambda job, command: 9)
+    monkeypatch.setattr(launcher.Job, "attempt", lambda job, command: 9)
     assert launch_local(4, "megazoo.eval.cli", ["wikitext103"]) == 9
 
 

@@ -13,7 +13,9 @@ from megazoo.models.weights import count_parameters, named_shards
 from megazoo.parallel.topology import Topology
 
 PRESETS = presets()
-KNOWN_COUNTS = {"gpt2-117m": 124_439_808, "gpt2-1.5b": 1_557_611_200, "tnlg-17b": 17_176_845_728}
+KNOWN_COUNTS = {"gpt2-117m": 124_439_808, "gpt2-1.5b": 1_557_611_200, "tnlg-17b": 17_176_845_728,
+                # 12 L h^2 + 13 L h + (V + positions) h + 2 h at L = 128, h = 25600, V = 50257, 2048 positions
+                "gpt-1t": 1_008_014_617_600}
 
 
 def replicated_count(cfg: ModelConfig) -> int:
@@ -40,6 +42,14 @@ def test_known_parameter_counts(name):
 
 def test_turing_nlg_is_17_18_billion():
     assert round(get_preset("tnlg-17b").num_parameters() / 1e9, 2) == 17.18
+
+
+def test_gpt_1t_is_the_closed_form_trillion():
+    cfg = get_preset("gpt-1t")
+    L, h = cfg.n_layer, cfg.d_model
+    assert (L, cfg.n_head, h, cfg.n_positions) == (128, 160, 25600, 2048)  # Narayanan et al. 2021, table 1
+    assert cfg.num_parameters() == 12 * L * h * h + 13 * L * h + (cfg.vocab_size + cfg.n_positions) * h + 2 * h
+    assert round(cfg.num_parameters() / 1e12, 3) == 1.008
 
 
 TP = 4

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import megazoo.data.indexed_dataset as indexed
-import megazoo.parallel.local_launch as local_launch
+import megazoo.parallel.launcher as launcher
 from megazoo.data.gpt2_bpe import GPT2BPETokenizer
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, check_indexed, data_paths
 from megazoo.data.preprocess import main as preprocess_main
@@ -151,7 +151,7 @@ def test_eval_tp2_with_malformed_data_exits_2_before_torchrun(tiny_checkpoint, t
                                                              capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a fine line"}\n{"text": broken\n')
-    monkeypatch.setattr(local_launch, "launch_local", lambda *a, **k: pytest.fail("torchrun was started"))
+    monkeypatch.setattr(launcher, "launch_local", lambda *a, **k: pytest.fail("torchrun was started"))
     assert megazoo(["eval", "lambada", "--checkpoint", tiny_checkpoint, "--tokenizer", data_dir / "gpt2_bpe",
                     "--data", bad, "--tp", 2]) == 2
     assert f"{bad}, line 2: not valid JSON" in capsys.readouterr().err

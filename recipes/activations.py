@@ -1,0 +1,121 @@
+"""Activation memory per device of a GPT under (tp, pp), with and without activation checkpointing.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4: one transformer
+layer of sequence s, micro-batch b, hidden h, a heads stores, with 16-bit activations and 1-byte dropout masks,
+
+    no parallelism            s b h (34 + 5 a s / h)               bytes
+    tensor parallel t         s b h (10 + 24 / t + 5 a s / (h t))  (LayerNorm/dropout inputs stay replicated)
+    full recomputation        2 s b h                              (only the layer's input is kept)
+
+Itemised (so other element sizes follow; e = bytes per activation element, m = bytes per dropout mask element):
+    replicated over tp:  the inputs of the 2 LayerNorms and of QKV / fc1 (4e) + 2 residual dropout masks (2m)
+    sharded over tp:     Q, K, V (3e), the attention output projection input (e), the GELU input (4e), fc2 input (4e)
+    attention scores:    a s^2 b (softmax output e + dropout mask m + dropout output e), sharded over tp; with
+                         fused (flash / SDPA) attention no scores are stored, only the fp32 log-sum-exp
+                         (4 a s b; its output is laid out as the projection's input, so it is counted once).
+At e = 2, m = 1 this is exactly the paper's 34 and 5. CUDA's fused dropout keeps a 1-byte mask; on the CPU torch
+keeps the mask in the activation dtype (m = e). Without dropout (p = 0) there is no mask and no dropout output.
+
+Outside the blocks: the embedding dropout mask (first stage), and on the last stage the final LayerNorm's input
+and output (2e s b h) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32, an
+fp32 copy in the cross-entropy (the paper's 4 s b v / t). With checkpointing one layer's full activations exist
+again while it is recomputed in backward.
+
+Pipeline: under 1F1B, stage i holds min(pp - i, micro-batches) micro-batches in flight (stage 0 holds pp, the
+paper's sec. 4.2.3); GPipe holds every micro-batch; the interleaved schedule holds pp (1 + (pp - 1) / (pp v)) on
+stage 0 (the paper's factor). The planner takes the stage with the most memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazoo.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """How activations are stored: element bytes, dropout mask bytes, which attention kernel."""
+    element_bytes: int = 2  # fp16 / bf16 activations (4 for fp32 training)
+    mask_bytes: int = 1  # CUDA fused dropout: a 1-byte mask; torch on CPU: element_bytes
+    flash_attention: bool = False  # fused attention (SDPA / flash): no (b, a, s, s) scores are stored
+    dropout: bool = True  # residual / embedding dropout active (p > 0)
+    attn_dropout: bool = True  # attention-probability dropout active (p > 0)
+
+    @staticmethod
+    def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1,
+                  flash_attention: bool = False) -> "ActivationSpec":
+        return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0)
+
+
+def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec()) -> float:
+    """Bytes one transformer layer stores for backward on one tp rank (Korthikanti et al. 2022, eq. 1-2)."""
+    e = spec.element_bytes
+    m_drop = spec.mask_bytes if spec.dropout else 0
+    replicated = 4 * e + 2 * m_drop
+    sharded = 12 * e
+    sbh = s * b * h
+    if spec.flash_attention:
+        scores = 4 * a * s * b / t  # its fp32 log-sum-exp (its output is the projection input, counted above)
+    else:
+        per_score = e + ((spec.mask_bytes + e) if spec.attn_dropout else 0)
+        scores = per_score * a * s * s * b / t
+    return sbh * (replicated + sharded / t) + scores
+
+
+def korthikanti(s: int, b: int, h: int, a: int, t: int = 1) -> float:
+    """The paper's closed form, 16-bit activations with dropout: s b h (10 + 24/t + 5 a s / (h t))."""
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def checkpoint_bytes(s: int, b: int, h: int, spec: ActivationSpec = ActivationSpec()) -> float:
+    """Full recomputation keeps each layer's input only: 2 s b h at 16 bits (replicated over tp)."""
+    return spec.element_bytes * s * b * h
+
+
+def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations pipeline stage `rank` holds at its peak."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "interleaved":
+        return min(micro_batches, (pp - rank) * (1 + (pp - 1) / (pp * virtual)))
+    return min(pp - rank, micro_batches)  # 1F1B
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    rank: int
+    layers: int
+    in_flight: float
+    layer_bytes: float  # per layer, per micro-batch, as stored (checkpointed: the input only)
+    recompute_bytes: float  # one layer's full activations during recomputation (0 without checkpointing)
+    extra_bytes: float  # embedding dropout mask / final LayerNorm and logits, per micro-batch
+
+    @property
+    def total_bytes(self) -> float:
+        return self.in_flight * (self.layers * self.layer_bytes + self.extra_bytes) + self.recompute_bytes
+
+
+def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, stage_layers: list[int],
+                      *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
+                      virtual: int = 1, spec: ActivationSpec | None = None,
+                      vocab: int | None = None) -> list[StageActivations]:
+    """Activation bytes of every pipeline stage (`stage_layers`: blocks per stage) on one tp rank."""
+    spec = spec or ActivationSpec.for_model(cfg)
+    s, b, h, a, e = seq_len, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
+    vocab = vocab or cfg.padded_vocab(tp)
+    full = layer_bytes(s, b, h, a, tp, spec)
+    kept = checkpoint_bytes(s, b, h, spec) if checkpointing else full
+    pp = len(stage_layers)
+    out = []
+    for rank, n in enumerate(stage_layers):
+        extra = 0.0
+        if rank == 0 and spec.dropout:
+            extra += spec.mask_bytes * s * b * h
+        if rank == pp - 1:
+            extra += 2 * e * s * b * h + (e + (4 if e < 4 else 0)) * s * b * vocab / tp
+        out.append(StageActivations(rank, n, in_flight(schedule, pp, rank, micro_batches, virtual), kept,
+                                    full if checkpointing and n else 0.0, extra))
+    return out

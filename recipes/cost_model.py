@@ -1,0 +1,134 @@
+"""A stated cost model for ranking layouts, and the search over (dp, tp, pp, ZeRO stage, micro-batch).
+
+Estimated step time = compute + pipeline bubble + tensor-, pipeline- and data-parallel communication, nothing
+overlapped (an upper bound on what overlap would give; the ranking, not the absolute time, is the point):
+
+    compute   model FLOPs per token (recipes/flops.py: 6 x matmul parameters + 12 L s h) x tokens per step,
+              x 4/3 with activation checkpointing (the forward runs twice), / (GPUs x peak x MFU)
+    bubble    compute x (pp - 1) / (micro-batches x virtual stages)           (1F1B, Narayanan et al. 2021)
+    tp        per layer and micro-batch 4 all-reduces of s b h activations (2 forward, 2 backward; 6 with
+              recomputation), ring: 2 (t-1)/t x bytes per rank, over the intra-node bandwidth (tp stays in a node)
+    pp        per micro-batch one activation forward and one gradient backward across each stage boundary,
+              over the inter-node bandwidth once tp x pp spans more than a node
+    dp        parallel/zero/planner.py's communication volume of the stage's Psi (stage 2 / 3: per micro-batch),
+              over the inter-node bandwidth when the job spans nodes, else intra-node
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megazoo.models.config import ModelConfig
+from megazoo.models.layout import divisors
+from megazoo.parallel.zero.planner import PlanError, communication_volume
+from megazoo.recipes.fit import GPU, PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
+from megazoo.recipes.flops import model_flops_per_token
+
+
+@dataclass(frozen=True)
+class CostModel:
+    peak_flops: float  # dense 16-bit FLOP/s per GPU
+    mfu: float = 0.4  # the model-FLOPs utilisation the compute term assumes
+    intra_node_bw: float = 150e9  # bytes/s per GPU within a node
+    inter_node_bw: float = 12.5e9  # bytes/s per GPU across nodes
+    per_node: int = 8  # GPUs per node (tp is kept within one)
+
+    @staticmethod
+    def for_gpu(gpu: GPU, **overrides) -> "CostModel":
+        base = CostModel(gpu.peak_flops, 0.4, gpu.intra_node_bw, gpu.inter_node_bw, gpu.per_node)
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+    def describe(self) -> list[str]:
+        return [f"cost model: compute = model FLOPs (6 x matmul params + 12 L s h per token; x 4/3 with "
+                f"checkpointing) / (GPUs x {self.peak_flops / 1e12:g} TFLOP/s peak x MFU {self.mfu:g}); "
+                "+ 1F1B bubble (pp-1)/micro-batches x compute",
+                f"  communication, not overlapped: tp all-reduces at {self.intra_node_bw / 1e9:g} GB/s intra-node "
+                f"(tp <= {self.per_node} GPUs per node); pp sends and dp (ZeRO) collectives at "
+                f"{self.inter_node_bw / 1e9:g} GB/s per GPU inter-node once they span nodes (ring collectives)"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+
+
+def step_time(cfg: ModelConfig, layout: Layout, psi: int, cm: CostModel) -> StepTime:
+    """Seconds per optimizer step of `layout` (psi: parameters per device before ZeRO)."""
+    state, elem = PRECISION_BYTES[layout.precision]
+    s, b, h, m = layout.seq_len, layout.micro_batch, cfg.d_model, layout.grad_accum
+    tokens = layout.global_batch * s
+    recompute = 4 / 3 if layout.checkpointing else 1.0
+    compute = model_flops_per_token(cfg, s) * tokens * recompute / (layout.gpus * cm.peak_flops * cm.mfu)
+    bubble = compute * (layout.pp - 1) / (m * layout.virtual)
+    act = s * b * h * elem
+    tp_comm = 0.0
+    if layout.tp > 1:
+        layers = -(-cfg.n_layer // layout.pp)
+        calls = layers * m * (6 if layout.checkpointing else 4)
+        bw = cm.intra_node_bw if layout.tp <= cm.per_node else cm.inter_node_bw
+        tp_comm = calls * 2 * (layout.tp - 1) / layout.tp * act / bw
+    pp_comm = 0.0
+    if layout.pp > 1:
+        bw = cm.inter_node_bw if layout.tp * layout.pp > cm.per_node else cm.intra_node_bw
+        pp_comm = 2 * m * act / bw  # each stage sends every micro-batch's activation and gradient once
+    dp_bw = cm.inter_node_bw if layout.gpus > cm.per_node else cm.intra_node_bw
+    dp_comm = communication_volume(psi, layout.dp, layout.zero, state, grad_accum=m).bytes / dp_bw
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    memory: DeviceMemory
+    time: StepTime
+
+    @property
+    def layout(self) -> Layout:
+        return self.memory.layout
+
+
+def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, global_batch: int, seq_len: int,
+           precision: str = "fp16", flash_attention: bool = True, max_pp: int | None = None,
+           zero_stages=(0, 1, 2, 3)) -> list[Candidate]:
+    """Every (dp, tp, pp, zero, checkpointing) on `gpus` GPUs with the largest micro-batch that fits (a divisor
+    of global_batch / dp), ranked by estimated step time (fastest first)."""
+    if gpus < 1 or global_batch < 1:
+        raise PlanError(f"--gpus {gpus} / global batch {global_batch} must be >= 1")
+    found = []
+    tps = [t for t in divisors(cfg.n_head) if cfg.d_ff % t == 0 and t <= cm.per_node and gpus % t == 0]
+    for tp in tps:
+        for pp in divisors(gpus // tp):
+            if pp > min(cfg.n_layer, max_pp or cfg.n_layer):
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for zero in zero_stages:
+                if (zero == 3 and pp > 1) or (zero and dp == 1):  # megazoo: no stage 3 with pp; dp 1: nothing to split
+                    continue
+                for ckpt in (False, True):
+                    base = Layout(dp, tp, pp, zero, 1, per_rank, seq_len, ckpt, precision=precision,
+                                  flash_attention=flash_attention)
+                    mb = _best_micro_batch(cfg, base, capacity_gb, per_rank)
+                    if not mb:
+                        continue
+                    lay = replace(base, micro_batch=mb, grad_accum=per_rank // mb)
+                    mem = device_memory(cfg, lay, capacity_gb)
+                    found.append(Candidate(mem, step_time(cfg, lay, mem.psi, cm)))
+    return sorted(found, key=lambda c: c.time.total)
+
+
+def _best_micro_batch(cfg: ModelConfig, base: Layout, capacity_gb: float, per_rank: int) -> int:
+    # The in-flight count depends on grad_accum (pipeline): size it for the largest micro-batch first.
+    mb = max_micro_batch(cfg, base, capacity_gb, limit=per_rank, divides=per_rank)
+    while mb and not device_memory(cfg, replace(base, micro_batch=mb, grad_accum=per_rank // mb), capacity_gb).fits:
+        mb = max(d for d in divisors(per_rank) if d < mb) if mb > 1 else 0
+    return mb

@@ -1,0 +1,190 @@
+"""Does a layout fit a GPU? Model states + activations + buffers per device, against the GPU's memory.
+
+    model states  parallel/zero/planner.py's formulas (ZeRO paper, Table 1) for each pipeline stage's exact
+                  parameter count on one tp rank (recipes/plan.py's shard_parameters)
+    activations   recipes/activations.py (Korthikanti et al. 2022), the schedule's in-flight micro-batches
+    buffers       gradient reduce bucket (+ the all-gather bucket at ZeRO 1-2; stage-3 prefetch and persistent
+                  parameters) at the recipe's zero.reduce_bucket_size, planner's buffer_memory
+
+Every pipeline stage is summed on its own and the largest total is the device's. Capacity is the GPU's memory in
+the planner's GB (1e9 bytes): a "32 GB" V100 has 32 GiB = 34.4e9 bytes, so ~2.4e9 bytes stay for the CUDA
+context, the allocator's fragmentation and temporaries that outlive no op (not modelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from megazoo.models.config import ModelConfig
+from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes,
+                                           buffer_memory, model_state_memory)
+from megazoo.recipes.activations import ActivationSpec, StageActivations, stage_activations
+from megazoo.recipes.plan import shard_parameters
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gb: float  # the planner's GB (1e9 bytes) used as capacity: the marketing size
+    peak_flops: float  # dense 16-bit tensor-core peak (NVIDIA data sheets, SXM)
+    intra_node_bw: float  # bytes/s per GPU within a node (NVLink / NVSwitch, one direction)
+    inter_node_bw: float  # bytes/s per GPU across nodes (its share of the node's InfiniBand)
+    per_node: int = 8
+
+
+GPUS = {g.name: g for g in (
+    GPU("v100-32gb", 32, 125e12, 150e9, 12.5e9, 16),  # DGX-2: 16 V100 on NVSwitch, 8 x 100 Gb/s IB per 16 GPUs x2
+    GPU("a100-40gb", 40, 312e12, 300e9, 25e9),  # DGX A100: NVLink3 600 GB/s bidirectional, 200 Gb/s HDR per GPU
+    GPU("a100-80gb", 80, 312e12, 300e9, 25e9),
+    GPU("h100-80gb", 80, 989e12, 450e9, 50e9),  # DGX H100: NVLink4 900 GB/s bidirectional, 400 Gb/s NDR per GPU
+)}
+
+PRECISION_BYTES = {"fp16": (MIXED_ADAM, 2), "bf16": (MIXED_ADAM, 2), "auto": (MIXED_ADAM, 2),
+                   "fp32": (FP32_ADAM, 4), "fp64": (StateBytes(8, 8, 16), 8)}
+DEFAULT_BUCKET = 1 << 24  # recipes' zero.reduce_bucket_size default (elements)
+_shard = lru_cache(maxsize=512)(shard_parameters)  # the search asks for the same (cfg, tp, pp) many times
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    grad_accum: int = 1
+    seq_len: int = 1024
+    checkpointing: bool = False
+    offload: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    stage_layers: tuple[tuple[int, ...], ...] | None = None  # blocks per (virtual) stage; None: uniform
+    precision: str = "fp16"
+    bucket: int = DEFAULT_BUCKET
+    flash_attention: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.grad_accum
+
+    def describe(self) -> str:
+        extras = (", activation checkpointing" if self.checkpointing else "") + (
+            ", optimizer offloaded to CPU" if self.offload else "") + (", flash attention" if self.flash_attention
+                                                                        else "")
+        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.gpus} GPUs, ZeRO-{self.zero}, micro-batch "
+                f"{self.micro_batch} x grad_accum {self.grad_accum} x dp = batch {self.global_batch}, seq "
+                f"{self.seq_len}, {self.precision}{extras}")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's bytes on the pipeline stage that needs the most."""
+    layout: Layout
+    pp_rank: int
+    psi: int  # parameters on this device before ZeRO
+    model_states: float
+    activations: float
+    buffers: float
+    capacity: float
+    stage: StageActivations
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def lines(self) -> list[str]:
+        g = lambda x: f"{x / GB:.2f} GB"  # noqa: E731
+        st = self.stage
+        act = (f"{st.in_flight:g} micro-batch(es) in flight x ({st.layers} layers x {st.layer_bytes / GB:.3f} GB"
+               f"{' checkpointed input' if self.layout.checkpointing else ''} + {st.extra_bytes / GB:.3f} GB "
+               f"embedding/head)" + (f" + {st.recompute_bytes / GB:.3f} GB one layer recomputed"
+                                     if st.recompute_bytes else ""))
+        return [f"fits: {'yes' if self.fits else 'no'} ({g(self.total)} of {g(self.capacity)} per device)",
+                f"  layout: {self.layout.describe()}",
+                f"  peak pipeline stage: {self.pp_rank} of {self.layout.pp}; Psi = {self.psi:,} parameters",
+                f"  model states: {g(self.model_states)} (ZeRO-{self.layout.zero} formulas, "
+                f"{'CPU-offloaded optimizer states excluded' if self.layout.offload else 'on the device'})",
+                f"  activations:  {g(self.activations)} = {act}",
+                f"  buffers:      {g(self.buffers)} (reduce/all-gather buckets of {self.layout.bucket:,} elements)",
+                f"  total:        {g(self.total)} vs capacity {g(self.capacity)} "
+                f"({'headroom' if self.fits else 'over by'} {g(abs(self.capacity - self.total))})"]
+
+
+def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1) -> DeviceMemory:
+    """Per-device memory of `cfg` trained under `layout`, on its fullest pipeline stage."""
+    if layout.precision not in PRECISION_BYTES:
+        raise PlanError(f"precision {layout.precision!r} is invalid; valid: {', '.join(PRECISION_BYTES)}")
+    if layout.zero == 3 and layout.pp > 1:
+        raise PlanError("zero stage 3 with pp > 1 is not supported by megazoo; valid with pp > 1: 0, 1, 2")
+    state, elem = PRECISION_BYTES[layout.precision]
+    shard = _shard(cfg, layout.tp, layout.pp, layout.stage_layers)
+    spec = ActivationSpec.for_model(cfg, elem, mask_bytes, layout.flash_attention)
+    acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
+                             [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
+                             micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
+                             spec=spec)
+    buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
+    best = None
+    for st, act in zip(shard.stages, acts):
+        states = model_state_memory(st.numel, layout.dp, layout.zero, state, offload=layout.offload).device_bytes
+        buf = buffer_memory(st.numel, layout.zero, buffers_cfg, element_bytes=state.params,
+                            persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
+        row = DeviceMemory(layout, st.pp_rank, st.numel, states, act.total_bytes, buf, capacity_gb * GB, act)
+        if best is None or row.total > best.total:
+            best = row
+    return best
+
+
+def max_micro_batch(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, limit: int = 4096,
+                    divides: int | None = None, **kwargs) -> int:
+    """The largest micro-batch (optionally a divisor of `divides`) at which `layout` fits; 0 when none does.
+    Memory grows with the micro-batch, so a doubling search then bisection finds it."""
+    def ok(b: int) -> bool:
+        return device_memory(cfg, replace(layout, micro_batch=b), capacity_gb, **kwargs).fits
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    if divides is not None:
+        while divides % lo:
+            lo -= 1
+    return lo
+
+
+def recipe_layout(resolved) -> Layout:
+    """The Layout a resolved recipe (recipes/resolve.py's Resolved) trains with."""
+    r = resolved.recipe
+    par, train, zero = r.parallel, r.train, r.zero
+    return Layout(par.dp, par.tp, par.pp, zero.stage, train.micro_batch, train.grad_accum, train.seq_len,
+                  train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
+                  tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
+                  r.kernels.attention in ("", "torch"))  # torch's SDPA (the default) stores no scores
+
+
+def parse_gpu(text: str) -> tuple[float, GPU | None]:
+    """'32' (GB) or a named GPU ('v100-32gb', ...) -> (capacity GB, the GPU when named)."""
+    key = text.strip().lower()
+    if key in GPUS:
+        return GPUS[key].memory_gb, GPUS[key]
+    try:
+        value = float(key)
+    except ValueError:
+        raise PlanError(f"--gpu-memory {text!r} is neither a number of GB nor a GPU; valid GPUs: "
+                        f"{', '.join(GPUS)}") from None
+    if not value > 0:
+        raise PlanError(f"--gpu-memory {text} is invalid: it must be > 0 GB")
+    return value, None

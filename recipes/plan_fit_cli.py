@@ -1,0 +1,183 @@
+"""`megazoo plan` with a GPU: does it fit, the largest micro-batch, and the search over layouts.
+
+    megazoo plan --recipe recipes/tnlg-17b.toml --gpu-memory 32         # fits: yes|no + breakdown; exit 0 | 3
+    megazoo plan --recipe recipes/tnlg-17b.toml --gpu v100-32gb
+    megazoo plan --model tnlg-17b --dp 64 --tp 4 --zero 1 --micro-batch 8 --activation-checkpointing --gpu-memory 32
+    megazoo plan --search --model tnlg-17b --gpus 256 --gpu v100-32gb [--global-batch 512] [--mfu 0.4]
+
+Memory: recipes/fit.py (model states, recipes/activations.py, buffers). Ranking: recipes/cost_model.py; the
+assumptions it uses are printed with the list. recipes/plan_cli.py owns the flags and calls `run` here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from megazoo.parallel.zero.planner import GB, PlanError
+from megazoo.recipes.cost_model import CostModel, search
+from megazoo.recipes.fit import GPUS, Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
+
+EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
+
+
+class FitUsageError(Exception):
+    """Bad flags for the fit / search modes (exit 2)."""
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    """True when the flags ask for a fit verdict or a search (otherwise plan_cli prints the ZeRO table)."""
+    return bool(args.recipe or args.search or args.gpu_memory or args.gpu)
+
+
+def _capacity(args) -> tuple[float, object]:
+    if args.gpu_memory and args.gpu:
+        raise FitUsageError("give one of --gpu-memory GB or --gpu NAME, not both")
+    text = args.gpu_memory or args.gpu
+    if not text:
+        raise FitUsageError(f"--recipe / --search need the GPU: --gpu-memory GB (e.g. 32) or --gpu NAME "
+                            f"(valid: {', '.join(GPUS)})")
+    try:
+        return parse_gpu(text)
+    except PlanError as err:
+        raise FitUsageError(str(err).replace("--gpu-memory", "--gpu" if args.gpu else "--gpu-memory")) from None
+
+
+def _int(flag: str, text, minimum: int = 1) -> int:
+    try:
+        value = int(str(text))
+    except ValueError:
+        raise FitUsageError(f"{flag} {text!r} is not an integer >= {minimum}") from None
+    if value < minimum:
+        raise FitUsageError(f"{flag} {value} is invalid; valid: an integer >= {minimum}")
+    return value
+
+
+def _from_recipe(args):
+    from megazoo.recipes.config import RecipeError, load_recipe
+    from megazoo.recipes.resolve import model_config, resolve
+    try:
+        recipe = load_recipe(args.recipe, args.set or [])
+        try:
+            resolved = resolve(recipe)
+        except RecipeError as err:  # the user's corpus or checkpoint need not exist to plan
+            if "does not exist" not in str(err) and "data.tokenizer" not in str(err):
+                raise
+            resolved = resolve(_without_user_files(recipe))
+            resolved = replace(resolved, recipe=recipe, model=model_config(recipe))
+    except RecipeError as err:
+        raise FitUsageError(f"--recipe {args.recipe}: {err}") from None
+    return resolved.model, recipe_layout(resolved), resolved
+
+
+def _without_user_files(recipe):
+    data = replace(recipe.data, source="synthetic", paths=(), valid_paths=(), tokenizer="")
+    return replace(recipe, data=data, checkpoint=replace(recipe.checkpoint, load=""))
+
+
+def _from_flags(args):
+    from megazoo.models.config import presets
+    registry = presets()
+    if args.model not in registry:
+        raise FitUsageError(f"--model {args.model!r} is not a known preset; valid: {', '.join(registry)}")
+    cfg = registry[args.model]
+    zero = _int("--zero", args.zero if args.zero is not None else 0, 0)
+    seq = _int("--seq-len", args.seq_len or cfg.n_positions)
+    layout = Layout(_int("--dp", args.dp), _int("--tp", args.tp), _int("--pp", args.pp), zero,
+                    _int("--micro-batch", args.micro_batch), _int("--grad-accum", args.grad_accum), seq,
+                    args.activation_checkpointing, args.offload, precision=args.train_precision,
+                    flash_attention=not args.unfused_attention)
+    return cfg, layout
+
+
+def run(args: argparse.Namespace) -> int:
+    capacity, gpu = _capacity(args)
+    if args.search:
+        return _run_search(args, capacity, gpu)
+    if args.recipe:
+        if args.model or args.params:
+            raise FitUsageError("give --recipe or --model/--params, not both")
+        cfg, layout, _ = _from_recipe(args)
+    elif args.model:
+        cfg, layout = _from_flags(args)
+    else:
+        raise FitUsageError("--gpu-memory / --gpu need --recipe RECIPE.toml or --model PRESET")
+    try:
+        mem = device_memory(cfg, layout, capacity)
+        best = max_micro_batch(cfg, layout, capacity)
+    except PlanError as err:
+        raise FitUsageError(str(err)) from None
+    where = f"{cfg.name}" + (f" on {gpu.name}" if gpu else f" on a {capacity:g} GB GPU")
+    print(f"Memory plan: {where} (GB = 1e9 bytes, per device)")
+    for line in mem.lines():
+        print(line)
+    print(f"  largest micro-batch that fits this layout: {best}" + (" (none: not even 1)" if not best else ""))
+    print("  activations: Korthikanti et al. 2022 per layer (recipes/activations.py): s b h (10 + 24/t) bytes "
+          "+ 5 a s^2 b / t for stored attention scores" + (" (none here: fused SDPA attention)"
+                                                            if layout.flash_attention else "")
+          + "; checkpointing keeps 2 s b h per layer + one layer recomputed; 1F1B: stage i holds pp - i")
+    return EXIT_FITS if mem.fits else EXIT_DOES_NOT_FIT
+
+
+def _run_search(args, capacity: float, gpu) -> int:
+    if args.recipe:
+        cfg, layout, resolved = _from_recipe(args)
+        batch, seq, precision = resolved.global_batch, layout.seq_len, layout.precision
+    elif args.model:
+        cfg, layout = _from_flags(args)
+        batch, seq, precision = 512, layout.seq_len, layout.precision
+    else:
+        raise FitUsageError("--search needs --model PRESET or --recipe RECIPE.toml")
+    if args.global_batch:
+        batch = _int("--global-batch", args.global_batch)
+    if not args.gpus:
+        raise FitUsageError("--search needs --gpus N (the GPUs to lay the model out on)")
+    gpus = _int("--gpus", args.gpus)
+    base = gpu or GPUS["v100-32gb" if capacity <= 32 else "a100-80gb"]
+    cm = CostModel.for_gpu(base, mfu=args.mfu, intra_node_bw=args.intra_bw and args.intra_bw * 1e9,
+                           inter_node_bw=args.inter_bw and args.inter_bw * 1e9,
+                           per_node=args.gpus_per_node and _int("--gpus-per-node", args.gpus_per_node))
+    if not 0 < cm.mfu <= 1:
+        raise FitUsageError(f"--mfu {cm.mfu} is invalid; valid: 0 < MFU <= 1")
+    found = search(cfg, gpus, capacity, cm, global_batch=batch, seq_len=seq, precision=precision,
+                   flash_attention=layout.flash_attention)
+    print(f"Layouts of {cfg.name} on {gpus} GPUs of {capacity:g} GB that fit (batch {batch} x seq {seq}, "
+          f"{precision}), fastest first; {len(found)} found")
+    for line in cm.describe():
+        print(line)
+    if gpu is None:
+        print(f"  (compute and bandwidths of {base.name}: name a GPU with --gpu, or set --mfu/--intra-bw/--inter-bw)")
+    print("")
+    print("| rank | dp | tp | pp | zero | micro-batch | grad_accum | checkpointing | memory GB | step s | "
+          "compute s | bubble s | tp comm s | pp comm s | dp comm s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|")
+    for i, c in enumerate(found[:args.top], 1):
+        lay, t = c.layout, c.time
+        print(f"| {i} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.zero} | {lay.micro_batch} | {lay.grad_accum} | "
+              f"{'yes' if lay.checkpointing else 'no'} | {c.memory.total / GB:.1f} | {t.total:.2f} | "
+              f"{t.compute:.2f} | {t.bubble:.2f} | {t.tp_comm:.2f} | {t.pp_comm:.2f} | {t.dp_comm:.2f} |")
+    return EXIT_FITS if found else EXIT_DOES_NOT_FIT
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default=None, help="plan this recipe's layout (with --gpu-memory / --gpu)")
+    parser.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                        help="override a recipe key (as megazoo train --set)")
+    parser.add_argument("--gpu-memory", default=None, help="GPU memory in GB (1e9 bytes), e.g. 32; or a GPU name")
+    parser.add_argument("--gpu", default=None, help=f"a named GPU: {', '.join(GPUS)}")
+    parser.add_argument("--micro-batch", default="1", help="with --model: sequences per micro-batch (default 1)")
+    parser.add_argument("--seq-len", default=None, help="with --model: tokens per sequence (default n_positions)")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="with --model: recompute blocks")
+    parser.add_argument("--unfused-attention", action="store_true",
+                        help="store the (b, a, s, s) attention scores (Megatron-style softmax; default: SDPA)")
+    parser.add_argument("--train-precision", choices=("fp16", "bf16", "fp32"), default="fp16",
+                        help="with --model in fit/search mode: activation and state precision (default fp16)")
+    parser.add_argument("--search", action="store_true", help="list the layouts that fit, fastest first")
+    parser.add_argument("--gpus", default=None, help="--search: GPUs in total")
+    parser.add_argument("--gpus-per-node", default=None, help="--search: GPUs per node (tp stays within one)")
+    parser.add_argument("--global-batch", default=None, help="--search: sequences per step (default: the "
+                                                             "recipe's, or 512)")
+    parser.add_argument("--mfu", type=float, default=None, help="--search: model FLOPs utilisation (default 0.4)")
+    parser.add_argument("--intra-bw", type=float, default=None, help="--search: GB/s per GPU within a node")
+    parser.add_argument("--inter-bw", type=float, default=None, help="--search: GB/s per GPU across nodes")
+    parser.add_argument("--top", type=int, default=20, help="--search: rows printed (default 20)")
