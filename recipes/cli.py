@@ -1,7 +1,8 @@
 """The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`,
 `megazoo plan ...` (ZeRO memory and communication planner), `megazoo eval wikitext103|lambada ...`,
 `megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
-`megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus).
+`megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus), `megazoo launch ...` (one node of a
+multi-node job, or a Slurm sbatch script).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, takes
 run.dir's lock (one job per run.dir; exit 2 naming the holder), refuses a fresh run into a run.dir that holds a
@@ -23,6 +24,7 @@ from megazoo.eval.cli import register as register_eval
 from megazoo.models.gpt2.convert_cli import register as register_convert
 from megazoo.parallel.launcher import launch_local
 from megazoo.recipes.config import RecipeError, load_recipe
+from megazoo.recipes.launch_cli import register as register_launch
 from megazoo.recipes.plan_cli import register as register_plan
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_convert(sub)
     register_preprocess(sub)
     register_tokenizer(sub)
+    register_launch(sub)
     return parser
 
 
