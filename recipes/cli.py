@@ -2,7 +2,8 @@
 `megazoo plan ...` (ZeRO memory and communication planner), `megazoo eval wikitext103|lambada ...`,
 `megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
 `megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus), `megazoo launch ...` (one node of a
-multi-node job, or a Slurm sbatch script).
+multi-node job, or a Slurm sbatch script), `megazoo reproduce NAME --out DIR` (published tables, with plots),
+`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, takes
 run.dir's lock (one job per run.dir; exit 2 naming the holder), refuses a fresh run into a run.dir that holds a
@@ -26,6 +27,8 @@ from megazoo.parallel.launcher import launch_local
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.launch_cli import register as register_launch
 from megazoo.recipes.plan_cli import register as register_plan
+from megazoo.recipes.plot_cli import register as register_plot
+from megazoo.recipes.reproduce_cli import register as register_reproduce
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
 
@@ -112,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_preprocess(sub)
     register_tokenizer(sub)
     register_launch(sub)
+    register_reproduce(sub)
+    register_plot(sub)
     return parser
 
 

@@ -22,6 +22,7 @@ from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.recipes import checkpointing
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.metrics import MetricsLog
+from megazoo.recipes.plot_cli import plot_runs, read_metrics
 from megazoo.recipes.progress import Progress, is_collective_timeout
 from megazoo.recipes.resolve import Resolved, resolve
 from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock
@@ -77,6 +78,10 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
             print(f"checkpoint: {result.checkpoint} (evaluate with megazoo eval --checkpoint, convert with "
                   f"megazoo convert megazoo-to-hf)")
         print(f"metrics: {Path(recipe.run.dir) / 'metrics.jsonl'}", flush=True)
+        if result.losses:
+            curve = plot_runs({Path(recipe.run.dir).name: read_metrics(recipe.run.dir)},
+                              Path(recipe.run.dir) / "loss.png")
+            print(f"loss curve: {curve}", flush=True)
     return result
 
 

@@ -37,6 +37,7 @@ def test_demo_runs_on_two_processes_and_loss_falls(tmp_path, recipe, layout):
     assert layout in out.stdout and "validation loss" in out.stdout and "sample:" in out.stdout
     # The run leaves a checkpoint at its end (checkpoint.at_end) and says where.
     assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000060'}" in out.stdout
+    assert f"loss curve: {run_dir / 'loss.png'}" in out.stdout and (run_dir / "loss.png").stat().st_size > 1000
 
 
 def test_bad_recipe_fails_before_any_process_starts(tmp_path):
