@@ -11,47 +11,16 @@ import time
 from pathlib import Path
 
 import torch
+from jobs import processes, write_recipe
 
 from megazoo.parallel.checkpoint.consolidate import read_full_state
 
 REPO = Path(__file__).resolve().parents[1]
 
-RECIPE = """
-[model]
-preset = "gpt2-tiny"
-n_layer = 2
-vocab_size = 300
-dropout = 0.0
-attn_dropout = 0.0
-[parallel]
-dp = 2
-timeout_s = 60  # a collective stuck on a dead peer errors out instead of waiting the default 10 minutes
-[zero]
-stage = 2
-[train]
-steps = {steps}
-micro_batch = 4
-seq_len = 32
-lr = 3e-3
-warmup_steps = 2
-precision = "fp32"
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[checkpoint]
-every = 5
-keep = 3
-[logging]
-progress = false
-[run]
-dir = "{run_dir}"
-"""
-
 
 def _recipe(tmp_path: Path, name: str, steps: int = 10) -> Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(RECIPE.format(steps=steps, run_dir=tmp_path / name))
-    return path
+    return write_recipe(tmp_path / f"{name}.toml", tmp_path / name, steps=steps, micro_batch=4,
+                        train='lr = 3e-3\nwarmup_steps = 2\nprecision = "fp32"', checkpoint="every = 5\nkeep = 3")
 
 
 def _megazoo(*args: str, **kwargs) -> subprocess.Popen:
@@ -69,16 +38,9 @@ def _wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen, timeout: floa
 
 
 def _worker_pids(recipe: Path) -> list[int]:
-    """The training workers of this run (not the launchers): python -m megazoo.recipes.train RECIPE."""
-    pids = []
-    for proc_dir in Path("/proc").iterdir():
-        try:
-            cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"megazoo.recipes.train" in cmd and str(recipe).encode() in cmd and b"torch.distributed.run" not in cmd:
-            pids.append(int(proc_dir.name))
-    return sorted(pids)
+    """The training workers of this run (python -m megazoo.recipes.train RECIPE), not torchrun (it names both)."""
+    return sorted(set(processes(str(recipe), b"megazoo.recipes.train"))
+                  - set(processes(str(recipe), b"torch.distributed.run")))
 
 
 def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_path):

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import end_processes, write_recipe
 from test_recipes import _stand_ins
 
 from megazoo.recipes import launch_cli
@@ -26,41 +27,9 @@ from megazoo.recipes.config import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads per worker in every run (torchrun sets 1 for N > 1)
 
-RECIPE = """
-[model]
-preset = "gpt2-tiny"
-n_layer = 2
-vocab_size = 300
-dropout = 0.0
-attn_dropout = 0.0
-[parallel]
-dp = 2
-timeout_s = 120
-[zero]
-stage = 2
-[train]
-steps = {steps}
-micro_batch = 2
-seq_len = 32
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[checkpoint]
-every = 1000
-[logging]
-progress = false
-[sample]
-tokens = 0
-[run]
-dir = "{run_dir}"
-"""
-
 
 def _recipe(folder: Path, *, steps: int = 3) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "recipe.toml"
-    path.write_text(RECIPE.format(steps=steps, run_dir=folder / "run"))
-    return path
+    return write_recipe(folder / "recipe.toml", folder / "run", steps=steps, timeout_s=120)
 
 
 def _free_port() -> int:
@@ -93,31 +62,11 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def _processes(marker: str) -> list[int]:
-    pids = []
-    for proc_dir in Path("/proc").iterdir():
-        try:
-            if marker.encode() in proc_dir.joinpath("cmdline").read_bytes() and int(proc_dir.name) != os.getpid():
-                pids.append(int(proc_dir.name))
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
 @pytest.fixture(autouse=True)
 def no_process_left(tmp_path):
     """Whatever a test asserts, every process it started (its command line names the test's folder) ends."""
     yield
-    for _ in range(50):
-        left = _processes(str(tmp_path))
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
+    end_processes(str(tmp_path))
 
 
 @pytest.fixture(scope="module")

@@ -8,34 +8,14 @@ import json
 import subprocess
 import sys
 
-RECIPE = """
-[model]
-preset = "gpt2-tiny"
-n_layer = 2
-vocab_size = 300
-[parallel]
-dp = 2
-[zero]
-stage = 2
-[train]
-steps = 3
-micro_batch = 2
-seq_len = 32
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[logging]
-progress = false
-[sample]
-tokens = 0
-"""
+from jobs import write_recipe
 
 
 def test_training_from_a_folder_holding_data_models_and_kernels(tmp_path):
     for name in ("data", "models", "kernels", "parallel", "recipes", "eval"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user folder {name}/ was imported')\n")
-    (tmp_path / "recipe.toml").write_text(RECIPE + f'[run]\ndir = "{tmp_path / "run"}"\n')
+    write_recipe(tmp_path / "recipe.toml", tmp_path / "run")
     out = subprocess.run([sys.executable, "-m", "megazoo.recipes.cli", "train", "recipe.toml"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,45 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import end_processes, processes, wait_gone, write_recipe
 
 from megazoo.recipes.metrics import MetricsLog
 from megazoo.recipes.run_dir import RunDirLock
 
 REPO = Path(__file__).resolve().parents[1]
 
-RECIPE = """
-[model]
-preset = "gpt2-tiny"
-n_layer = 2
-vocab_size = 300
-dropout = 0.0
-attn_dropout = 0.0
-[parallel]
-dp = {dp}
-timeout_s = 60
-[train]
-steps = {steps}
-micro_batch = 2
-seq_len = 32
-precision = "fp32"
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[checkpoint]
-every = {every}
-[logging]
-progress = false
-[sample]
-tokens = 0
-[run]
-dir = "{run_dir}"
-"""
-
 
 def _recipe(tmp_path: Path, name: str, *, dp: int = 2, steps: int = 400, every: int = 1000) -> Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(RECIPE.format(dp=dp, steps=steps, every=every, run_dir=tmp_path / name))
-    return path
+    return write_recipe(tmp_path / f"{name}.toml", tmp_path / name, dp=dp, steps=steps, stage=0,
+                        train='precision = "fp32"', checkpoint=f"every = {every}")
 
 
 def _megazoo(*args: str) -> subprocess.Popen:
@@ -85,59 +57,20 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: floa
     raise AssertionError(f"the run did not reach {n} steps (exit code {proc.poll()})")
 
 
-def _processes(marker: str, kind: bytes | None = None) -> list[int]:
-    """Live processes whose command line names `marker` (and the module `kind`, when given); zombies excluded."""
-    pids = []
-    for proc_dir in Path("/proc").iterdir():
-        try:
-            cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if any(marker.encode() in part for part in cmd) and (kind is None or kind in cmd):
-            pids.append(int(proc_dir.name))
-    return sorted(pids)
-
-
 def _workers(recipe: Path) -> list[int]:
     """The training workers (python -m megazoo.recipes.train RECIPE), not torchrun (whose command names it too)."""
-    return sorted(set(_processes(str(recipe), b"megazoo.recipes.train")) - set(_torchrun(recipe)))
+    return sorted(set(processes(str(recipe), b"megazoo.recipes.train")) - set(_torchrun(recipe)))
 
 
 def _torchrun(recipe: Path) -> list[int]:
-    return _processes(str(recipe), b"torch.distributed.run")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"  # a zombie has ended
-
-
-def _wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
-    """The pids still alive after up to `timeout` seconds (empty when all are gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return alive
+    return processes(str(recipe), b"torch.distributed.run")
 
 
 @pytest.fixture(autouse=True)
 def no_process_left(tmp_path):
     """Whatever a test asserts, every process it started (named by the test's folder) is gone afterwards."""
     yield
-    for _ in range(2):
-        left = _processes(str(tmp_path))
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _wait_gone(left, timeout=30)
+    end_processes(str(tmp_path))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -161,7 +94,7 @@ def test_a_signal_to_the_launcher_alone_stops_every_worker_with_a_checkpoint(tmp
             job.communicate()
     assert job.returncode == 128 + sig, _why(err)  # 143 for SIGTERM: a stop, not restarted
     assert "Traceback" not in err and "attempt 1 failed" not in err, err[-3000:]
-    assert not _wait_gone(workers), "workers outlived their launcher"
+    assert not wait_gone(workers), "workers outlived their launcher"
     stopped = int(out.split(f"stopped by {sig.name} after step ")[1].split(";")[0])
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "manifest.json").is_file()
     assert _steps(run_dir) == list(range(stopped))
@@ -175,7 +108,7 @@ def test_sigkill_to_the_launcher_takes_torchrun_and_every_worker_along(tmp_path)
     assert len(doomed) == 3
     job.kill()
     job.communicate(timeout=60)
-    assert not _wait_gone(doomed), "torchrun or workers outlived a SIGKILLed launcher"
+    assert not wait_gone(doomed), "torchrun or workers outlived a SIGKILLed launcher"
 
 
 def test_sigkill_to_torchrun_takes_the_workers_along_and_the_restart_resumes_cleanly(tmp_path):
@@ -186,7 +119,7 @@ def test_sigkill_to_torchrun_takes_the_workers_along_and_the_restart_resumes_cle
     workers, torchrun = _workers(recipe), _torchrun(recipe)
     assert len(workers) == 2 and len(torchrun) == 1
     os.kill(torchrun[0], signal.SIGKILL)
-    assert not _wait_gone(workers), "workers outlived a SIGKILLed torchrun"
+    assert not wait_gone(workers), "workers outlived a SIGKILLed torchrun"
     out, err = job.communicate(timeout=300)
     assert job.returncode == 0, _why(err)
     assert "attempt 1 failed (exit code 137)" in err and "at step 5" in out

@@ -4,6 +4,7 @@ item 11): every rank records where it is (recipes/progress.py); the rank whose c
 from __future__ import annotations
 
 import torch.distributed as dist
+from jobs import write_recipe
 
 from megazoo.recipes.progress import Progress, is_collective_timeout
 
@@ -42,29 +43,6 @@ def test_which_errors_are_collective_timeouts():
     assert not is_collective_timeout(ValueError("timed out"))  # not from a collective
 
 
-STALL_RECIPE = """
-[model]
-preset = "gpt2-tiny"
-n_layer = 2
-vocab_size = 300
-[parallel]
-dp = 2
-timeout_s = 6
-[zero]
-stage = 2
-[train]
-steps = 6
-micro_batch = 2
-seq_len = 32
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[logging]
-progress = false
-[sample]
-tokens = 0
-"""
-
 # Rank 1 stalls while loading the batches of step 2 (a hung filesystem, say); rank 0 goes on into step 2's
 # backward, whose reduce-scatter waits for rank 1 until parallel.timeout_s.
 STALL_WORKER = """
@@ -85,7 +63,7 @@ def test_a_stalled_rank_is_named_with_what_it_was_doing(tmp_path):
     import subprocess
     import sys
 
-    (tmp_path / "recipe.toml").write_text(STALL_RECIPE + f'[run]\ndir = "{tmp_path / "run"}"\n')
+    write_recipe(tmp_path / "recipe.toml", tmp_path / "run", steps=6, timeout_s=6)
     (tmp_path / "worker.py").write_text(STALL_WORKER)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--standalone", str(tmp_path / "worker.py"), str(tmp_path / "recipe.toml")],
