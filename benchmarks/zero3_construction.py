@@ -36,14 +36,15 @@ BASELINE = 0.35 * GiB  # a forked rank with torch imported and a process group (
 
 
 def estimate_rank_bytes(preset: str, dtype: str, world: int, step: bool) -> float:
-    """Construction: this rank's parameter chunks (param dtype) + fp32 master and gradient chunks, plus one
+    """Construction: this rank's parameter chunks (param dtype) + fp32 master (none in fp32: the chunk is its own
+    master) and gradient chunks, plus one
     full unit materialised and copied into its flat bucket (the root, with the embedding, is the largest).
     A step adds the fp32 Adam moments (8 bytes per owned parameter) and the gathered units' gradients."""
     cfg = model_config(preset)
     n = cfg.num_parameters(vocab=cfg.padded_vocab(1))
     size = DTYPES[dtype].itemsize
     root = (cfg.padded_vocab(1) + cfg.n_positions) * cfg.d_model
-    total = n * (size + 8) / world + 2 * root * size + BASELINE
+    total = n * (size + 4 + (0 if dtype == "fp32" else 4)) / world + 2 * root * size + BASELINE
     return total + (8 * n / world + 3 * root * 4 if step else 0)
 
 
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     print(f"\n{args.preset}: {cfg.num_parameters():,} parameters ({results[0]['full_numel']:,} with the padded "
           f"vocabulary); one full fp32 copy = {full_fp32 / 1e9:.2f} GB; wall {time.time() - t0:.0f}s\n")
     print("| rank | construct s | peak RSS construct GB | owned params (numel) | owned param bytes GB | fp32 masters "
-          "+ Adam GB | owned grads GB | peak RSS / full fp32 copy |" + (" step s | peak RSS step GB |" if step else ""))
+          "(bf16 only) + Adam GB | owned grads GB | peak RSS / full fp32 copy |" + (" step s | peak RSS step GB |" if step else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if step else ""))
     for r in results:
         mem = r["memory_after_construct"]

@@ -82,3 +82,10 @@ def all_gather_stacked(x: torch.Tensor, group, size: int) -> torch.Tensor:
     out = torch.empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,), dtype=x.dtype, device=x.device)
     all_gather_flat(out, x if x.dim() else x.view(1), group)
     return out.view(size, *x.shape)
+
+
+def all_reduce_async(x: torch.Tensor, group, op=dist.ReduceOp.SUM, ledger: CommLedger | None = None):
+    """Launch an in-place all-reduce of `x` over `group` (not None) and return its work handle: `x` must not be
+    read or written until `work.wait()`. Data parallelism's buckets overlap backward with it."""
+    _record(ledger, "all_reduce", x, group)
+    return dist.all_reduce(x, op=op, group=group, async_op=True)

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from megazoo.parallel.collectives import CommLedger, all_reduce
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 
@@ -48,3 +49,28 @@ def clip_gradients_(params: Iterable[torch.nn.Parameter], total_norm: torch.Tens
     for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(p.grad.dtype))
+
+
+@torch.no_grad()
+def flat_grad_norm(parts: Iterable[tuple[torch.Tensor, bool]], topo: Topology, dp_group=None,
+                   ledger: CommLedger | None = None) -> torch.Tensor:
+    """L2 norm of flat gradient buffers given as (tensor, tp_sharded): one fused `vector_norm` per buffer (no
+    temporaries), sharded squares summed over tp, everything over pp, and over `dp_group` when the buffers are
+    dp-partitioned (ZeRO's owned chunks). Collectives: one all-reduce of 2 numbers over dp (if given), one over
+    tp, one over pp."""
+    parts = list(parts)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t, _ in parts) else torch.float32
+    sq = torch.zeros(2, dtype=dtype, device=topo.device)  # [tp-sharded, replicated]
+    for t, sharded in parts:
+        if t.numel():
+            sq[0 if sharded else 1] += torch.linalg.vector_norm(t.to(topo.device), dtype=dtype).square()
+    if dp_group is not None:
+        all_reduce(sq, dp_group, ledger=ledger)
+    if topo.tp_group is not None:
+        sharded_sq = sq[:1].clone()
+        dist.all_reduce(sharded_sq, group=topo.tp_group)
+        sq[0] = sharded_sq[0]
+    total = sq.sum()
+    if topo.pp_group is not None:
+        dist.all_reduce(total, group=topo.pp_group)
+    return total.sqrt()

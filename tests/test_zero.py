@@ -9,7 +9,7 @@ from recipe_helpers import tiny_recipe, tiny_resolved
 from test_train_parity import _train, assert_same_training
 
 from megazoo.parallel.topology import Topology
-from megazoo.parallel.zero.planner import StateBytes, model_state_memory
+from megazoo.parallel.zero.planner import FP32_ADAM, model_state_memory
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.trainer import Trainer
@@ -51,9 +51,9 @@ def test_optimizer_state_is_partitioned(stage):
     stage 2 also holds only its quarter of the gradients between steps, stage 1 the full gradient buffers."""
     results = _zero_run({"dp": 4}, {"micro_batch": 1, "grad_accum": 2, "precision": "fp32"},
                         {"stage": stage, "reduce_bucket_size": 50_000}, steps=2)
-    # Our fp32 runs keep an fp32 master copy of the owned chunk too: 4 + 4 + 4 bytes of optimizer state per
-    # owned parameter, i.e. K = 12 as in the paper's mixed-precision accounting, with 4-byte params and grads.
-    state = StateBytes(params=4, grads=4, optimizer=12)
+    # fp32 training needs no separate master: the owned chunk of the bucket is its own master (aliased), so the
+    # optimizer holds only the Adam moments, K = 8 (planner.FP32_ADAM), with 4-byte params and grads.
+    state = FP32_ADAM
     for got in results:
         n, mem = got["n_params"], got["memory"]
         per_rank = n / 4
@@ -64,7 +64,7 @@ def test_optimizer_state_is_partitioned(stage):
         owned_chunk = 4 * per_rank if stage == 1 else 0
         assert mem["grads"] - owned_chunk == pytest.approx(plan.grads_bytes, rel=0.01)
         assert mem["params"] >= 4 * n and mem["params"] <= 4 * (n + 64)  # full fp32 params (+ padding)
-        assert 3 * 4 * per_rank <= mem["optimizer"] <= 3 * 4 * (per_rank + 64)
+        assert 2 * 4 * per_rank <= mem["optimizer"] <= 2 * 4 * (per_rank + 64)
         if stage == 2:
             assert not any(got["full_grads"])  # full-size gradient buffers freed after reduction
             assert 4 * per_rank <= mem["grads"] <= 4 * (per_rank + 64)
@@ -94,13 +94,14 @@ def test_zero3_equals_reference(reference, parallel, train):
 
 
 def test_zero3_holds_a_quarter_of_the_model_state_at_dp4():
-    """Between steps a stage-3 rank holds only its chunks: params, grads and optimizer states are about a
-    quarter of stage 0's (fp32: 4 + 4 + 12 bytes per parameter -> (4 + 4 + 12) / 4)."""
+    """Between steps a stage-3 rank holds only its chunks: params, grads and optimizer states are a quarter of
+    stage 0's (fp32: 4 + 4 + 8 bytes per parameter -> (4 + 4 + 8) / 4; the owned parameter chunk is its own
+    fp32 master, so there is no 12-byte K and no 20 B / parameter)."""
     for got in _zero_run({"dp": 4}, {"micro_batch": 1, "grad_accum": 2, "precision": "fp32"}, {"stage": 3},
                          steps=2):
         n, mem = got["n_params"], got["memory"]
-        plan = model_state_memory(n, 4, 3, StateBytes(params=4, grads=4, optimizer=12))
-        stage0 = model_state_memory(n, 4, 0, StateBytes(params=4, grads=4, optimizer=12))
+        plan = model_state_memory(n, 4, 3, FP32_ADAM)
+        stage0 = model_state_memory(n, 4, 0, FP32_ADAM)
         assert not any(got["full_grads"])
         for kind in ("params", "grads", "optimizer"):
             assert mem[kind] == pytest.approx(getattr(plan, f"{kind}_bytes"), rel=0.01), kind

@@ -21,7 +21,7 @@ import torch
 
 from megazoo.parallel.tensor import ShardSpec
 
-DEFAULT_BUCKET_ELEMENTS = 1 << 24  # 16 M elements per bucket (64 MB in fp32)
+DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4 M elements per bucket (16 MB in fp32): see README "## Measured"
 
 
 @dataclass
@@ -92,3 +92,36 @@ def build_buckets(named: list[tuple[str, torch.nn.Parameter, ShardSpec]], dp: in
             p.data = view  # the parameter now lives in the bucket
         buckets.append(bucket)
     return buckets
+
+
+class BufferPool:
+    """Flat buffers reused within one step: full-size gradient buckets and reduce-scatter outputs are taken and
+    given back as reductions complete, so a backward allocates (and the OS zero-fills) a few buffers instead of
+    one per bucket per micro-batch. `take` hands out a view of the smallest free buffer that fits, uninitialised;
+    `clear()` (end of the step's reductions) returns everything to the allocator, so nothing is held between
+    steps. `nbytes()` is what the pool holds right now, lent or free (counted in memory_bytes)."""
+
+    def __init__(self):
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
+
+    def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= numel and b.dtype == dtype and b.device == device]
+        if fits:
+            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        else:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+        view = buffer[:numel]
+        self._lent[view.data_ptr()] = buffer
+        return view
+
+    def give(self, view: torch.Tensor) -> None:
+        buffer = self._lent.pop(view.data_ptr(), None)
+        if buffer is not None:
+            self._free.append(buffer)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._free + list(self._lent.values()))

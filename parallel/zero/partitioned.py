@@ -2,14 +2,17 @@
 
 Each stage lays parameters out in flat dp-partitioned buckets (buckets.py). A rank owns one chunk of each
 bucket and keeps for it an fp32 master copy, an fp32 gradient accumulator and the AdamW moments: the optimizer
-never sees a full parameter. How gradients reach the owned chunks and how parameters come back differ per stage
+never sees a full parameter. When the parameters are already fp32 (or fp64) and the states stay on the device,
+the master IS the owned parameter chunk (an alias, not a copy): AdamW updates the chunk in place, and the model
+states are the plain fp32 Adam 4 + 4 + 8 bytes per parameter (planner.FP32_ADAM), not 4 + 4 + 12. How gradients reach the owned chunks and how parameters come back differ per stage
 (stage12.py, stage3.py).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,12 +20,15 @@ import torch
 import torch.distributed as dist
 
 from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state
-from megazoo.parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
+from megazoo.parallel.collectives import CommLedger, reduce_scatter_flat
+from megazoo.parallel.grad_norm import flat_grad_norm
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
-from megazoo.parallel.zero.buckets import Bucket
+from megazoo.parallel.zero.buckets import Bucket, BufferPool
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # full-size gradient buffers alive at once while reductions overlap backward
+# (stages 1-2: buckets of reduce_bucket_size; stage 3 passes 1: its buckets are whole units, e.g. a transformer
+# block, so each one in flight is a block's full gradient plus its reduce-scatter output)
 
 
 @dataclass(frozen=True)
@@ -43,16 +49,17 @@ class GradientReducer:
     full-size buffers are freed during backward, not all at its end.
     """
 
-    def __init__(self, group, dp: int, ledger: CommLedger):
-        self.group, self.dp, self.ledger = group, dp, ledger
+    def __init__(self, group, dp: int, ledger: CommLedger, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT):
+        self.group, self.dp, self.ledger, self.max_in_flight = group, dp, ledger, max_in_flight
+        self.pool = BufferPool()  # this step's full-size gradient buckets (stages 2-3) and reduce-scatter outputs
         self._pending: deque = deque()
         self._host_adds: deque = deque()  # ZeRO-Offload: (event, pinned staging, owned CPU chunk) not yet added
 
     def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor, on_done: Callable[[], object] | None = None) -> None:
         """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done."""
-        while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
+        while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
-        out = torch.empty(flat.numel() // self.dp, dtype=flat.dtype, device=flat.device)
+        out = self.pool.take(flat.numel() // self.dp, flat.dtype, flat.device)
         if self.group is None:
             out.copy_(flat)
             work = None
@@ -74,6 +81,7 @@ class GradientReducer:
             self._host_adds.append((event, staging, owned_grad))
         else:
             owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
+            self.pool.give(out)
         if on_done is not None:
             on_done()
         self._add_copied(block=False)
@@ -85,13 +93,14 @@ class GradientReducer:
             owned_grad.add_(staging.to(owned_grad.dtype), alpha=1.0 / self.dp)
 
     def in_flight_bytes(self) -> int:
-        pending = sum(item[1].numel() * item[1].element_size() * (self.dp + 1) for item in self._pending)
-        return pending + sum(item[1].numel() * item[1].element_size() for item in self._host_adds)
+        """The pool (full-size buckets being filled or reduced, reduce-scatter outputs) and offload staging."""
+        return self.pool.nbytes() + sum(item[1].numel() * item[1].element_size() for item in self._host_adds)
 
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()
         self._add_copied(block=True)
+        self.pool.clear()  # nothing transient is held between steps
 
 
 def host_tensor(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -121,7 +130,7 @@ class PartitionedOptimizer:
     def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none",
                  tied: TiedParameters = TiedParameters(), specs: dict[str, ShardSpec] | None = None,
-                 adamw: Callable | None = None):
+                 adamw: Callable | None = None, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT):
         if offload not in ("none", "cpu"):
             raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
         self.topo, self.group = topo, topo.dp_group
@@ -137,15 +146,18 @@ class PartitionedOptimizer:
         state_device = torch.device("cpu") if offload == "cpu" else topo.device
         pin = offload == "cpu" and torch.cuda.is_available()
         # fp32 masters of the owned chunks (fp64 when the model is fp64, for parity tests), and their gradients.
+        # An fp32/fp64 chunk on the state device is its own master (aliased: updated in place, never copied).
         self.masters, self.owned_grads = [], []
+        self.aliased = offload == "none" and all(torch.promote_types(s.dtype, torch.float32) == s.dtype
+                                                 and s.device == state_device for s in shards)
         for s in shards:
             dtype = torch.promote_types(s.dtype, torch.float32)
             if offload == "cpu":
                 master, grad = host_tensor(s.shape, dtype, pin), host_tensor(s.shape, dtype, pin).zero_()
             else:
-                master, grad = torch.empty(s.shape, dtype=dtype, device=state_device), \
-                    torch.zeros(s.shape, dtype=dtype, device=state_device)
-            self.masters.append(master.copy_(s.detach()))
+                master = s.detach() if self.aliased else torch.empty(s.shape, dtype=dtype, device=state_device)
+                grad = torch.zeros(s.shape, dtype=dtype, device=state_device)
+            self.masters.append(master if self.aliased else master.copy_(s.detach()))
             self.owned_grads.append(grad)
         for master, grad in zip(self.masters, self.owned_grads):
             master.grad = grad
@@ -155,27 +167,25 @@ class PartitionedOptimizer:
                    "weight_decay": 0.0}]
         adamw = adamw or torch.optim.AdamW  # kernels' adamw op: reference loop, foreach, torch fused or apex
         self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-        self.reducer = GradientReducer(self.group, topo.dp, self.comm)
+        self.reducer = GradientReducer(self.group, topo.dp, self.comm, max_in_flight)
+        self.wait_s: dict[str, float] = defaultdict(float)  # host seconds waiting on all-gathers (benchmarks)
+
+    def _timed_wait(self, works: list, kind: str = "all-gather") -> None:
+        if not works:
+            return
+        start = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.wait_s[kind] += time.perf_counter() - start
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm. Owned chunks partition every bucket: sum over dp. tp-sharded buckets also sum over
-        tp; replicated ones are counted once. Collectives: one all-reduce over dp, one over tp."""
-        dtype = torch.float64 if any(m.dtype == torch.float64 for m in self.masters) else torch.float32
-        sq = torch.zeros(2, dtype=dtype, device=self.topo.device)  # [tp-sharded, replicated]
-        for i, (b, g) in enumerate(zip(self.buckets, self.owned_grads)):
-            if i in self.tied_buckets and not self.tied.counted_in_norm:
-                continue
-            sq[0 if b.tp_sharded else 1] += g.to(self.topo.device, dtype).pow(2).sum()
-        all_reduce(sq, self.group, ledger=self.comm)
-        if self.topo.tp_group is not None:
-            sharded = sq[:1].clone()
-            dist.all_reduce(sharded, group=self.topo.tp_group)
-            sq[0] = sharded[0]
-        total = sq.sum()
-        if self.topo.pp_group is not None:
-            dist.all_reduce(total, group=self.topo.pp_group)
-        return total.sqrt()
+        """Global L2 norm: one fused norm per owned chunk. Owned chunks partition every bucket: sum over dp.
+        tp-sharded buckets also sum over tp; replicated ones are counted once. Collectives: one all-reduce over
+        dp, one over tp, one over pp."""
+        parts = [(g, b.tp_sharded) for i, (b, g) in enumerate(zip(self.buckets, self.owned_grads))
+                 if i not in self.tied_buckets or self.tied.counted_in_norm]
+        return flat_grad_norm(parts, self.topo, self.group, ledger=self.comm)
 
     @torch.no_grad()
     def sum_tied_gradients(self) -> None:
@@ -234,7 +244,8 @@ class PartitionedOptimizer:
         return views
 
     def optimizer_bytes(self) -> int:
-        total = sum(m.numel() * m.element_size() for m in self.masters)
+        """Adam moments, plus the fp32 masters unless they alias the owned parameter chunks (counted there)."""
+        total = 0 if self.aliased else sum(m.numel() * m.element_size() for m in self.masters)
         for state in self.optimizer.state.values():
             total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
         return total

@@ -7,10 +7,19 @@ for the chunk of each bucket it owns (partitioned.py). One step:
               owner's chunk, asynchronously, while backward continues.
               stage 1: gradients accumulate in full-size buffers over the micro-batches and reduce once, during
                        the last micro-batch's backward.
-              stage 2: every micro-batch reduces; each full-size bucket buffer is freed as soon as its
-                       reduce-scatter is done, so between micro-batches a rank holds only its owned gradient chunk.
-  step        global grad norm over owned chunks, clip, AdamW on the owned fp32 chunks, cast back into the
-              bucket, all-gather each bucket over dp.
+              stage 2: every micro-batch reduces; each full-size bucket buffer comes from the reducer's pool
+                       and goes back to it as soon as its reduce-scatter is done (the next bucket reuses it), so
+                       between micro-batches a rank holds only its owned gradient chunk.
+  step        global grad norm over owned chunks (one fused norm each), clip, AdamW on the owned fp32 chunks
+              (fp32 training: the chunk of the bucket itself, no copy), then every bucket's all-gather over dp (in
+              place) is launched asynchronously, in the order the next forward needs them (prefetch): a forward
+              pre-hook on each module (except the top-level model) waits only for the buckets holding its own
+              and its submodules' parameters, so the gathers overlap the next forward. Contract, as for stage 3
+              and FSDP: a parameter is read inside the forward of a module that contains it (the top-level
+              model's forward may read a submodule's parameter once that submodule has run: GPT's tied head).
+              Without a `model` covering every parameter, or with no dp group, the step waits for the gathers.
+              Anything that reads parameters outside a forward (gathered(), checkpoint views, loading, the next
+              backward) waits for them first.
 
 Collectives per step, per bucket: one reduce-scatter (stage 2: per micro-batch) and one all-gather over dp:
 the same 2 x params x (dp-1)/dp elements per rank as plain data parallelism's all-reduce.
@@ -21,6 +30,7 @@ from __future__ import annotations
 from typing import Callable, Hashable
 
 import torch
+import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
 from megazoo.parallel.tensor import ShardSpec
@@ -37,7 +47,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                  tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
-                 adamw: Callable | None = None):
+                 adamw: Callable | None = None, model: nn.Module | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroStage12 implements zero stage 1 or 2, not {stage}")
         def bucket_group(name: str):  # tied parameters alone; otherwise the caller's grouping
@@ -53,6 +63,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
             torch.zeros(b.numel, dtype=b.dtype, device=b.flat_params.device) if stage == 1 else None
             for b in self.buckets]
         self._ready = [0] * len(self.buckets)
+        self._got: list[set[int]] = [set() for _ in self.buckets]  # stage 2: parameters copied into the bucket
         self._launched: set[int] = set()
         self._reduce_now = True
         self._where = {}
@@ -64,20 +75,42 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
             for b, flat in zip(self.buckets, self.full_grads):
                 for p, view in b.views(flat):
                     p.grad = view  # autograd accumulates in place into the bucket
+        self._gathers: dict[int, object] = {}  # bucket -> its all-gather in flight since the step
+        self._prefetch = model is not None and self.group is not None and self._hook_forwards(model)
+
+    # ---- the all-gathers after the step, waited where the next forward needs them ---------------------------
+    def _hook_forwards(self, model: nn.Module) -> bool:
+        bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
+        reached = {p for m in model.modules() for p in m.parameters(recurse=False)}
+        if not all(p in reached for p in bucket_of):
+            return False  # some bucketed parameter lives outside `model`: wait in the step
+        for m in model.modules():
+            needs = sorted({bucket_of[p] for p in m.parameters(recurse=m is not model) if p in bucket_of})
+            if needs:  # the top-level model waits only for its own direct parameters
+                m.register_forward_pre_hook(lambda mod, args, needs=needs: self._wait_gathers(needs))
+        return True
+
+    def _wait_gathers(self, buckets=None) -> None:
+        if self._gathers:
+            todo = list(self._gathers) if buckets is None else [i for i in buckets if i in self._gathers]
+            self._timed_wait([self._gathers.pop(i) for i in todo])
 
     def begin_micro_batch(self, last: bool) -> None:
         """Say whether the coming backward is the accumulation boundary (stage 1 reduces only then)."""
+        self._wait_gathers()
         self._reduce_now = last or self.stage == 2
         self._ready = [0] * len(self.buckets)
+        self._got = [set() for _ in self.buckets]
         self._launched.clear()
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         i, off = self._where[param]
         bucket = self.buckets[i]
         if self.stage == 2:
-            if self.full_grads[i] is None:
-                self.full_grads[i] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=param.device)
+            if self.full_grads[i] is None:  # uninitialised: every range is written below or zeroed at launch
+                self.full_grads[i] = self.reducer.pool.take(bucket.numel, bucket.dtype, param.device)
             self.full_grads[i][off:off + param.numel()].copy_(param.grad.view(-1))
+            self._got[i].add(off)
             param.grad = None  # the full-size gradient lives only until its bucket is reduced
         self._ready[i] += 1
         if self._reduce_now and self._ready[i] == len(bucket.params):
@@ -86,18 +119,24 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
     def _launch_reduce(self, i: int) -> None:
         bucket = self.buckets[i]
         if self.full_grads[i] is None:  # stage 2, no parameter of this bucket received a gradient
-            self.full_grads[i] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.flat_params.device)
+            self.full_grads[i] = self.reducer.pool.take(bucket.numel, bucket.dtype, bucket.flat_params.device)
         self._launched.add(i)
         flat = self.full_grads[i]
         if self.stage == 2:
-            # The reducer owns the buffer from here: the next micro-batch's gradients go to a new one.
+            end = bucket.offsets[-1] + bucket.params[-1].numel()
+            flat[end:].zero_()  # padding, and below: parameters that got no gradient (a reused buffer is dirty)
+            for p, off in zip(bucket.params, bucket.offsets):
+                if off not in self._got[i]:
+                    flat[off:off + p.numel()].zero_()
+            # The reducer owns the buffer from here and gives it back to the pool when the reduction is done.
             self.full_grads[i] = None
-            self.reducer.launch(flat, self.owned_grads[i])
+            self.reducer.launch(flat, self.owned_grads[i], on_done=lambda: self.reducer.pool.give(flat))
         else:
             self.reducer.launch(flat, self.owned_grads[i], on_done=flat.zero_)
 
     def finish_gradients(self) -> None:
         """Wait for every reduce-scatter of this step; owned_grads then hold the dp-mean gradient chunk."""
+        self._wait_gathers()
         if self._reduce_now:  # buckets with unused parameters never filled: reduce them now, on every rank alike
             for i in range(len(self.buckets)):
                 if i not in self._launched:
@@ -108,18 +147,37 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
     @torch.no_grad()
     def after_load(self) -> None:
         """Nothing to redo: the full parameters were loaded in place (every dp rank reads them)."""
+        self._wait_gathers()
+
+    def gathered(self):
+        """Full parameters are always held; wait for the step's all-gathers so they are the updated ones."""
+        self._wait_gathers()
+        return super().gathered()
+
+    def state_views(self):
+        self._wait_gathers()
+        return super().state_views()
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """AdamW on the owned chunks, then all-gather every bucket's parameters over dp."""
-        for b, owned in zip(self.buckets, self.update_owned(lr)):
-            b.flat_params[b.owned].copy_(owned)
+        """AdamW on the owned chunks, then all-gather every bucket's parameters over dp (all launched, then
+        waited: the gathers queue back to back; in place when the master aliases the bucket's chunk)."""
+        self._wait_gathers()
+        updated = self.update_owned(lr)
+        for i in reversed(range(len(self.buckets))):  # buckets are in backward order: the forward needs the last first
+            b, owned = self.buckets[i], updated[i]
+            mine = b.flat_params[b.owned]
+            if owned.data_ptr() != mine.data_ptr():
+                mine.copy_(owned)
             if self.group is not None:
-                all_gather_flat(b.flat_params, owned, self.group, ledger=self.comm)
+                self._gathers[i] = all_gather_flat(b.flat_params, mine, self.group, async_op=True, ledger=self.comm)
+        if not self._prefetch:
+            self._wait_gathers()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (fp32 masters + Adam moments)."""
         params = sum(b.flat_params.numel() * b.flat_params.element_size() for b in self.buckets)
-        grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()
-        grads += sum(f.numel() * f.element_size() for f in self.full_grads if f is not None)
+        grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()  # stage 2's buckets: in the pool
+        if self.stage == 1:
+            grads += sum(f.numel() * f.element_size() for f in self.full_grads)
         return {"params": params, "grads": grads, "optimizer": self.optimizer_bytes()}

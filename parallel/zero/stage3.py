@@ -47,7 +47,8 @@ class Unit:
         self.params = [p for b in buckets for p in b.params]
         self.works: list = []
         self.gathered = True  # built full; freed right after construction
-        self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)
+        self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)  # from the reducer's pool
+        self.got: list[set[int]] = [set() for _ in buckets]  # offsets of the gradients copied into grad_flats
         self.ready = 0
 
 
@@ -97,7 +98,7 @@ class ZeroStage3(PartitionedOptimizer):
         all_buckets = [b for u in self.units for b in u.buckets]
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay, offload=offload,
-                         specs={name: spec for name, _, spec in named}, adamw=adamw)
+                         specs={name: spec for name, _, spec in named}, adamw=adamw, max_in_flight=1)
         self._owned_grad_of = {}
         k = 0
         for u in self.units:
@@ -150,14 +151,12 @@ class ZeroStage3(PartitionedOptimizer):
             if not unit.works:
                 unit.gathered = True
         if wait and unit.works:
-            for work in unit.works:
-                work.wait()
+            self._timed_wait(unit.works)
             unit.works.clear()
             unit.gathered = True
 
     def _free(self, unit: Unit) -> None:
-        for work in unit.works:  # finish a prefetch in flight before freeing its buffer
-            work.wait()
+        self._timed_wait(unit.works)  # finish a prefetch in flight before freeing its buffer
         unit.works.clear()
         for b in unit.buckets:
             b.flat_params.untyped_storage().resize_(0)
@@ -198,9 +197,10 @@ class ZeroStage3(PartitionedOptimizer):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, j, off = self._where[param]
         bucket = unit.buckets[j]
-        if unit.grad_flats[j] is None:
-            unit.grad_flats[j] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=param.device)
+        if unit.grad_flats[j] is None:  # uninitialised: every range is written below or zeroed at launch
+            unit.grad_flats[j] = self.reducer.pool.take(bucket.numel, bucket.dtype, param.device)
         unit.grad_flats[j][off:off + param.numel()].copy_(param.grad.view(-1))
+        unit.got[j].add(off)
         param.grad = None
         unit.ready += 1
         if unit.ready == len(unit.params):
@@ -212,10 +212,16 @@ class ZeroStage3(PartitionedOptimizer):
         for j, b in enumerate(unit.buckets):
             flat = unit.grad_flats[j]
             if flat is None:  # no gradient reached this bucket
-                flat = torch.zeros(b.numel, dtype=b.dtype, device=b.flat_params.device)
-            # The reducer owns the buffer from here: the next micro-batch's gradients go to a new one.
+                flat = self.reducer.pool.take(b.numel, b.dtype, b.flat_params.device)
+            flat[b.offsets[-1] + b.params[-1].numel():].zero_()  # padding; below: parameters without a gradient
+            for p, off in zip(b.params, b.offsets):
+                if off not in unit.got[j]:
+                    flat[off:off + p.numel()].zero_()
+            unit.got[j].clear()
+            # The reducer owns the buffer from here and gives it back to the pool when the reduction is done.
             unit.grad_flats[j] = None
-            self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)])
+            self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)],
+                                on_done=lambda flat=flat: self.reducer.pool.give(flat))
         unit.ready = -1  # reduced for this micro-batch
         self._free(unit)
 
@@ -231,7 +237,9 @@ class ZeroStage3(PartitionedOptimizer):
         owned = iter(self.update_owned(lr))
         for unit in self.units:
             for shard in unit.shards:
-                shard.copy_(next(owned))
+                new = next(owned)
+                if new.data_ptr() != shard.data_ptr():  # fp32 training: the master is the shard itself
+                    shard.copy_(new)
         self._check_order = False
 
     @contextlib.contextmanager
@@ -248,6 +256,5 @@ class ZeroStage3(PartitionedOptimizer):
     def memory_bytes(self) -> dict[str, int]:
         params = sum(s.numel() * s.element_size() for u in self.units for s in u.shards)
         params += sum(b.flat_params.untyped_storage().nbytes() for b in self.buckets)  # gathered right now
-        grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()
-        grads += sum(g.numel() * g.element_size() for u in self.units for g in u.grad_flats if g is not None)
+        grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()  # grad_flats are in the reducer's pool
         return {"params": params, "grads": grads, "optimizer": self.optimizer_bytes()}
