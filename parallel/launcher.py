@@ -302,6 +302,7 @@ def launch_local(nproc: int, module: str, argv: Sequence[str] = (), *, max_resta
                 return 128 + stopped
             if code == 0 or attempt == max_restarts or job.fatal():
                 return code
-            print(f"megazoo: attempt {attempt + 1} failed (exit code {code}); restarting all {nproc} workers"
+            workers = f"{nproc} worker{'s' if nproc != 1 else ''}"
+            print(f"megazoo: attempt {attempt + 1} failed (exit code {code}); restarting all {workers}"
                   f"{restart_note} ({max_restarts - attempt} restart(s) left)", file=sys.stderr, flush=True)
     return code

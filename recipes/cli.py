@@ -89,8 +89,17 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("megazoo")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megazoo", description="Giant GPT training recipes on PyTorch.")
+    parser.add_argument("--version", action="version", version=f"megazoo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a recipe (TOML)")
     train.add_argument("recipe", help="recipe file, e.g. recipes/demo.toml")

@@ -67,7 +67,8 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
     elif rank0:
         if result.losses:
             first, last = result.losses[0], result.losses[-1]
-            print(f"train loss {first:.4f} -> {last:.4f} over {len(result.losses)} steps")
+            n = len(result.losses)
+            print(f"train loss {first:.4f} -> {last:.4f} over {n} step{'s' if n != 1 else ''}")
         if result.val_loss is None:
             print("validation: no validation data (data.valid_paths is empty)")
         else:

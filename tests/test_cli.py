@@ -62,3 +62,8 @@ def test_unknown_override_key_fails():
 def test_presets_lists_exact_counts():
     out = megazoo("presets", timeout=60)
     assert out.returncode == 0 and "17,176,845,728" in out.stdout and "1,557,611,200" in out.stdout
+
+
+def test_version():
+    out = megazoo("--version", timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("megazoo 0.")
