@@ -28,6 +28,7 @@ JOB_ENV = "MEGAZOO_JOB"  # a token in the environment of every process of one la
 LAUNCHER_PID_ENV = "MEGAZOO_LAUNCHER_PID"  # the launcher's pid, for a worker's orphan check
 STOP_FILE_ENV = "MEGAZOO_STOP_FILE"  # where a worker stopped by a signal records it (the launcher ends the job)
 STOP_GRACE_S = 300.0  # after forwarding a stop, how long the workers may take to save before they are killed
+NO_WORKER_WAIT_S = 10.0  # a stop that finds no worker waits this long for one (or for torchrun to end) first
 _PR_SET_PDEATHSIG = 1
 _LIBC: Any = None
 
@@ -165,7 +166,8 @@ class Job:
     """The processes of one `launch_local`, attempt after attempt. While it is open (a context manager):
 
     - SIGTERM / SIGINT to this process are caught; the first is forwarded once, as it is, to every worker
-      (torchrun's children; torchrun itself when it has none yet): they finish the step, save and stop. A second
+      (torchrun's children; torchrun itself when none shows up within `no_worker_wait_s`, see `_forward`): they
+      finish the step, save and stop. A second
       signal, or workers still running `STOP_GRACE_S` later, kill the job (SIGKILL to torchrun's process group,
       and to the workers: each runs in its own session, torchrun's doing).
     - torchrun runs in its own session (a Ctrl-C in the terminal reaches only the launcher, which forwards it
@@ -174,9 +176,11 @@ class Job:
       a restart never overlaps the workers of the attempt before it.
     """
 
-    def __init__(self, env: dict[str, str] | None = None, *, stop_grace_s: float = STOP_GRACE_S):
+    def __init__(self, env: dict[str, str] | None = None, *, stop_grace_s: float = STOP_GRACE_S,
+                 no_worker_wait_s: float = NO_WORKER_WAIT_S):
         self.token = f"{os.getpid()}-{os.urandom(6).hex()}"
-        self.stop_grace_s = stop_grace_s
+        self.stop_grace_s, self.no_worker_wait_s = stop_grace_s, no_worker_wait_s
+        self._stop_announced: float | None = None
         self.signals: list[int] = []
         self._dir = tempfile.mkdtemp(prefix="megazoo-job-")
         self.stop_file = os.path.join(self._dir, "stopped")
@@ -223,7 +227,7 @@ class Job:
             os.unlink(self.stop_file)
         proc = subprocess.Popen(command, env=self.env, start_new_session=True,
                                 preexec_fn=lambda: _prctl_pdeathsig(signal.SIGKILL))
-        forwarded_at: float | None = None
+        forwarded_at: float | None = None  # when the stop reached the workers (or torchrun)
         killed = False
         try:
             while True:
@@ -234,24 +238,43 @@ class Job:
                     pass
                 if not self.signals:
                     continue
-                if forwarded_at is None:
-                    name = signal.Signals(self.signals[0]).name
-                    print(f"megazoo: {name}: stopping the job (the workers finish their step, save a checkpoint "
-                          f"and stop; send it again to kill them now)", file=sys.stderr, flush=True)
-                    workers = [pid for pid in _job_processes(self.token) if _ppid_of(pid) == proc.pid]
-                    for pid in workers or [proc.pid]:
-                        _signal(pid, self.signals[0], group=True)
-                    forwarded_at = time.monotonic()
-                elif not killed and (len(self.signals) > 1 or time.monotonic() - forwarded_at > self.stop_grace_s):
-                    print("megazoo: killing the job", file=sys.stderr, flush=True)
-                    self._kill_all(proc.pid)
-                    killed = True
+                now = time.monotonic()
+                if len(self.signals) > 1 or (forwarded_at is not None and now - forwarded_at > self.stop_grace_s):
+                    if not killed:
+                        print("megazoo: killing the job", file=sys.stderr, flush=True)
+                        self._kill_all(proc.pid)
+                        killed = True
+                elif forwarded_at is None and self._forward(proc.pid, now):
+                    forwarded_at = now
         finally:
             if proc.poll() is None:  # an exception (not a signal) left the loop
                 self._kill_all(proc.pid)
                 proc.wait()
             self._reap()
         return 128 - code if code < 0 else code
+
+    def _forward(self, torchrun_pid: int, now: float) -> bool:
+        """Forward the first stop signal to torchrun's workers; True once it is delivered (or needs no delivery).
+
+        With no worker alive the signal is held for up to `no_worker_wait_s`: the workers may have stopped and
+        saved already (a multi-node job: the other node's stop reached them through the step's all-reduced stop
+        flag), and torchrun then ends on its own; signalling it instead would take it out of the elastic agents'
+        exit barrier and leave the other node's torchrun waiting there. Only when no worker shows up at all
+        (torchrun still in its rendezvous) is torchrun itself signalled."""
+        if self._stop_announced is None:
+            name = signal.Signals(self.signals[0]).name
+            print(f"megazoo: {name}: stopping the job (the workers finish their step, save a checkpoint "
+                  f"and stop; send it again to kill them now)", file=sys.stderr, flush=True)
+            self._stop_announced = now
+        workers = [pid for pid in _job_processes(self.token) if _ppid_of(pid) == torchrun_pid]
+        for pid in workers:
+            _signal(pid, self.signals[0], group=True)
+        if workers or os.path.exists(self.stop_file):
+            return True
+        if now - self._stop_announced < self.no_worker_wait_s:
+            return False
+        _signal(torchrun_pid, self.signals[0], group=True)
+        return True
 
     def _kill_all(self, torchrun_pid: int) -> None:
         _signal(torchrun_pid, signal.SIGKILL, group=True)

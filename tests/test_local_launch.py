@@ -66,3 +66,31 @@ def test_finish_worker_flushes_tears_down_and_exits_with_the_code(tmp_path, mode
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == code, out.stderr[-2000:]
     assert out.stdout == "unflushed output"
+
+
+def _stop_in(job: launcher.Job, seconds: float, sig: int = 15) -> None:
+    """A stop signal reaching the launcher `seconds` from now (the handler Job installs, called directly)."""
+    import threading
+    threading.Timer(seconds, job._on_signal, args=(sig, None)).start()
+
+
+def test_a_stop_after_the_workers_saved_lets_torchrun_finish_instead_of_signalling_it(tmp_path):
+    # A node whose workers stopped and saved before its own SIGTERM arrived (the other node's stop reached them
+    # through the all-reduced stop flag): torchrun must end on its own (signalled, it would leave the elastic
+    # agents' exit barrier and the other node's torchrun would wait there), and the job still ends as stopped.
+    finished = tmp_path / "torchrun-finished"
+    fake_torchrun = ("import os, time; open(os.environ['MEGAZOO_STOP_FILE'], 'w').write('15'); time.sleep(1.5); "
+                     f"open({str(finished)!r}, 'w').write('done')")
+    with launcher.Job(no_worker_wait_s=60) as job:
+        _stop_in(job, 0.3)
+        code = job.attempt([sys.executable, "-c", fake_torchrun])
+        assert (code, job.stopped_by(code)) == (0, 15)
+    assert finished.exists(), "torchrun was signalled although its workers had already stopped"
+
+
+def test_a_stop_that_finds_no_worker_signals_torchrun_after_the_wait(tmp_path):
+    # torchrun still in its rendezvous (no worker yet, nothing saved): after no_worker_wait_s the stop goes to it.
+    with launcher.Job(no_worker_wait_s=0.5) as job:
+        _stop_in(job, 0.2)
+        code = job.attempt([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert (code, job.stopped_by(code)) == (128 + 15, 15)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,27 @@ def test_megazoo_launch_runs_one_node_each_and_matches_the_single_node_run(tmp_p
     again = launch_cli.main([str(recipe), "--nnodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}",
                              "--set", "train.steps=4"])
     assert again == 2
+
+
+def test_sigterm_stops_every_node_with_a_checkpoint_and_exit_143(tmp_path):
+    recipe, port = _recipe(tmp_path, steps=100_000), _free_port()
+    run_dir = tmp_path / "run"
+    nodes = [_start("-m", "megazoo.recipes.launch_cli", str(recipe), "--nnodes", "2", "--node-rank", str(rank),
+                    "--master", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}") for rank in (0, 1)]
+    try:
+        while len(_losses(run_dir)) < 2 and all(node.poll() is None for node in nodes):
+            time.sleep(0.05)
+        for node in nodes:  # what srun does with the batch script's SIGTERM: one to each node's launcher
+            node.send_signal(signal.SIGTERM)
+        results = _finish(nodes)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [code for code, _ in results] == [143, 143], "\n".join(e[-2000:] for _, e in results)
+    saved = sorted((run_dir / "checkpoints").glob("step_*/manifest.json"))
+    assert saved, "no checkpoint was saved on the stop"
+    assert "continue with --resume" in results[0][1]
 
 
 def test_launch_checks_the_layout_before_any_process_starts(tmp_path, capsys):
