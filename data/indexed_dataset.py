@@ -81,7 +81,20 @@ class IndexedDataset:
 
     Opening checks magic, version, sizes and the index checksum, so a damaged index or a truncated .bin
     fails here with the path named; `verify_data()` additionally hashes the .bin (slow for a big corpus).
+    A Megatron-LM / GPT-NeoX index (magic MMIDIDX) opens as data/megatron_indexed.py's MegatronIndexedDataset.
     """
+
+    def __new__(cls, prefix: str | Path):
+        if cls is IndexedDataset:
+            from megazoo.data.megatron_indexed import MEGATRON_MAGIC, MegatronIndexedDataset
+            try:
+                with open(data_paths(prefix)[1], "rb") as f:
+                    head = f.read(len(MEGATRON_MAGIC))
+            except OSError:
+                head = b""
+            if head == MEGATRON_MAGIC:
+                return super().__new__(MegatronIndexedDataset)
+        return super().__new__(cls)
 
     def __init__(self, prefix: str | Path) -> None:
         self.prefix = str(prefix)
@@ -95,7 +108,7 @@ class IndexedDataset:
             head = f.read(HEADER.size)
         if head[:len(MAGIC)] != MAGIC:
             raise ValueError(f"{self.idx_path} is not a megazoo indexed dataset index: wrong magic bytes "
-                             f"{head[:len(MAGIC)]!r} (expected {MAGIC!r})")
+                             f"{head[:len(MAGIC)]!r} (expected {MAGIC!r}, or Megatron-LM's b'MMIDIDX\\x00\\x00')")
         if len(head) < HEADER.size:
             raise ValueError(f"{self.idx_path} is truncated: {idx_size} bytes, shorter than the header")
         _, version, dtype_code, len_code, count, bin_bytes, bin_sha = HEADER.unpack(head)

@@ -1,27 +1,25 @@
 """Tokenize raw text into an indexed dataset (PREFIX.bin/.idx), streaming, on several processes.
 
-    megazoo preprocess --input a.jsonl b.txt --tokenizer ../shared/data/gpt2_bpe --output-prefix data/corpus
+    megazoo preprocess --input a.jsonl b.txt c.parquet hf_saved/ --tokenizer tok.json --output-prefix data/corpus
 
-Inputs, one document each (as in Megatron-LM's tools/preprocess_data.py):
-- `.jsonl` (or `.json`, read as JSON lines like Megatron): one JSON object per line, the document in the
-  `--text-key` field (default "text"). Blank lines are skipped. A line that is not a JSON object, or lacks the
-  key, or whose value is not a string, stops the run with an error naming the file and the line number.
-- `.txt`: the whole file is ONE document (Megatron's convention; split a corpus into one file per document or
-  convert it to jsonl to get more). Such a file is read whole, so keep single .txt documents reasonably small.
+Inputs, one document per record (data/corpus_inputs.py): `.jsonl` lines (the `--text-key` field), whole `.txt`
+files (Megatron's convention), `.parquet` rows and Hugging Face `datasets` folders written by save_to_disk
+(the `--text-key` column; a DatasetDict's `--split`). Errors name the file and the line or row.
 
 Every document is followed by the tokenizer's end-of-document id (`append_eod=True`), so documents never run
 into each other once samples cross their boundaries. Memory does not grow with the corpus: the main process
-reads raw lines one at a time, a pool of `workers` processes parses and encodes them in chunks (a bounded
+reads raw records one at a time, a pool of `workers` processes parses and encodes them in chunks (a bounded
 number in flight), and each chunk is written as soon as its turn comes, so the output order (and every
 output byte) is the same for any number of workers. Parallelism is across documents: one big .txt document
-is encoded by one worker. Nothing appears under the output prefix unless the whole run succeeds.
+is encoded by one worker. The output folder is created when missing (and removed again if the run fails and
+left it empty); nothing appears under the output prefix unless the whole run succeeds; the files get the
+permissions a plain open() gives (0666 less the umask), like any file the user writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import multiprocessing
 import os
 import sys
@@ -33,18 +31,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megazoo.data.corpus_inputs import (JSONL_SUFFIXES, TEXT_SUFFIXES, PreprocessError,  # noqa: F401 (re-exported)
+                                        Record, check_inputs, input_bytes, iter_records, parse_record)
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
 from megazoo.data.tokenizer import Tokenizer
 from megazoo.data.tokenizer_loading import load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
 
-JSONL_SUFFIXES = (".jsonl", ".json")
-TEXT_SUFFIXES = (".txt",)
 CHUNK_DOCS = 256  # a chunk ends at this many records (lines / .txt files) or CHUNK_BYTES, whichever is first
 CHUNK_BYTES = 1 << 17  # big enough to amortise inter-process pickling, small enough to balance the workers
-
-
-class PreprocessError(ValueError):
-    """Bad input (file, line, tokenizer, output): reported as one line, exit code 2."""
 
 
 @dataclass(frozen=True)
@@ -57,65 +51,6 @@ class PreprocessStats:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
-
-
-def check_inputs(inputs: list[str | Path]) -> list[Path]:
-    """Every input exists and has a supported suffix: checked before any work starts."""
-    if not inputs:
-        raise PreprocessError("no input files given")
-    paths = [Path(p) for p in inputs]
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"input file not found: {path}")
-        if path.suffix.lower() not in JSONL_SUFFIXES + TEXT_SUFFIXES:
-            raise PreprocessError(f"input {path} has an unsupported suffix {path.suffix!r}: use "
-                                  f"{', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)}")
-        if path.stat().st_size == 0:
-            raise PreprocessError(f"input {path} is empty: it holds no documents")
-    return paths
-
-
-# A record is one unit of input, parsed and encoded in a worker: (path, line number or None for a whole .txt
-# file, raw bytes). Reading raw lines is all the main process does, so it never becomes the bottleneck for
-# many workers (JSON parsing is about as costly as a fast tokenizer), and parsing errors still name the line.
-Record = tuple[str, "int | None", bytes]
-
-
-def iter_records(paths: list[Path]) -> Iterator[Record]:
-    """Records of every input in order, reading .jsonl files one line at a time."""
-    for path in paths:
-        if path.suffix.lower() in TEXT_SUFFIXES:
-            yield str(path), None, path.read_bytes()
-            continue
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                yield str(path), line_no, raw
-
-
-def parse_record(record: Record, text_key: str) -> str | None:
-    """The document text of a record; None for a blank jsonl line; PreprocessError naming file:line."""
-    path, line_no, raw = record
-    where = path if line_no is None else f"{path}:{line_no}"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise PreprocessError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start})") from None
-    if line_no is None:
-        return text
-    if not text.strip():
-        return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise PreprocessError(f"{where}: not valid JSON ({error.msg})") from None
-    if not isinstance(obj, dict):
-        raise PreprocessError(f"{where}: expected a JSON object with a {text_key!r} field, got {type(obj).__name__}")
-    if text_key not in obj:
-        keys = ", ".join(map(repr, list(obj)[:5])) or "none"
-        raise PreprocessError(f"{where}: no {text_key!r} field (keys: {keys}); choose the field with --text-key")
-    if not isinstance(obj[text_key], str):
-        raise PreprocessError(f"{where}: field {text_key!r} is {type(obj[text_key]).__name__}, not a string")
-    return obj[text_key]
 
 
 def _chunks(records: Iterator[Record]) -> Iterator[tuple[list[Record], int]]:
@@ -169,6 +104,7 @@ def preprocess(
     append_eod: bool = True,
     overwrite: bool = False,
     progress: bool = True,
+    split: str = "train",
 ) -> PreprocessStats:
     """Tokenize `inputs` (see the module docstring for formats) into `output_prefix`.bin/.idx.
 
@@ -177,21 +113,25 @@ def preprocess(
     """
     if workers < 1:
         raise PreprocessError(f"workers must be >= 1, got {workers}")
-    paths = check_inputs(inputs)
-    total_bytes = sum(p.stat().st_size for p in paths)
+    paths = check_inputs(inputs, text_key, split)
     eod = tokenizer.eod_id if append_eod else None
     start = time.perf_counter()
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
+    bar = tqdm(total=input_bytes(paths), unit="B", unit_scale=True, desc="preprocess", disable=not progress,
                file=sys.stderr)
-    pool = None
+    out_dir = Path(str(output_prefix)).parent
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)  # like `megazoo tokenizer train`: data/ need not exist yet
+    pool, total_bytes = None, 0
     try:
         with IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, overwrite=overwrite) as writer:
             def write(result: tuple[np.ndarray, np.ndarray], nbytes: int) -> None:
+                nonlocal total_bytes
                 writer.add_documents(*result)
+                total_bytes += nbytes
                 bar.update(nbytes)
                 bar.set_postfix(docs=writer.num_documents, tokens=writer.num_tokens, refresh=False)
 
-            chunks = _chunks(iter_records(paths))
+            chunks = _chunks(iter_records(paths, text_key, split))
             state = (tokenizer, eod, text_key)
             if workers == 1:
                 _init_worker(state)
@@ -214,6 +154,13 @@ def preprocess(
             if documents == 0:  # raised inside the block: the writer drops its files
                 raise PreprocessError(f"no documents in {', '.join(map(str, paths))} (only blank lines?): nothing "
                                       "written")
+    except BaseException:
+        for folder in created:  # the folders this run created, innermost first, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     finally:
         if pool is not None:
             pool.terminate()  # on error: stop encoding at once; on success: the pool is idle anyway
@@ -229,18 +176,22 @@ def preprocess(
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `preprocess` subcommand to an argparse subparsers object."""
     parser = subparsers.add_parser(
-        "preprocess", help="tokenize jsonl/txt files into an indexed dataset (PREFIX.bin + PREFIX.idx)",
-        description="Tokenize jsonl (one {\"text\": ...} per line) and txt (whole file = one document) inputs "
-                    "into PREFIX.bin + PREFIX.idx, an end-of-document token after every document.")
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help=".jsonl/.json or .txt files")
+        "preprocess", help="tokenize jsonl/txt/parquet/datasets inputs into an indexed dataset (PREFIX.bin + .idx)",
+        description="Tokenize jsonl (one {\"text\": ...} per line), txt (whole file = one document), parquet "
+                    "(one row each) and Hugging Face datasets folders (save_to_disk; one row each) into "
+                    "PREFIX.bin + PREFIX.idx, an end-of-document token after every document.")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help=".jsonl/.json, .txt or .parquet files, or Hugging Face datasets folders")
     parser.add_argument("--tokenizer", required=True, metavar="PATH",
-                        help="GPT-2 BPE directory (vocab.json + merges.txt or encoder.json + vocab.bpe) "
-                             "or a tokenizers .json file")
+                        help="GPT-2 BPE directory (vocab.json + merges.txt or encoder.json + vocab.bpe), a "
+                             "tokenizers .json file, a sentencepiece .model or hf:NAME")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
                         help="output path without extension; writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="encoding processes (default: the CPU count)")
-    parser.add_argument("--text-key", default="text", help="jsonl field holding the document (default: text)")
+    parser.add_argument("--text-key", default="text",
+                        help="jsonl field / parquet or datasets column holding the document (default: text)")
+    parser.add_argument("--split", default="train", help="the split of a datasets DatasetDict (default: train)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
     parser.set_defaults(func=run_cli)
     return parser
@@ -251,13 +202,13 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         if args.workers < 1:
             raise PreprocessError(f"--workers {args.workers} is invalid: it must be a positive integer")
-        paths = check_inputs(args.input)
+        paths = check_inputs(args.input, args.text_key, args.split)
         existing = [str(p) for p in data_paths(args.output_prefix) if p.exists()]
         if existing and not args.overwrite:  # checked before loading the tokenizer: fail fast
             raise FileExistsError(f"output {' and '.join(existing)} already exists; pass --overwrite to replace it")
         tokenizer = load_tokenizer(args.tokenizer)
         stats = preprocess(paths, tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key,
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, split=args.split)
     except (OSError, ValueError) as error:  # includes FileNotFoundError, FileExistsError, PreprocessError
         print(f"megazoo preprocess: error: {error}", file=sys.stderr)
         return 2

@@ -6,12 +6,14 @@
 - `hf:NAME` or `hf:/path/to/dir` -> `transformers.AutoTokenizer.from_pretrained(NAME)` as an HFTokenizer
   (eod = its eos token). NAME is looked up in the local Hugging Face cache first, then on the hub.
 
-`check_tokenizer_spec(spec)` validates a spec without loading it. This module sits above every tokenizer module
+`check_tokenizer_spec(spec)` validates a spec without loading it; `tokenizer_vocab_size(spec)` is the
+vocabulary a recipe's model takes from its tokenizer (loaded once per spec and file version). This module sits above every tokenizer module
 (it imports them; none imports it), so the tokenizer modules form no import circle.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from megazoo.data.gpt2_bpe import GPT2BPETokenizer, check_merges_file, find_bpe_files
@@ -121,3 +123,19 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if path.suffix == ".model":
         return SentencePieceTokenizer.load(path)
     return BPETokenizer.load(path)
+
+
+def tokenizer_vocab_size(spec: str | Path) -> int:
+    """The vocabulary size (ids 0..n-1, added tokens included) of the tokenizer `spec` names. Loads it once per
+    spec and file version (size and mtime), so the pre-start checks and every rank agree cheaply."""
+    path = Path(str(spec))
+    stamp = None
+    if not str(spec).startswith(HF_PREFIX) and path.exists():
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+    return _vocab_size(str(spec), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _vocab_size(spec: str, stamp) -> int:
+    return load_tokenizer(spec).vocab_size

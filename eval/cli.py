@@ -1,10 +1,15 @@
-"""`megazoo eval wikitext103|lambada (--checkpoint DIR | --hf DIR) --data FILE [options]`.
+"""`megazoo eval wikitext103|lambada (--checkpoint DIR | --hf DIR) --data FILE [--protocol megatron|lm-eval] ...`
+and `megazoo eval harness ...` (lm-eval's own tasks, eval/harness.py).
 
-The model comes from a consolidated megazoo checkpoint (`megazoo convert`) or a Hugging Face GPT-2 directory,
-and runs through our GPT (at tensor-parallel size --tp, every rank scoring the same batches) or, for --hf with
---backend transformers, through transformers' GPT2LMHeadModel itself, for cross-checks. Every input is checked
-before any process starts; bad input ends with one line naming the file and exit code 2. Rank 0 shows a
-progress bar, prints a one-line summary and writes the JSON result (--json).
+The model comes from a megazoo checkpoint of any layout (a training run's checkpoints/ folder, one step_N
+directory, or `megazoo convert`'s output) or a Hugging Face GPT-2 directory, and runs through our GPT (at
+tensor-parallel size --tp, every rank scoring the same batches, each holding only its own shards) or, for --hf
+with --backend transformers, through transformers' GPT2LMHeadModel itself, for cross-checks. The tokenizer is
+--tokenizer, else the one the checkpoint records. --protocol megatron (default) is Megatron-LM's evaluation,
+the published rows' protocol (eval/wikitext103.py, eval/lambada.py); lm-eval is lm-evaluation-harness's
+(eval/lm_eval_protocol.py). Every input is checked before any process starts (eval/inputs.py); bad input ends
+with one line naming the file and exit code 2. Rank 0 shows a progress bar, prints a one-line summary and writes
+the JSON result (--json), which records the protocol.
 
 With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.distributed.run -m megazoo.eval.cli`).
 """
@@ -14,110 +19,54 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from megazoo.eval.harness import register as register_harness
+from megazoo.eval.inputs import DEFAULT_STRIDE, PROTOCOLS, ModelSource, check_inputs
 
 TASKS = ("wikitext103", "lambada")
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    cfg: object  # models.config.ModelConfig
-    name: str
-    tokenizer: object  # a data.tokenizer.Tokenizer
-    checkpoint: Path | None = None  # --checkpoint: the step directory it resolved to (recorded in the JSON)
-    step: int | None = None  # that checkpoint's training step
-
-
-def check_inputs(args: argparse.Namespace) -> ModelSource:
-    """Validate model config, tokenizer and data path before any process is started or weights are read."""
-    from megazoo.data.tokenizer_loading import load_tokenizer
-    from megazoo.models.gpt2.convert_cli import load_consolidated_config
-    from megazoo.parallel.checkpoint.consolidate import read_common, resolve_checkpoint
-
-    checkpoint = step = None
-    if args.hf is not None:
-        from megazoo.models.gpt2.hf import read_hf_config
-
-        model_dir = Path(args.hf)
-        cfg = read_hf_config(model_dir)
-    else:
-        model_dir = Path(args.checkpoint)
-        checkpoint = resolve_checkpoint(model_dir).resolve()  # a checkpoints folder: its latest good one, once
-        cfg = load_consolidated_config(checkpoint)
-        step = read_common(checkpoint)["step"]
-    stride = getattr(args, "stride", None)
-    if stride is not None and not 1 <= stride <= cfg.n_positions:
-        raise ValueError(f"--stride {stride} must be between 1 and the model's context {cfg.n_positions}")
-    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value} is invalid: it must be a positive integer")
-    if args.backend == "transformers" and args.hf is None:
-        raise ValueError("--backend transformers needs --hf DIR (a megazoo checkpoint runs through megazoo)")
-    if args.backend == "transformers" and args.tp > 1:
-        raise ValueError("--backend transformers runs in one process: use --tp 1")
-    if args.tp < 1 or cfg.n_head % args.tp:
-        raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
-    tokenizer_dir = args.tokenizer if args.tokenizer else model_dir
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir)  # GPT-2 BPE dir, tokenizer.json, sentencepiece .model, hf:NAME
-    except FileNotFoundError as error:
-        hint = "" if args.tokenizer else " (pass --tokenizer DIR with the GPT-2 BPE files)"
-        raise FileNotFoundError(f"{error}{hint}") from error
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {model_dir}) does not match the tokenizer "
-                         f"in {tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
-    if not Path(args.data).is_file():
-        raise FileNotFoundError(f"--data {args.data}: file not found")
-    check_data(args.task, args.data)
-    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step)
-
-
-def check_data(task: str, path: str | Path) -> None:
-    """Read and parse the data file (no tokenizing): malformed data fails before any process starts."""
-    from megazoo.eval.lambada import read_lambada_texts
-    from megazoo.eval.scoring import read_text_file
-
-    if task == "lambada":
-        read_lambada_texts(path)
-    elif len(read_text_file(path, "WikiText").strip().split(" ")) < 2:
-        raise ValueError(f"WikiText file {path} has too little text to evaluate")
-
-
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
     from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
-    from megazoo.models.gpt2.convert_cli import load_consolidated
     from megazoo.models.gpt2.hf import gpt_from_full_state, read_hf_dir
+    from megazoo.models.loading import load_gpt, open_checkpoint
 
     if args.backend == "transformers":
         from transformers import GPT2LMHeadModel
 
         return hf_logits_fn(GPT2LMHeadModel.from_pretrained(args.hf).to(topo.device))
-    cfg, full_state = read_hf_dir(args.hf) if args.hf is not None else load_consolidated(source.checkpoint)
-    return gpt_logits_fn(gpt_from_full_state(cfg, full_state, topo))
+    if args.hf is not None:
+        return gpt_logits_fn(gpt_from_full_state(*read_hf_dir(args.hf), topo))
+    # Each rank reads only its own shards of each parameter (no consolidated copy of the model).
+    return gpt_logits_fn(load_gpt(open_checkpoint(source.checkpoint, need_tokenizer=False), topo))
 
 
 def evaluate(args: argparse.Namespace, topo) -> dict:
     """Run the evaluation on this rank; rank 0 prints the summary and writes the JSON. Returns the result."""
-    from megazoo.eval import lambada, wikitext103
+    from megazoo.eval import lambada, lm_eval_protocol, wikitext103
 
     source = check_inputs(args)
     tokenizer = source.tokenizer
     lead = topo.rank == 0
+    protocol = getattr(args, "protocol", "megatron")
     common = dict(context=source.cfg.n_positions, pad_id=tokenizer.eod_id, batch_size=args.batch_size,
                   limit=args.limit, progress=lead, model_name=source.name)
-    if args.task == "wikitext103":
+    if protocol == "lm-eval":  # lm-eval's lambada_openai / wikitext (eval/lm_eval_protocol.py)
+        run = lm_eval_protocol.evaluate_lambada if args.task == "lambada" else lm_eval_protocol.evaluate_wikitext
+        result = run(_logits_fn(args, source, topo), args.data, tokenizer, **common)
+        line = lm_eval_protocol.summary_line(result)
+    elif args.task == "wikitext103":
         data = wikitext103.load_wikitext(args.data, tokenizer)
-        result = wikitext103.evaluate_wikitext(_logits_fn(args, source, topo), data, stride=args.stride,
-                                               **common)
+        stride = DEFAULT_STRIDE if getattr(args, "stride", None) is None else args.stride
+        result = wikitext103.evaluate_wikitext(_logits_fn(args, source, topo), data, stride=stride, **common)
         line = wikitext103.summary_line(result)
     else:
         data = lambada.load_lambada(args.data, tokenizer)
         result = lambada.evaluate_lambada(_logits_fn(args, source, topo), data, **common)
         line = lambada.summary_line(result)
-    result.update(backend=args.backend, tp=topo.tp, limit=args.limit)
+    result.update(protocol=protocol, backend=args.backend, tp=topo.tp, limit=args.limit)
     if source.checkpoint is not None:  # which checkpoint was evaluated, exactly
         result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
     if lead:
@@ -133,7 +82,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     """The eval command line again, for the torchrun workers."""
     argv = [args.task, "--hf" if args.hf is not None else "--checkpoint", str(args.hf or args.checkpoint),
             "--data", str(args.data), "--batch-size", str(args.batch_size), "--backend", args.backend,
-            "--tp", str(args.tp)]
+            "--tp", str(args.tp), "--protocol", getattr(args, "protocol", "megatron")]
     for flag, value in (("--tokenizer", args.tokenizer), ("--json", args.json), ("--limit", args.limit),
                         ("--stride", getattr(args, "stride", None))):
         if value is not None:
@@ -153,7 +102,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             return launch_local(args.tp, "megazoo.eval.cli", _forwarded_argv(args))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         evaluate(args, Topology.solo(device))
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, ConnectionError) as error:
         print(f"megazoo: error: {error}", file=sys.stderr)
         return 2
     return 0
@@ -161,12 +110,17 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--checkpoint", metavar="DIR", help="consolidated megazoo checkpoint (megazoo convert)")
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="megazoo checkpoint of any layout: a training run's checkpoints/ folder (its latest good "
+                            "checkpoint), one step_N directory, or the output of megazoo convert hf-to-megazoo")
     model.add_argument("--hf", metavar="DIR", help="Hugging Face GPT-2 directory (config.json + weights)")
     parser.add_argument("--data", required=True, metavar="FILE", help="the evaluation data file")
-    parser.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="GPT-2 BPE directory (vocab.json + merges.txt or encoder.json + vocab.bpe); "
-                             "default: the model directory")
+    parser.add_argument("--tokenizer", metavar="TOK", default=None,
+                        help="GPT-2 BPE directory, tokenizer .json, sentencepiece .model or hf:NAME; default: the "
+                             "tokenizer the checkpoint records (--checkpoint), the model directory's files (--hf)")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="megatron",
+                        help="megatron (default: Megatron-LM's, the published GPT-2 / Megatron / T-NLG rows) or "
+                             "lm-eval (lm-evaluation-harness's lambada_openai / wikitext numbers)")
     parser.add_argument("--json", metavar="OUT.json", default=None, help="write the result record here")
     parser.add_argument("--limit", type=int, default=None, metavar="N",
                         help="score only the first N windows / examples (quick checks)")
@@ -178,16 +132,19 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add `eval` (with `wikitext103` and `lambada`) to the `megazoo` command's subparsers."""
-    parser = subparsers.add_parser("eval", help="zero-shot WikiText-103 perplexity / LAMBADA accuracy")
+    parser = subparsers.add_parser("eval", help="zero-shot WikiText-103 perplexity / LAMBADA accuracy; lm-eval tasks")
     tasks = parser.add_subparsers(dest="task", required=True)
-    wiki = tasks.add_parser("wikitext103", help="perplexity with overlapping windows (Megatron-LM's protocol)")
+    wiki = tasks.add_parser("wikitext103", help="perplexity: overlapping windows over the file (megatron) or "
+                                                "lm-eval's per-page disjoint windows")
     _add_common_arguments(wiki)
-    wiki.add_argument("--stride", type=int, default=32,
-                      help="window stride s: each window after the first scores its last s tokens (default 32)")
+    wiki.add_argument("--stride", type=int, default=None,
+                      help="megatron protocol: window stride s, each window after the first scores its last s "
+                           f"tokens (default {DEFAULT_STRIDE})")
     lamb = tasks.add_parser("lambada", help="strict last-word accuracy on LAMBADA (OpenAI's jsonl)")
     _add_common_arguments(lamb)
     for task_parser in (wiki, lamb):
         task_parser.set_defaults(func=_run_eval)
+    register_harness(tasks)
     return parser
 
 

@@ -29,6 +29,14 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     vocab_multiple: int = 128  # the padded vocabulary is a multiple of vocab_multiple * tp
+    # Block-sparse attention (models/sparse_attention.py): no weights, so none of these is an architecture field.
+    attention: str = "dense"  # "dense" | "sparse"
+    sparse_pattern: str = "fixed"  # "fixed" | "bigbird" | "sliding_window"
+    sparse_block: int = 16  # tokens per block
+    sparse_local_blocks: int = 4  # fixed: blocks per window; bigbird / sliding_window: the window, itself included
+    sparse_global_blocks: int = 1  # fixed: summary blocks at the end of each window; bigbird: the first blocks
+    sparse_random_blocks: int = 1  # bigbird: random earlier blocks per query block
+    sparse_seed: int = 0  # bigbird: the random blocks' seed (the same pattern in every layer and run)
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -42,6 +50,24 @@ class ModelConfig:
         for field in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise ValueError(f"model.{field} = {getattr(self, field)} must be in [0, 1)")
+        self._check_sparse()
+
+    def _check_sparse(self) -> None:
+        from megazoo.models.sparse_attention import PATTERNS
+        if self.attention not in ("dense", "sparse"):
+            raise ValueError(f"model.attention = {self.attention!r} is invalid; valid: 'dense', 'sparse'")
+        if self.sparse_pattern not in PATTERNS:
+            raise ValueError(f"model.sparse_pattern = {self.sparse_pattern!r} is invalid; valid: "
+                             f"{', '.join(repr(p) for p in PATTERNS)}")
+        for field, low in (("sparse_block", 1), ("sparse_local_blocks", 1), ("sparse_global_blocks", 0),
+                           ("sparse_random_blocks", 0), ("sparse_seed", 0)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"model.{field} = {value!r} is invalid: it must be an integer >= {low}")
+        if self.sparse_pattern == "fixed" and self.sparse_global_blocks > self.sparse_local_blocks:
+            raise ValueError(f"model.sparse_global_blocks = {self.sparse_global_blocks} is larger than the window "
+                             f"(model.sparse_local_blocks = {self.sparse_local_blocks}); valid: "
+                             f"0..{self.sparse_local_blocks}")
 
     @property
     def head_dim(self) -> int:

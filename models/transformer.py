@@ -27,7 +27,10 @@ from torch.utils.checkpoint import checkpoint
 
 from megazoo.kernels import Implementation, KernelChoice, LayerNorm, kernels_for_model
 from megazoo.models.config import ModelConfig
+from megazoo.models.kv_cache import KVCache, LayerCache
 from megazoo.models.layout import check_parallel_compat
+from megazoo.models.sparse_attention import SparseAttention
+from megazoo.parallel.context import all_reduce_count, context_attention, positions
 from megazoo.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker, VocabParallelEmbedding,
                              copy_to_tp_region)
 from megazoo.parallel.topology import Topology
@@ -44,17 +47,25 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attn_dropout
         self.rng = rng
-        self.attend = kernels_for_model(kernels)["attention"].fn  # (q, k, v, dropout_p) -> y, causal
+        # (q, k, v, dropout_p) -> y, causal: the dense kernel, or the block-sparse pattern of model.attention =
+        # "sparse". cp > 1: q, k, v hold this rank's chunks of the sequence, and the kernel is wrapped in
+        # all-to-all (Ulysses) or ring attention over the cp group (parallel/context).
+        kernel = kernels_for_model(kernels)["attention"].fn if cfg.attention == "dense" else \
+            SparseAttention.from_config(cfg, topo.device)
+        self.attend = context_attention(kernel, topo.cp_group, topo.cp_attention)
         d, group = cfg.d_model, topo.tp_group
         # Fused QKV, column-parallel in 3 sections: rank r holds [Q_r; K_r; V_r] for whole heads.
         self.c_attn = ColumnParallelLinear(d, 3 * d, group, sections=3, init_std=cfg.init_std,
                                            device=device, dtype=dtype)
         self.c_proj = RowParallelLinear(d, d, group, init_std=residual_std(cfg), device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
         b, s, _ = x.shape
         q, k, v = self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
         q, k, v = (t.view(b, s, self.n_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:  # decoding (models/kv_cache.py): this rank's heads, past positions included
+            y = cache.attend(q, *cache.append(k, v))
+            return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))
         p = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: their dropout draws from the tp stream.
         with self.rng.fork() if p > 0 else contextlib.nullcontext():
@@ -97,8 +108,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, topo, device=device, dtype=dtype, kernels=kernels)
         self.dropout = nn.Dropout(cfg.dropout)  # residual stream is replicated: default stream
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -135,14 +146,22 @@ class GPT(nn.Module):
             self.ln_f = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, fn=self.kernels["layer_norm"].fn,
                                   device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """`cache` (decoding, eval mode): x holds only the new positions, which follow the cached ones."""
+        past = 0 if cache is None else cache.length
         if self.with_embedding:  # x: token ids (b, s)
             s = x.shape[1]
-            if s > self.cfg.n_positions:
-                raise ValueError(f"sequence length {s} exceeds model.n_positions = {self.cfg.n_positions}")
-            pos = torch.arange(s, device=x.device)
+            if past + s * self.topo.cp > self.cfg.n_positions:  # cp > 1: x holds this rank's chunks of the sequence
+                raise ValueError(f"sequence length {past + s * self.topo.cp} exceeds model.n_positions = "
+                                 f"{self.cfg.n_positions}")
+            pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)  # the chunks' own positions
             x = self.drop(self.wte(x) + self.wpe(pos))  # (b, s, d)
-        for block in self.h.values():
+        if cache is not None:
+            cache.check_room(x.shape[1])
+            for i, block in self.h.items():
+                x = block(x, cache.layer(int(i)))
+            cache.advance(x.shape[1])
+        for block in self.h.values() if cache is None else ():
             if self.activation_checkpointing and self.training:
                 x = checkpoint(self.rng.replayable(block), x, use_reentrant=False)
             else:
@@ -154,9 +173,13 @@ class GPT(nn.Module):
         return F.linear(copy_to_tp_region(x, self.topo.tp_group), self.wte.weight)  # (b, s, V/tp)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits."""
+        """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits.
+
+        cp > 1: the mean is over the whole sequences (tokens counted over the cp group), and this rank's sum is
+        scaled by cp: gradients are averaged over dp x cp, so the cp ranks' mean is the unsplit sequence's loss."""
         per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
-        return per_token.sum() / (targets != -100).sum().clamp(min=1)
+        count = all_reduce_count((targets != -100).sum(), self.topo.cp_group)
+        return per_token.sum() * self.topo.cp / count.clamp(min=1)
 
 
 def residual_std(cfg: ModelConfig) -> float:

@@ -50,10 +50,17 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False,
-                    ledger: CommLedger | None = None):
-    """out = cat([x from rank 0, x from rank 1, ...], dim=0)."""
-    _record(ledger, "all_gather", out, group)
+                    ledger: CommLedger | None = None, kind: str = "all_gather"):
+    """out = cat([x from rank 0, x from rank 1, ...], dim=0). `kind`: the ledger's name for this traffic."""
+    _record(ledger, kind, out, group)
     return _all_gather_single(out, x, group=group, async_op=async_op)
+
+
+def all_to_all_flat(out: torch.Tensor, x: torch.Tensor, group, ledger: CommLedger | None = None,
+                    kind: str = "all_to_all"):
+    """out[k-th of N equal pieces] = x[this rank's piece] from rank k (pieces along dim 0). Sends (N-1)/N of x."""
+    _record(ledger, kind, x, group)
+    return dist.all_to_all_single(out, x, group=group)
 
 
 def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megazoo.parallel.collectives import CommLedger, all_reduce, all_reduce_async
+from megazoo.parallel.fake_world import same_memory
 
 BUCKET_ELEMENTS = 1 << 22  # 4 M elements (16 MB fp32) per all-reduce: see README "## Measured"
 
@@ -66,7 +67,7 @@ class GradientAllReducer:
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         i, view = self._views[param]
-        if param.grad.data_ptr() != view.data_ptr():  # .grad was replaced (set to None elsewhere): re-home it
+        if not same_memory(param.grad, view):  # .grad was replaced (set to None elsewhere): re-home it
             view.copy_(param.grad)
             param.grad = view
         self._ready[i] += 1
@@ -96,7 +97,7 @@ class GradientAllReducer:
         for flat in self.flats:
             flat.zero_()
         for p, (_, view) in self._views.items():
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if p.grad is None or not same_memory(p.grad, view):
                 p.grad = view
 
 

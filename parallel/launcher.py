@@ -303,6 +303,15 @@ def torchrun_command(nproc: int, module: str, argv: Sequence[str] = ()) -> list[
             "-m", module, *map(str, argv)]
 
 
+def worker_threads(nproc: int) -> dict[str, str]:
+    """{"OMP_NUM_THREADS": the usable cores / nproc, at least 1} unless the user set it. torchrun would set 1
+    itself and print a warning banner on every run; we choose, quietly, and a user's value always wins."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"OMP_NUM_THREADS": str(max(1, cores // max(1, nproc)))}
+
+
 def launch_local(nproc: int, module: str, argv: Sequence[str] = (), *, max_restarts: int = 0,
                  restart_note: str = "", env: dict[str, str] | None = None) -> int:
     """Run `torchrun_command(nproc, module, argv)` and return its exit status; after a failure start it again,
@@ -313,11 +322,11 @@ def launch_local(nproc: int, module: str, argv: Sequence[str] = (), *, max_resta
 
     A stop by signal is not a failure and is never restarted: SIGTERM / SIGINT to this process (forwarded to the
     workers, see `Job`), or a worker that recorded a stop by signal (`record_stop`), end the job with
-    status 128 + signal. `env` is added to the workers' environment."""
+    status 128 + signal. `env` is added to the workers' environment, with OMP_NUM_THREADS (`worker_threads`)."""
     if max_restarts < 0:
         raise ValueError(f"max_restarts {max_restarts} is invalid: it must be 0 (no restarts) or more")
     command = torchrun_command(nproc, module, argv)
-    with Job(env) as job:
+    with Job({**worker_threads(nproc), **(env or {})}) as job:
         for attempt in range(max_restarts + 1):
             code = job.attempt(command)
             stopped = job.stopped_by(code)

@@ -1,8 +1,13 @@
-"""The explicit (pp, dp, tp) device mesh every communicating piece receives.
+"""The explicit (pp, dp, cp, tp) device mesh every communicating piece receives.
 
 One `Topology` is built per process, from the already-initialised default process group, over a
-`torch.distributed.device_mesh.DeviceMesh` with dims ("pp", "dp", "tp"). tp is innermost, so the ranks of one
-tensor-parallel group are adjacent (global ranks r, r+1, ...) and, under torchrun, share a node.
+`torch.distributed.device_mesh.DeviceMesh` with dims ("pp", "dp", "tp"), or ("pp", "dp", "cp", "tp") when the
+sequence is split over context-parallel ranks (cp > 1). tp is innermost, so the ranks of one tensor-parallel
+group are adjacent (global ranks r, r+1, ...) and, under torchrun, share a node; cp comes next, since ring and
+all-to-all attention move activations every layer.
+
+cp ranks hold the same parameters (each sees other tokens of the same samples), so gradients are reduced, and
+ZeRO partitions, over the dp x cp ranks of one (pp, tp) position: `grad_group` (the dp group when cp = 1).
 
 A group of one rank is stored as `None`: communication helpers treat `None` as "nothing to do", which is what
 makes `Topology.solo()` (no process group at all) run the same code as a real job.
@@ -18,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp", "tp")
+CP_MESH_DIMS = ("pp", "dp", "cp", "tp")
+CP_ATTENTION = ("all_to_all", "ring")
 
 
 def default_backend(device: torch.device) -> str:
@@ -25,15 +32,17 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def check_layout(dp: int, tp: int, pp: int, world_size: int) -> None:
-    """Raise a ValueError naming the fields when (dp, tp, pp) cannot tile `world_size` processes."""
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+def check_layout(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
+    """Raise a ValueError naming the fields when (dp, cp, tp, pp) cannot tile `world_size` processes."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"parallel.{name} = {value!r} is invalid: it must be a positive integer")
-    if dp * tp * pp != world_size:
+    n = dp * tp * pp * cp
+    if n != world_size:
+        where = f"dp={dp} x tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
         raise ValueError(
-            f"parallel layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} processes, but the world size is "
-            f"{world_size}: start {dp * tp * pp} processes (e.g. --nproc {dp * tp * pp}) or choose dp, tp, pp "
+            f"parallel layout {where} = {n} processes, but the world size is "
+            f"{world_size}: start {n} processes (e.g. --nproc {n}) or choose dp, tp, pp{', cp' if cp > 1 else ''} "
             f"whose product is {world_size}"
         )
 
@@ -48,7 +57,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits in the (pp, dp, tp) mesh and the process groups along each dim."""
+    """Where this process sits in the (pp, dp, cp, tp) mesh and the process groups along each dim."""
 
     dp: int = 1
     tp: int = 1
@@ -64,10 +73,31 @@ class Topology:
     pp_group: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, in stage order
     embedding_group: dist.ProcessGroup | None = None  # first + last stage of this pipeline (tied embeddings)
+    cp: int = 1  # context parallelism: ranks sharing each sequence (parallel/context)
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    cp_attention: str = "all_to_all"  # how attention crosses the cp split: "all_to_all" (Ulysses) | "ring"
+    dp_cp_group: dist.ProcessGroup | None = None  # dp x cp ranks of this (pp, tp) position; only set when both > 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same parameters, over which gradients are averaged (and ZeRO partitions):
+        dp x cp. The dp group when cp = 1."""
+        if self.cp == 1:
+            return self.dp_group
+        return self.cp_group if self.dp == 1 else self.dp_cp_group
+
+    @property
+    def grad_size(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def grad_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank  # the rank in grad_group (dp-major, as the mesh)
 
     @property
     def is_first_stage(self) -> bool:
@@ -83,44 +113,62 @@ class Topology:
         return cls(device=torch.device(device))
 
     @classmethod
-    def build(cls, dp: int, tp: int = 1, pp: int = 1, device: str | torch.device | None = None) -> "Topology":
+    def build(cls, dp: int, tp: int = 1, pp: int = 1, device: str | torch.device | None = None, *, cp: int = 1,
+              cp_attention: str = "all_to_all") -> "Topology":
         """Build the mesh over the default process group (which the launcher initialised)."""
+        if cp_attention not in CP_ATTENTION:
+            raise ValueError(f"parallel.cp_attention = {cp_attention!r} is invalid; valid: {', '.join(CP_ATTENTION)}")
         if not dist.is_initialized():
-            if dp * tp * pp == 1:
+            if dp * tp * pp * cp == 1:
                 return cls.solo(device or "cpu")
             raise RuntimeError(
-                f"Topology.build(dp={dp}, tp={tp}, pp={pp}) needs {dp * tp * pp} processes but no process group "
-                "is initialised: launch with torchrun (megazoo train --nproc N) or call init_distributed() first"
+                f"Topology.build(dp={dp}, tp={tp}, pp={pp}, cp={cp}) needs {dp * tp * pp * cp} processes but no "
+                "process group is initialised: launch with torchrun (megazoo train --nproc N) or call "
+                "init_distributed() first"
             )
         world = dist.get_world_size()
-        check_layout(dp, tp, pp, world)
+        check_layout(dp, tp, pp, world, cp)
         device = torch.device(device) if device is not None else backend_device()
-        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
-        coords = mesh.get_coordinate()
-        assert coords is not None, "this rank is not part of the mesh"
-        pp_rank, dp_rank, tp_rank = coords
+        if cp == 1:  # the 3-dim mesh exactly as before context parallelism existed
+            mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+            coords = mesh.get_coordinate()
+            assert coords is not None, "this rank is not part of the mesh"
+            (pp_rank, dp_rank, tp_rank), cp_rank = coords, 0
+        else:
+            mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=CP_MESH_DIMS)
+            coords = mesh.get_coordinate()
+            assert coords is not None, "this rank is not part of the mesh"
+            pp_rank, dp_rank, cp_rank, tp_rank = coords
 
         def group(dim: str, size: int) -> dist.ProcessGroup | None:
             return mesh.get_group(dim) if size > 1 else None
 
-        grid = mesh.mesh  # (pp, dp, tp) tensor of global ranks
-        embedding_group = None
+        grid = mesh.mesh.reshape(pp, dp, cp, tp)  # global ranks
+        embedding_group = dp_cp_group = None
+        # Every rank takes part in creating every group (new_group is collective), in the same order.
         if pp > 1:
-            # Every rank takes part in creating every group (new_group is collective), in the same order.
             for d in range(dp):
+                for c in range(cp):
+                    for t in range(tp):
+                        created = dist.new_group([int(grid[0, d, c, t]), int(grid[pp - 1, d, c, t])])
+                        if (d, c, t) == (dp_rank, cp_rank, tp_rank) and pp_rank in (0, pp - 1):  # members only
+                            embedding_group = created
+        if dp > 1 and cp > 1:  # gradients are averaged over dp x cp (cp ranks hold the same parameters)
+            for p in range(pp):
                 for t in range(tp):
-                    ranks = [int(grid[0, d, t]), int(grid[pp - 1, d, t])]
-                    created = dist.new_group(ranks)
-                    if (d, t) == (dp_rank, tp_rank) and pp_rank in (0, pp - 1):  # members only
-                        embedding_group = created
+                    created = dist.new_group([int(r) for r in grid[p, :, :, t].flatten()])
+                    if (p, t) == (pp_rank, tp_rank):
+                        dp_cp_group = created
         return cls(
             dp=dp, tp=tp, pp=pp, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, rank=dist.get_rank(),
             device=device, mesh=mesh, dp_group=group("dp", dp), tp_group=group("tp", tp), pp_group=group("pp", pp),
-            pp_ranks=tuple(int(r) for r in grid[:, dp_rank, tp_rank]), embedding_group=embedding_group,
+            pp_ranks=tuple(int(r) for r in grid[:, dp_rank, cp_rank, tp_rank]), embedding_group=embedding_group,
+            cp=cp, cp_rank=cp_rank, cp_group=group("cp", cp), cp_attention=cp_attention, dp_cp_group=dp_cp_group,
         )
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp} "
+        cp = f" cp {self.cp_rank}/{self.cp} ({self.cp_attention})" if self.cp > 1 else ""
+        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}{cp} "
                 f"tp {self.tp_rank}/{self.tp} on {self.device}")
 
 

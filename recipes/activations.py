@@ -48,8 +48,12 @@ class ActivationSpec:
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0)
 
 
-def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec()) -> float:
-    """Bytes one transformer layer stores for backward on one tp rank (Korthikanti et al. 2022, eq. 1-2)."""
+def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
+                cp: int = 1) -> float:
+    """Bytes one transformer layer stores for backward on one tp rank (Korthikanti et al. 2022, eq. 1-2).
+    Context parallelism (cp > 1): `s` is this rank's share of the sequence (s / cp tokens); the attention scores
+    are a / cp heads over the whole sequence (all-to-all) - a s (s cp) b / t, an upper bound for the ring, which
+    keeps only the log-sum-exp."""
     e = spec.element_bytes
     m_drop = spec.mask_bytes if spec.dropout else 0
     replicated = 4 * e + 2 * m_drop
@@ -59,7 +63,7 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
         scores = 4 * a * s * b / t  # its fp32 log-sum-exp (its output is the projection input, counted above)
     else:
         per_score = e + ((spec.mask_bytes + e) if spec.attn_dropout else 0)
-        scores = per_score * a * s * s * b / t
+        scores = per_score * a * s * (s * cp) * b / t
     return sbh * (replicated + sharded / t) + scores
 
 
@@ -101,12 +105,13 @@ class StageActivations:
 def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, stage_layers: list[int],
                       *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                       virtual: int = 1, spec: ActivationSpec | None = None,
-                      vocab: int | None = None) -> list[StageActivations]:
-    """Activation bytes of every pipeline stage (`stage_layers`: blocks per stage) on one tp rank."""
+                      vocab: int | None = None, cp: int = 1) -> list[StageActivations]:
+    """Activation bytes of every pipeline stage (`stage_layers`: blocks per stage) on one tp rank; with
+    context parallelism `cp`, on one cp rank (seq_len / cp tokens of every sequence)."""
     spec = spec or ActivationSpec.for_model(cfg)
-    s, b, h, a, e = seq_len, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
+    s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
-    full = layer_bytes(s, b, h, a, tp, spec)
+    full = layer_bytes(s, b, h, a, tp, spec, cp)
     kept = checkpoint_bytes(s, b, h, spec) if checkpointing else full
     pp = len(stage_layers)
     out = []

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megazoo.data.tokenizer_store import tokenizer_record
 from megazoo.models.config import architecture_mismatches
 from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpoint, load_tensor_file, read_common,
                                             save_checkpoint, verify_checkpoint)
@@ -32,7 +33,8 @@ def layout(res: Resolved) -> dict:
     """The parallel layout a checkpoint was written in (loading into another one reshards)."""
     par = res.recipe.parallel
     return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "virtual_stages": par.virtual_stages,
-            "zero_stage": res.recipe.zero.stage, "stage_layers": res.stage_layers}
+            "zero_stage": res.recipe.zero.stage, "stage_layers": res.stage_layers,
+            **({"cp": par.cp} if par.cp > 1 else {})}  # cp only when used: older manifests still match
 
 
 def state_views(trainer: Trainer) -> list[StateView]:
@@ -69,6 +71,11 @@ def _set_rng_state(trainer: Trainer, rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"], trainer.topo.device)
 
 
+def _optimizer_extras(trainer: Trainer) -> dict:
+    """Per-rank optimizer state outside the views (1-bit / 0-1 Adam's error buffers: parallel/compressed/)."""
+    return {"optimizer": trainer.zero.rank_state()} if hasattr(trainer.zero, "rank_state") else {}
+
+
 def save(trainer: Trainer, step: int) -> Path:
     """Save the state after `step` completed steps under run.dir/checkpoints."""
     res = trainer.res
@@ -76,8 +83,12 @@ def save(trainer: Trainer, step: int) -> Path:
               "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
               "recipe": res.recipe.to_dict(), "model": dataclasses.asdict(res.model),
               "global_batch": res.global_batch}  # plain data: written as common.json
+    tokenizer = getattr(trainer.data, "tokenizer", None)
+    if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizer_store.py)
+        common["tokenizer"] = tokenizer_record(tokenizer)
     return save_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
-                           extras={"rng": _rng_state(trainer), "layout": layout(res)}, common=common,
+                           extras={"rng": _rng_state(trainer), "layout": layout(res), **_optimizer_extras(trainer)},
+                           common=common,
                            layout=layout(res), keep=res.recipe.checkpoint.keep)
 
 
@@ -96,14 +107,19 @@ def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> 
     set_optimizer_steps(trainer.zero.optimizer, common["optimizer_steps"])
     if trainer.scaler is not None and common["scaler"] is not None:
         trainer.scaler.load_state_dict(common["scaler"])
+    rank_state = None
     if manifest["layout"] == layout(trainer.res) and manifest["world_size"] == trainer.topo.world_size:
         # Same layout: every rank resumes its own random streams, so dropout continues bit-identically.
         file = path / f"rank{trainer.topo.rank:05d}.pt"
         try:
-            rng = load_tensor_file(file)["extras"]["rng"]
+            extras = load_tensor_file(file)["extras"]
+            rng = extras["rng"]
         except (KeyError, TypeError) as err:
             raise CheckpointError(f"checkpoint file {file} holds no random state: {err!r}") from None
         _set_rng_state(trainer, rng)
+        rank_state = extras.get("optimizer")
+    if hasattr(trainer.zero, "load_rank_state"):  # another layout: compression error buffers restart at zero
+        trainer.zero.load_rank_state(rank_state)
     return common["step"]
 
 
@@ -119,6 +135,18 @@ def batch_changes(res: Resolved, common: dict) -> list[str]:
     old = common.get("global_batch")
     if old is not None and old != res.global_batch:
         changes.append(f"global batch (micro_batch x grad_accum x dp) = {old} in the checkpoint, {res.global_batch} now")
+    return changes
+
+
+def schedule_changes(res: Resolved, common: dict) -> list[str]:
+    """'train.steps = 100 in the checkpoint, 200 now' for each learning-rate schedule key a resumed run changed
+    (train.steps also moves the end of the cosine decay unless train.lr_decay_steps is set)."""
+    saved = (common.get("recipe") or {}).get("train") or {}
+    changes = []
+    for key in ("steps", "lr_decay_steps", "warmup_steps", "lr", "min_lr"):
+        old, new = saved.get(key), getattr(res.recipe.train, key)
+        if key in saved and old != new:
+            changes.append(f"train.{key} = {old} in the checkpoint, {new} now")
     return changes
 
 
@@ -148,7 +176,11 @@ def restore(trainer: Trainer, report=print) -> int:
                                   "changed:\n" + "\n".join(f"  - {p}" for p in problems) + "\nrepair or restore "
                                   "them, or use --overwrite to start over (the old run is moved aside)")
         if path is not None:
-            check_batch_unchanged(trainer.res, path, read_common(path), report)
+            common = read_common(path)
+            check_batch_unchanged(trainer.res, path, common, report)
+            for change in schedule_changes(trainer.res, common):
+                report(f"megazoo: resuming with {change}: the learning-rate schedule from here on follows the new "
+                       "value (warmup and cosine decay are functions of the step and these keys)")
             step = load(trainer, path)
             report(f"megazoo: resumed from {path} at step {step}")
             return step

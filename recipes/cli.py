@@ -1,9 +1,10 @@
-"""The `megazoo` command line: `megazoo train RECIPE [--set k=v ...] [--nproc N]`, `megazoo presets`,
+"""The `megazoo` command line: `megazoo train RECIPE|NAME [--set k=v ...] [--data-dir DIR] [--nproc N]`,
+`megazoo recipes` (the shipped recipes, by NAME), `megazoo presets`,
 `megazoo plan ...` (ZeRO memory and communication planner), `megazoo eval wikitext103|lambada ...`,
 `megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
 `megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus), `megazoo launch ...` (one node of a
 multi-node job, or a Slurm sbatch script), `megazoo reproduce NAME --out DIR` (published tables, with plots),
-`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves).
+`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves), `megazoo generate CKPT --prompt TEXT ...` (text).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, takes
 run.dir's lock (one job per run.dir; exit 2 naming the holder), refuses a fresh run into a run.dir that holds a
@@ -24,7 +25,9 @@ from megazoo.data.tokenizer_cli import register as register_tokenizer
 from megazoo.eval.cli import register as register_eval
 from megazoo.models.gpt2.convert_cli import register as register_convert
 from megazoo.parallel.launcher import launch_local
+from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
+from megazoo.recipes.generate_cli import register as register_generate
 from megazoo.recipes.launch_cli import register as register_launch
 from megazoo.recipes.plan_cli import register as register_plan
 from megazoo.recipes.plot_cli import register as register_plot
@@ -35,9 +38,10 @@ from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_
 
 def _train(args: argparse.Namespace) -> int:
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
+        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir)
         par = recipe.parallel
-        nproc = args.nproc if args.nproc is not None else par.dp * par.tp * par.pp
+        nproc = args.nproc if args.nproc is not None else par.dp * par.tp * par.pp * par.cp
         if nproc < 1:
             raise RecipeError(f"--nproc {nproc} is invalid: it must be a positive integer")
         resolve(recipe, world_size=nproc)
@@ -59,6 +63,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
             overrides.append("checkpoint.resume=true")
         sets = [arg for text in overrides for arg in ("--set", text)]
+        sets += ["--data-dir", args.data_dir] if args.data_dir else []
         if nproc == 1 and not args.max_restarts:
             from megazoo.recipes.train import main as train_main
             return train_main([args.recipe, *sets], lock_held=True)
@@ -89,6 +94,17 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipes(args: argparse.Namespace) -> int:
+    from megazoo.recipes.catalog import describe, shipped_recipes
+    found = shipped_recipes()
+    width = max(map(len, found), default=0) + 2
+    for name, path in found.items():
+        print(f"{name:<{width}}{describe(path)}")
+    print(f"\n{len(found)} recipes in {next(iter(found.values())).parent if found else '(none)'}; train one with "
+          "`megazoo train NAME`, copy one to change it")
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -102,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megazoo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a recipe (TOML)")
-    train.add_argument("recipe", help="recipe file, e.g. recipes/demo.toml")
+    train.add_argument("recipe", help="recipe file (e.g. my.toml) or a shipped recipe's name (e.g. demo; see "
+                                      "`megazoo recipes`)")
+    train.add_argument("--data-dir", default=None, metavar="DIR",
+                       help="folder the recipe's relative data paths (data.paths, data.valid_paths, "
+                            "data.tokenizer) are in (default: the recipe file's folder, then the current one)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a recipe key, e.g. --set train.steps=20 (repeatable)")
     train.add_argument("--nproc", type=int, default=None,
@@ -118,8 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     listing = sub.add_parser("presets", help="list the model presets and their parameter counts")
     listing.set_defaults(func=_presets)
+    shipped = sub.add_parser("recipes", help="list the shipped recipes (train one with `megazoo train NAME`)")
+    shipped.set_defaults(func=_recipes)
     register_plan(sub)
     register_eval(sub)
+    register_generate(sub)
     register_convert(sub)
     register_preprocess(sub)
     register_tokenizer(sub)

@@ -9,6 +9,7 @@ Derived values (global batch, padded vocabulary, the model config after override
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import types
 import typing
@@ -44,6 +45,9 @@ class ModelSection:
     d_model, n_positions, vocab_size, d_ff, dropout, ...; None keeps the preset's value)."""
 
     preset: str = "gpt2-tiny"
+    # true: take the architecture (layers, heads, widths, vocabulary, positions) from checkpoint.load's
+    # checkpoint instead of the preset; the overrides here may still set dropout and init
+    from_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class ParallelSection:
     partition: str = "uniform"  # blocks per stage: "uniform" (by count) | "parameters" (balanced)
     layers: tuple[tuple[int, ...], ...] = ()  # explicit blocks of each (virtual) stage; overrides partition
     timeout_s: float = 600.0  # every collective; a dead or diverged rank ends the job instead of hanging it
+    # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
+    cp: int = 1
+    cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,19 @@ class ZeroSection:
     stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients; 3: + parameters
     reduce_bucket_size: int = 1 << 24  # elements per gradient bucket (one reduce-scatter each)
     offload: str = "none"  # "none" | "cpu" (ZeRO-Offload: fp32 masters + Adam moments in CPU memory, update on CPU)
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """`[optimizer]`: AdamW, or a communication-compressed Adam for slow networks (parallel/compressed/, ZeRO stage
+    0 only). AdamW's lr, betas, eps and weight_decay stay in [train]; the compressed variants use them too."""
+
+    name: str = "adamw"  # "adamw" | "onebit_adam" | "zero_one_adam"
+    freeze_step: int = 100  # compressed: AdamW steps (full-precision all-reduce) before compression starts
+    var_freeze_step: int = 1000  # zero_one_adam: variance frozen and local steps from this step on
+    var_update_scaler: int = 16  # zero_one_adam: variance updates before their interval doubles (kappa)
+    local_step_scaler: int = 1000  # zero_one_adam: steps before the local-step interval doubles
+    local_step_clipper: int = 16  # zero_one_adam: the largest local-step interval (H)
 
 
 @dataclass(frozen=True)
@@ -160,7 +180,10 @@ class LoggingSection:
 
 @dataclass(frozen=True)
 class SampleSection:
-    prompt: str = "def "
+    # The closing sample's prompt. "" (the default): start after an end-of-document token, as every training
+    # document does, so the sample is an unconditional one in the corpus's own style (code or prose alike);
+    # the demo recipes, trained on Python source, set "def ".
+    prompt: str = ""
     tokens: int = 48  # 0 disables the closing sample
     temperature: float = 0.8
     top_k: int = 40
@@ -172,6 +195,7 @@ class Recipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     kernels: KernelsSection = field(default_factory=KernelsSection)
@@ -242,7 +266,41 @@ def parse_override(text: str) -> tuple[list[str], object]:
     return path, value
 
 
-def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
+# Paths in a recipe *file* that name the user's data (DATA_PATH_KEYS). A relative one is looked up in
+# `--data-dir` when given; otherwise in the recipe file's folder, then in the current directory (the first
+# place where it exists wins; found nowhere, it stays as written and the resolver reports it missing). So a
+# recipe beside its data works from any directory, and a shipped recipe takes its data from `--data-dir`.
+# `--set` values are used as typed (relative to the current directory, as the shell sees them); run.dir and
+# checkpoint.load name runs and stay relative to the current directory, where `megazoo train` writes runs.
+DATA_PATH_KEYS = ("paths", "valid_paths", "tokenizer")
+
+
+def _rebase_data_paths(table: dict, recipe_dir: Path, data_dir: Path | None) -> None:
+    data = table.get("data")
+    if not isinstance(data, dict):
+        return
+    bases = [data_dir] if data_dir is not None else [recipe_dir, Path.cwd()]
+
+    def rebase(key: str, value):
+        if not isinstance(value, str) or not value or value.startswith(("hf:", "~")) or Path(value).is_absolute():
+            return value
+        for base in bases:
+            path = os.path.normpath(os.path.abspath(base / value))
+            if any(Path(path + suffix).exists() for suffix in ((".idx", ".bin") if key != "tokenizer" else ("",))):
+                return path
+        return os.path.normpath(os.path.abspath(data_dir / value)) if data_dir is not None else value
+
+    for key in DATA_PATH_KEYS:
+        if isinstance(data.get(key), list):
+            data[key] = [rebase(key, v) for v in data[key]]
+        elif key in data:
+            data[key] = rebase(key, data[key])
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *,
+                data_dir: str | Path | None = None) -> Recipe:
+    """Parse `path`, look its relative data paths up in `data_dir` or the file's folder (DATA_PATH_KEYS), then
+    apply the `--set` overrides."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
@@ -255,6 +313,9 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
     if not table:
         raise RecipeError(f"recipe file {path} is empty: a recipe needs at least a [model] or [data] section "
                           "(see recipes/demo.toml)")
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise RecipeError(f"--data-dir {data_dir} is not a folder: give the folder the recipe's data paths are in")
+    _rebase_data_paths(table, path.parent, Path(data_dir) if data_dir is not None else None)
     for text in overrides:
         (section, key), value = parse_override(text)
         target = table.setdefault(section, {})

@@ -63,10 +63,11 @@ class Layout:
     precision: str = "fp16"
     bucket: int = DEFAULT_BUCKET
     flash_attention: bool = False
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -76,7 +77,8 @@ class Layout:
         extras = (", activation checkpointing" if self.checkpointing else "") + (
             ", optimizer offloaded to CPU" if self.offload else "") + (", flash attention" if self.flash_attention
                                                                         else "")
-        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.gpus} GPUs, ZeRO-{self.zero}, micro-batch "
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}{cp} = {self.gpus} GPUs, ZeRO-{self.zero}, micro-batch "
                 f"{self.micro_batch} x grad_accum {self.grad_accum} x dp = batch {self.global_batch}, seq "
                 f"{self.seq_len}, {self.precision}{extras}")
 
@@ -131,11 +133,13 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
     acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
-                             spec=spec)
+                             spec=spec, cp=layout.cp)
     buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
-        states = model_state_memory(st.numel, layout.dp, layout.zero, state, offload=layout.offload).device_bytes
+        # ZeRO partitions over dp x cp (cp ranks hold the same parameters)
+        states = model_state_memory(st.numel, layout.dp * layout.cp, layout.zero, state,
+                                    offload=layout.offload).device_bytes
         buf = buffer_memory(st.numel, layout.zero, buffers_cfg, element_bytes=state.params,
                             persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
         row = DeviceMemory(layout, st.pp_rank, st.numel, states, act.total_bytes, buf, capacity_gb * GB, act)
@@ -172,7 +176,8 @@ def recipe_layout(resolved) -> Layout:
     return Layout(par.dp, par.tp, par.pp, zero.stage, train.micro_batch, train.grad_accum, train.seq_len,
                   train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
                   tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
-                  r.kernels.attention in ("", "torch"))  # torch's SDPA (the default) stores no scores
+                  r.kernels.attention in ("", "torch"),  # torch's SDPA (the default) stores no scores
+                  cp=par.cp)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

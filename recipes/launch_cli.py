@@ -41,8 +41,9 @@ def check_layout(recipe: Recipe, nnodes: int, nproc_per_node: int | None) -> int
     """The processes per node: nproc_per_node, or dp x tp x pp / nnodes when None. Raises RecipeError naming
     the values when nnodes x nproc_per_node is not the recipe's dp x tp x pp."""
     par = recipe.parallel
-    world = par.dp * par.tp * par.pp
-    layout = f"the recipe's layout dp {par.dp} x tp {par.tp} x pp {par.pp} = {world} processes"
+    world = par.dp * par.tp * par.pp * par.cp
+    cp = f" x cp {par.cp}" if par.cp > 1 else ""
+    layout = f"the recipe's layout dp {par.dp} x tp {par.tp} x pp {par.pp}{cp} = {world} processes"
     if nnodes < 1:
         raise RecipeError(f"--nnodes {nnodes} is invalid: it must be a positive integer")
     if nproc_per_node is None:

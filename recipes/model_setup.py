@@ -23,7 +23,7 @@ from megazoo.parallel.zero.build import build_zero
 from megazoo.parallel.zero.interface import ZeroOptimizer
 from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
 from megazoo.parallel.zero.partitioned import TiedParameters
-from megazoo.recipes.resolve import Resolved
+from megazoo.recipes.resolve import Resolved, compression_of
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -115,4 +115,5 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
         units=list(model.h.values()), tied=tied, group_of=chunk_of.get, adamw=kernels["adamw"].fn,
+        compression=compression_of(res.recipe),  # [optimizer]: 1-bit / 0-1 Adam (parallel/compressed/)
         init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))

@@ -72,6 +72,16 @@ class ModelShard:
         """The peak stage's elements in tensors below `threshold` (parallel/zero/planner.py's ShardCounts)."""
         return self.peak.persistent_elements(threshold)
 
+    def unit_elements(self) -> tuple[int, int]:
+        """(root unit, largest block) elements of the peak stage: megazoo's stage 3 gathers one unit at a time,
+        a block ("h.N.") each, the root holding everything else (embeddings, final LayerNorm)."""
+        blocks: dict[str, int] = {}
+        for t in self.peak.tensors:
+            if t.name.startswith("h."):
+                key = t.name.split(".")[1]
+                blocks[key] = blocks.get(key, 0) + t.numel
+        return self.peak.numel - sum(blocks.values()), max(blocks.values(), default=0)
+
     def describe(self) -> str:
         peak = self.peak
         sizes = ", ".join(f"{s.numel:,}" for s in self.stages)

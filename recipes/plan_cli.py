@@ -22,7 +22,10 @@ from megazoo.parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, S
 from megazoo.recipes import plan_fit_cli
 from megazoo.recipes.plan import plan_model
 
-PRECISIONS = {"mixed": MIXED_ADAM, "fp32": FP32_ADAM}
+# --paper: the ZeRO paper's bytes per parameter (bf16/fp16/mixed: 2 + 2 + K=12; fp32: 4 + 4 + 8). Without it,
+# megazoo's own accounting in that precision (planner.megazoo_state_memory); "mixed" is bf16 there.
+PRECISIONS = {"mixed": MIXED_ADAM, "bf16": MIXED_ADAM, "fp16": MIXED_ADAM, "fp32": FP32_ADAM}
+MEGAZOO_BUCKET = 1 << 24  # recipes' zero.reduce_bucket_size default (recipes/config.py ZeroSection)
 
 
 class UsageError(Exception):
@@ -60,12 +63,26 @@ def build_plan(args: argparse.Namespace) -> Plan:
         stages = (stage,)
     state = PRECISIONS[args.precision]
     if args.k is not None:
+        if not args.paper:
+            raise UsageError("--k (optimizer bytes per parameter) is a parameter of the paper's formulas: add "
+                             "--paper (megazoo's own plan counts the bytes its optimizers hold)")
         state = StateBytes(state.params, state.grads, _count("--k", args.k, minimum=0))
-    buffers = BufferConfig(_count("--reduce-bucket", args.reduce_bucket),
-                           _count("--allgather-bucket", args.allgather_bucket),
-                           _count("--prefetch", args.prefetch), _count("--persistence-threshold",
-                                                                       args.persistence_threshold, 0))
-    common = dict(state=state, offload=args.offload, grad_accum=grad_accum, buffers=buffers)
+    if not args.paper:
+        for flag in ("allgather_bucket", "prefetch", "persistence_threshold"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} is a DeepSpeed buffer megazoo does not have (its "
+                                 "all-gathers write in place; stage 3 gathers whole units): add --paper")
+    defaults = BufferConfig() if args.paper else BufferConfig(MEGAZOO_BUCKET, 0, 0, 0)
+    def pick(flag: str, value: str | None, default: int, minimum: int = 1) -> int:
+        return default if value is None else _count(flag, value, minimum)
+
+    buffers = BufferConfig(pick("--reduce-bucket", args.reduce_bucket, defaults.reduce_bucket),
+                           pick("--allgather-bucket", args.allgather_bucket, defaults.allgather_bucket),
+                           pick("--prefetch", args.prefetch, defaults.prefetch),
+                           pick("--persistence-threshold", args.persistence_threshold, defaults.persistence_threshold,
+                                0))
+    precision = None if args.paper else ("bf16" if args.precision == "mixed" else args.precision)
+    common = dict(state=state, offload=args.offload, grad_accum=grad_accum, buffers=buffers, precision=precision)
     if args.params is not None:
         if tp != 1 or pp != 1:  # a raw count has no layers to split: it is already one device's count
             raise UsageError(f"--tp {tp} / --pp {pp} need --model; with --params give the per-device count "
@@ -101,7 +118,11 @@ def to_dict(p: Plan) -> dict:
                          buffer_persistent_bytes=b.persistent_bytes, buffer_total_bytes=b.total_bytes))
     inputs = dict(psi=p.psi, dp=p.dp, params_bytes_per_param=p.state.params, grads_bytes_per_param=p.state.grads,
                   k=p.state.optimizer, offload=p.offload, grad_accum=p.grad_accum,
-                  buffers=dict(vars(p.buffer_config)))
+                  buffers=dict(vars(p.buffer_config)), planner="paper" if p.precision is None else "megazoo",
+                  precision=p.precision)
+    if p.precision is not None:  # megazoo's bytes per parameter differ by stage: no single (params, grads, K)
+        for key in ("params_bytes_per_param", "grads_bytes_per_param", "k"):
+            inputs.pop(key)
     out = dict(inputs=inputs, psi=p.psi, psi_derivation=p.derivation, stages=rows)
     if p.shard is not None:
         inputs.update(model=p.shard.model, tp=p.shard.tp, pp=p.shard.pp)
@@ -124,8 +145,16 @@ def to_markdown(p: Plan) -> str:
     where = f"{p.shard.model}, tp={p.shard.tp} pp={p.shard.pp}, " if p.shard else ""
     extras = (", optimizer states offloaded to CPU" if p.offload else "") + (
         f", grad_accum = {p.grad_accum}" if p.grad_accum > 1 else "")
-    lines = [f"ZeRO plan: {where}dp (N) = {p.dp}, {st.params} + {st.grads} + K={st.optimizer} bytes per parameter "
-             f"(params + grads + optimizer states){extras}", "", p.derivation, ""]
+    if p.precision is None:
+        lines = [f"ZeRO plan (the paper's formulas): {where}dp (N) = {p.dp}, {st.params} + {st.grads} + "
+                 f"K={st.optimizer} bytes per parameter (params + grads + optimizer states){extras}", "",
+                 p.derivation, ""]
+    else:
+        lines = [f"ZeRO plan (what megazoo's optimizers hold, {p.precision} training): {where}dp (N) = {p.dp}"
+                 f"{extras}; bytes per parameter: stage 0 4 + 4 + 8 (fp32 storage, autocast); with ZeRO the "
+                 f"params and grads in {p.precision}, an fp32 owned gradient, fp32 master (aliased to the owned "
+                 "chunk in fp32) and Adam moments (parallel/zero/planner.py megazoo_state_memory; the ZeRO "
+                 "paper's figures: --paper)", "", p.derivation, ""]
     head = ["stage", "params GB", "grads GB", "optimizer GB", "total GB"]
     if p.offload:
         head[-1] = "device GB"
@@ -142,6 +171,8 @@ def to_markdown(p: Plan) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     cfg = p.buffer_config
+    if p.precision is not None:
+        return "\n".join(lines + _megazoo_buffer_lines(p))
     for s in p.stages:
         b = s.buffers
         parts = [f"reduce bucket {format_gb(b.reduce_bucket_bytes)}"]
@@ -162,9 +193,29 @@ def to_markdown(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def _megazoo_buffer_lines(p: Plan) -> list[str]:
+    lines = []
+    for s in p.stages:
+        b = s.buffers
+        what = {0: "none (gradients are reduced as views of their buffer)",
+                1: "none (the full gradient buffers are model states)",
+                2: f"reduce buckets {format_gb(b.reduce_bucket_bytes)} (2 reducing + 1 filling)",
+                3: "gathered units " + (f"{format_gb(b.prefetch_bytes)} (root + running and prefetched block, "
+                                        "params and grads)" if b.persistent_bytes is not None
+                                        else "n/a (needs --model)")}[s.stage]
+        lines.append(f"Buffers GB, stage {s.stage} (estimate, not in the totals): {what}")
+    return lines + [f"  reduce_bucket {p.buffer_config.reduce_bucket:,} elements (zero.reduce_bucket_size); "
+                    "all-gathers write in place",
+                    "GB = 1e9 bytes, per device. comm/step = elements each rank sends over the dp group per "
+                    "optimizer step (ring collectives), in the stored element size (stage 0: fp32)."]
+
+
 def run(args: argparse.Namespace) -> int:
     """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags. With a GPU (--gpu-memory,
     --gpu), a recipe or --search: the fit verdict / the layouts that fit (recipes/plan_fit_cli.py; 0 fits, 3 not)."""
+    if args.dry_run:  # the real training step on a fake world of the recipe's size (recipes/dry_run.py)
+        from megazoo.recipes import dry_run_report
+        return dry_run_report.run(args)
     if plan_fit_cli.wanted(args):
         try:
             return plan_fit_cli.run(args)
@@ -189,17 +240,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", default="1", help="pipeline stages, with --model (default 1)")
     parser.add_argument("--zero", default=None, help="ZeRO stage 0-3 (default: print every stage)")
     parser.add_argument("--offload", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed",
-                        help="mixed: 2+2+12 bytes per parameter (default); fp32: 4+4+8")
-    parser.add_argument("--k", default=None, help="optimizer-state bytes per parameter (overrides the precision's)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
+                        help="training precision (default bf16; mixed = bf16). megazoo's bytes per parameter: see "
+                             "parallel/zero/planner.py megazoo_state_memory; with --paper: 2+2+12, fp32 4+4+8")
+    parser.add_argument("--paper", action="store_true",
+                        help="the ZeRO paper's formulas (2 + 2 + K bytes per parameter, Table 1) and DeepSpeed's "
+                             "buffer defaults instead of the bytes megazoo's optimizers hold")
+    parser.add_argument("--k", default=None, help="with --paper: optimizer-state bytes per parameter")
     parser.add_argument("--grad-accum", default="1", help="micro-batches per step (stage 2/3 comm grows with it)")
-    defaults = BufferConfig()
-    parser.add_argument("--reduce-bucket", default=str(defaults.reduce_bucket), help="elements (default 5e8)")
-    parser.add_argument("--allgather-bucket", default=str(defaults.allgather_bucket), help="elements (default 5e8)")
-    parser.add_argument("--prefetch", default=str(defaults.prefetch), help="stage-3 prefetch elements (default 5e7)")
-    parser.add_argument("--persistence-threshold", default=str(defaults.persistence_threshold),
-                        help="stage 3 keeps tensors below this many elements whole (default 1e5)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--reduce-bucket", default=None,
+                        help="gradient bucket elements (default: zero.reduce_bucket_size's 2^24; --paper: 5e8)")
+    parser.add_argument("--allgather-bucket", default=None, help="with --paper: elements (default 5e8)")
+    parser.add_argument("--prefetch", default=None, help="with --paper: stage-3 prefetch elements (default 5e7)")
+    parser.add_argument("--persistence-threshold", default=None,
+                        help="with --paper: stage 3 keeps tensors below this many elements whole (default 1e5)")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
+                        help="print JSON instead of markdown; with --dry-run, --json OUT writes it to OUT")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --recipe: run one real training step per pipeline role at the recipe's full "
+                             "world size on fake tensors, and report measured memory, communication and FLOPs")
     plan_fit_cli.add_arguments(parser)
 
 

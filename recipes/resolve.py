@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megazoo.data.indexed_dataset import check_indexed
-from megazoo.data.tokenizer_loading import check_tokenizer_spec
+from megazoo.data.tokenizer_loading import check_tokenizer_spec, tokenizer_vocab_size
 from megazoo.models.config import ModelConfig, get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
+from megazoo.parallel.context.layout import check_context_layout
+from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
 from megazoo.parallel.pipeline.schedules import SCHEDULES
+from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoint_model, from_checkpoint
 from megazoo.recipes.config import Recipe, RecipeError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
@@ -30,7 +33,7 @@ class Resolved:
     model: ModelConfig  # preset after the recipe's overrides
     padded_vocab: int  # vocabulary rounded up to a multiple of 128 * tp
     global_batch: int  # sequences per optimizer step = micro_batch x grad_accum x dp
-    world_size: int  # dp x tp x pp
+    world_size: int  # dp x tp x pp x cp
     stage_layers: list[list[int]]  # blocks of each pipeline (virtual) stage
 
     @property
@@ -74,8 +77,6 @@ def _check_run_and_sample(recipe: Recipe, global_batch: int) -> None:
     _positive("sample.tokens", sample.tokens, allow_zero=True)
     _positive("sample.top_k", sample.top_k, allow_zero=True)
     _positive("sample.temperature", sample.temperature, allow_zero=True)
-    if sample.tokens > 0 and not sample.prompt:
-        raise RecipeError("sample.prompt is empty: give a prompt (e.g. \"def \") or set sample.tokens = 0")
     data, seq_len = recipe.data, recipe.train.seq_len
     if data.source == "stdlib":
         if data.vocab_size < MIN_BPE_VOCAB:
@@ -107,16 +108,25 @@ def _check_indexed(data, vocab_size: int) -> None:
             if not Path(prefix + suffix).is_file():
                 raise RecipeError(f"data.{key}: {prefix + suffix} does not exist (write it with "
                                   f"megazoo preprocess --output-prefix {prefix})")
-    for key, prefix in datasets:
-        try:
-            check_indexed(prefix, vocab_size)  # magic, sizes, checksums (the .bin hash is cached), token ids
-        except (OSError, ValueError) as err:
-            raise RecipeError(f"data.{key}: {err}") from None
     if data.tokenizer:
         try:
             check_tokenizer_spec(data.tokenizer)
         except (OSError, ValueError) as err:
             raise RecipeError(f"data.tokenizer = {data.tokenizer!r}: {err}") from None
+        # model.vocab_size follows the tokenizer unless set; a smaller one could not embed every token id
+        if (n := _tokenizer_vocab(data.tokenizer)) > vocab_size:
+            raise RecipeError(f"model.vocab_size = {vocab_size} is smaller than the {n} tokens of data.tokenizer = "
+                              f"{data.tokenizer!r}; valid: model.vocab_size >= {n}, or leave it unset (it follows "
+                              "the tokenizer)")
+    for key, prefix in datasets:
+        try:
+            check_indexed(prefix, vocab_size)  # magic, sizes, checksums (the .bin hash is cached), token ids
+        except (OSError, ValueError) as err:
+            hint = "" if "outside the vocabulary" not in str(err) else (
+                f"; the model has {vocab_size} tokens (model.vocab_size"
+                f"{', from data.tokenizer' if data.tokenizer else ''}): name the tokenizer the data was written "
+                "with in data.tokenizer, or set model.vocab_size above the largest token id")
+            raise RecipeError(f"data.{key}: {err}{hint}") from None
 
 
 def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
@@ -153,14 +163,54 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
     return stages
 
 
+def _tokenizer_vocab(spec: str) -> int:
+    try:
+        return tokenizer_vocab_size(spec)
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"data.tokenizer = {spec!r}: {err}") from None
+
+
+def compression_of(recipe: Recipe) -> CompressionSettings | None:
+    """The recipe's [optimizer] as parallel/compressed's settings; None for plain AdamW."""
+    o = recipe.optimizer
+    if o.name == "adamw":
+        return None
+    return CompressionSettings(o.name, o.freeze_step, o.var_freeze_step, o.var_update_scaler, o.local_step_scaler,
+                               o.local_step_clipper, last_step=recipe.train.steps - 1)
+
+
+def _check_optimizer(recipe: Recipe) -> None:
+    """[optimizer]: a known name; a compressed one only where it composes (ZeRO stage 0, no offload, pp = cp = 1)."""
+    _choice("optimizer.name", recipe.optimizer.name, OPTIMIZERS)
+    settings, par = compression_of(recipe), recipe.parallel
+    if settings is None:
+        return
+    if getattr(par, "cp", 1) != 1:
+        raise RecipeError(f"optimizer.name = {settings.name!r} with parallel.cp = {par.cp} is not supported; "
+                          "valid: parallel.cp = 1")
+    try:
+        check_settings(settings, dp=par.dp, tp=par.tp, pp=par.pp, zero_stage=recipe.zero.stage,
+                       offload=recipe.zero.offload)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
 def model_config(recipe: Recipe) -> ModelConfig:
     section = recipe.model
     try:
         preset = get_preset(section.preset)
         overrides = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-                     if f.name != "preset" and getattr(section, f.name) is not None}
+                     if f.name not in ("preset", "from_checkpoint") and getattr(section, f.name) is not None}
+        if section.from_checkpoint:
+            if not recipe.checkpoint.load:
+                raise RecipeError("model.from_checkpoint = true needs checkpoint.load: the checkpoint whose "
+                                  "architecture the model takes")
+            step, saved = checkpoint_model(recipe.checkpoint.load)
+            return from_checkpoint(saved, overrides, step)
         if recipe.data.source == "stdlib" and "vocab_size" not in overrides:
             overrides["vocab_size"] = recipe.data.vocab_size  # the BPE trained on the corpus sets the vocabulary
+        if recipe.data.source == "indexed" and recipe.data.tokenizer and "vocab_size" not in overrides:
+            overrides["vocab_size"] = _tokenizer_vocab(recipe.data.tokenizer)  # the data's tokenizer sets it
         return preset.replace(**overrides)
     except RecipeError:
         raise
@@ -171,7 +221,7 @@ def model_config(recipe: Recipe) -> ModelConfig:
 def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     """Check the recipe against its own topology (and `world_size`, if known) and derive what follows."""
     par, train, data = recipe.parallel, recipe.train, recipe.data
-    for name in ("dp", "tp", "pp"):
+    for name in ("dp", "tp", "pp", "cp"):
         _positive(f"parallel.{name}", getattr(par, name))
     _positive("parallel.timeout_s", par.timeout_s)
     if par.timeout_s > MAX_TIMEOUT_S:
@@ -184,10 +234,16 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     except ValueError as err:
         raise RecipeError(str(err)) from None
     stages = _check_pipeline(recipe, cfg)
-    layout = par.dp * par.tp * par.pp
+    layout = par.dp * par.tp * par.pp * par.cp
     if world_size is not None and world_size != layout:
-        raise RecipeError(f"parallel dp={par.dp} x tp={par.tp} x pp={par.pp} = {layout} processes, but "
+        cp = f" x cp={par.cp}" if par.cp > 1 else ""
+        raise RecipeError(f"parallel dp={par.dp} x tp={par.tp} x pp={par.pp}{cp} = {layout} processes, but "
                           f"{world_size} were started; start {layout} (--nproc {layout}) or change the layout")
+    try:  # seq_len divisible by 2 x cp, local heads by cp for all_to_all (parallel/context/layout.py)
+        check_context_layout(par.cp, par.cp_attention, recipe.train.seq_len, cfg.n_head // par.tp, cfg.attn_dropout,
+                             cfg.attention)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
 
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches"):
         _positive(f"train.{name}", getattr(train, name))
@@ -214,6 +270,7 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
         raise RecipeError(f"zero.stage = {recipe.zero.stage} is invalid; valid: 0, 1, 2, 3")
     _positive("zero.reduce_bucket_size", recipe.zero.reduce_bucket_size)
     _choice("zero.offload", recipe.zero.offload, ("none", "cpu"))
+    _check_optimizer(recipe)
     if recipe.zero.offload == "cpu" and recipe.zero.stage == 0:
         raise RecipeError("zero.offload = 'cpu' needs zero.stage >= 1 (only partitioned optimizer states are "
                           "offloaded); valid: zero.stage = 1, 2 or 3, or zero.offload = 'none'")
@@ -226,6 +283,8 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
         raise RecipeError(f"checkpoint.load = {recipe.checkpoint.load!r} does not exist: give a step_N checkpoint "
                           "directory or a run's checkpoints folder")
+    if recipe.checkpoint.load:
+        check_against_checkpoint(cfg, recipe.checkpoint.load)  # every mismatch at once, before any process
     ls = recipe.loss_scale
     for name in ("initial_scale", "min_scale", "growth_interval", "hysteresis", "max_consecutive_skips"):
         _positive(f"loss_scale.{name}", getattr(ls, name))

@@ -6,6 +6,9 @@
   kernel releases it when the holder dies, however it dies (the file stays; only the lock matters).
 - `previous_run(run_dir)`: what an earlier run left there (checkpoints, metrics.jsonl); `move_aside(run_dir)`
   moves all of it (never deletes) to a sibling folder run.dir.old-YYYYmmdd-HHMMSS (`--overwrite`).
+- `write_resolved_recipe(run_dir, text, start_step)`: run.dir/recipe.resolved.toml, the recipe as this job runs
+  it. A resumed job whose resolved recipe differs keeps the earlier one beside it, as
+  recipe.resolved.before-step_N.toml (N: the step the new one takes over at): nothing a run wrote is lost.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 LOCK_NAME = ".lock"
+RESOLVED_RECIPE = "recipe.resolved.toml"
 LOCK_HELD_ENV = "MEGAZOO_RUN_LOCK_HELD"  # set by `megazoo train` for its workers: "the launcher holds the lock"
 
 
@@ -106,3 +110,21 @@ def move_aside(run_dir: str | Path) -> Path:
         if entry.name != LOCK_NAME:
             os.rename(entry, target / entry.name)
     return target
+
+
+def write_resolved_recipe(run_dir: str | Path, text: str, start_step: int = 0) -> Path:
+    """Write run_dir/recipe.resolved.toml (atomically); an earlier, different one moves to
+    recipe.resolved.before-step_<start_step>.toml first (a numbered name if that exists too)."""
+    from megazoo.data.fileio import atomic_write_text
+
+    path = Path(run_dir) / RESOLVED_RECIPE
+    if path.is_file():
+        if path.read_text(encoding="utf-8") == text:
+            return path
+        for n in range(1000):
+            keep = path.with_name(f"recipe.resolved.before-step_{start_step}" + (f".{n}" if n else "") + ".toml")
+            if not keep.exists():
+                os.rename(path, keep)
+                break
+    atomic_write_text(path, text)
+    return path

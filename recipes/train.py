@@ -20,12 +20,14 @@ from megazoo.parallel.launcher import GracefulStop, die_with_parent, orphaned, r
 from megazoo.parallel.local_launch import finish_worker
 from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.recipes import checkpointing
+from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.metrics import MetricsLog
 from megazoo.recipes.plot_cli import plot_runs, read_metrics
 from megazoo.recipes.progress import Progress, is_collective_timeout
 from megazoo.recipes.resolve import Resolved, resolve
-from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock
+from megazoo.recipes.resolved_toml import resolved_toml
+from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, write_resolved_recipe
 from megazoo.recipes.trainer import Trainer, TrainResult
 
 
@@ -44,10 +46,16 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                 print("\n".join(trainer.kernels.describe()), flush=True)
             start_step = checkpointing.restore(trainer, report=print if rank0 else (lambda *_: None))
             log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
+            if rank0:  # every field as this job runs it (after overrides, derived values filled in)
+                write_resolved_recipe(recipe.run.dir, resolved_toml(res), start_step)
             if rank0:
                 n_params = sum(p.numel() for p in trainer.model.parameters())
-                print(f"megazoo: {res.model.name} ({res.model.num_parameters():,} parameters; {n_params:,} on this "
-                      f"rank) dp={topo.dp} tp={topo.tp} pp={topo.pp} on {topo.device}; {len(trainer.data.train):,} "
+                cfg = res.model
+                origin = "from checkpoint.load, " if recipe.model.from_checkpoint else ""
+                cp = f" cp={topo.cp} ({topo.cp_attention})" if topo.cp > 1 else ""
+                print(f"megazoo: {cfg.name} ({origin}{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
+                      f"vocab {cfg.vocab_size:,}; {cfg.num_parameters():,} parameters; {n_params:,} on this "
+                      f"rank) dp={topo.dp} tp={topo.tp} pp={topo.pp}{cp} on {topo.device}; {len(trainer.data.train):,} "
                       f"training samples of {recipe.train.seq_len} tokens; global batch {res.global_batch}",
                       flush=True)
             if topo.world_size > 1:  # where each rank is: a collective that times out names who is missing
@@ -93,6 +101,7 @@ class JobStalled(RuntimeError):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megazoo.recipes.train", description="Train a megazoo recipe.")
     parser.add_argument("recipe", help="TOML recipe file")
+    parser.add_argument("--data-dir", default=None, help="folder of the recipe's relative data paths")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe key (repeatable)")
     return parser.parse_args(argv)
@@ -114,7 +123,8 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         print(f"megazoo: rank {rank}: torchrun is gone; not starting", file=sys.stderr)
         return 1
     try:
-        res = resolve(load_recipe(args.recipe, args.overrides), world_size=world_size)
+        recipe = load_recipe(find_recipe(args.recipe), args.overrides, data_dir=args.data_dir)  # a file or a name
+        res = resolve(recipe, world_size=world_size)
         own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
         lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends
     except (RecipeError, RunDirBusy) as err:
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
     if world_size > 1:
         init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s)
     try:
-        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.build(par.dp, par.tp, par.pp)
+        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.build(
+            par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention)
         result = run(res, topo, stop)
     except (CheckpointError, JobStalled) as err:
         # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch; a stalled peer

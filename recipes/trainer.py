@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megazoo.data import GlobalBatchSampler
 from megazoo.models.weights import full_state_dict
+from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
 from megazoo.parallel.pipeline.p2p import plan
 from megazoo.parallel.pipeline.schedules import forward_only, schedule, warmup_forwards
@@ -81,21 +82,23 @@ class Trainer:
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
 
     def _batches(self, samples: Samples, micro_batches: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) per micro-batch: the samples' tokens shifted by one."""
-        out = []
+        """(inputs, targets) per micro-batch: the samples' tokens shifted by one; with cp > 1 this cp rank's two
+        load-balanced chunks of both (parallel/context/layout.py), (b, s / cp) each."""
+        out, cp, cp_rank = [], self.topo.cp, self.topo.cp_rank
         for indices in micro_batches:
             batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
-            out.append((batch[:, :-1], batch[:, 1:]))
+            out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
         return out
 
     def _host_values(self, total: torch.Tensor, stop: bool = False,
                      norm: torch.Tensor | None = None) -> tuple[float, bool, float]:
-        """The step's host reads, in one place and one collective: the loss averaged over dp (only the last
+        """The step's host reads, in one place and one collective: the loss averaged over dp x cp (only the last
         pipeline stage computed it; tp ranks hold copies, so tp rank 0 speaks for them), whether any rank asked
         to stop (SIGTERM may reach ranks at different steps) and the gradient norm (the same on every rank:
         rank 0's is taken). Collective: one all-reduce (sum) over all ranks, then one device-to-host read."""
         f64, device = torch.float64, total.device
-        share = total.to(f64) / self.topo.dp if self.topo.tp_rank == 0 else torch.zeros((), dtype=f64, device=device)
+        share = (total.to(f64) / self.topo.grad_size if self.topo.tp_rank == 0
+                 else torch.zeros((), dtype=f64, device=device))
         norm = norm.to(device, f64) if norm is not None and self.topo.rank == 0 else torch.zeros((), dtype=f64,
                                                                                                 device=device)
         packed = torch.stack([share, torch.tensor(float(stop), dtype=f64, device=device), norm])
@@ -205,11 +208,13 @@ class Trainer:
 
     def sample(self) -> str | None:
         s, tok = self.res.recipe.sample, self.data.tokenizer
-        if tok is None or s.tokens == 0 or self.topo.pp > 1:  # sampling is not pipelined (yet)
+        if tok is None or s.tokens == 0 or self.topo.pp > 1 or self.topo.cp > 1:  # nor sequence-split (yet)
             return None
-        ids = generate(self.model, tok.encode(s.prompt), s.tokens, temperature=s.temperature, top_k=s.top_k,
+        # An empty prompt starts where every training document starts: right after an end-of-document token.
+        prompt = tok.encode(s.prompt) if s.prompt else [tok.eod_id]
+        ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
                        seed=self.train_cfg.seed)
-        return tok.decode(ids)
+        return tok.decode(ids if s.prompt else ids[1:])
 
     def fit(self, *, log: MetricsLog | None = None, progress: bool = False, start_step: int = 0,
             stop_requested: Callable[[], bool] | None = None) -> TrainResult:

@@ -79,5 +79,5 @@ def test_search_ranks_fitting_layouts_by_the_cost_model(capsys):
 
 
 def test_existing_planner_output_is_unchanged(capsys):
-    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64")
+    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--paper")
     assert code == 0 and "| 3 (P_os+g+p) | 0.234 | 0.234 | 1.41 | 1.88 |" in out and "fits:" not in out

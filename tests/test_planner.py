@@ -43,7 +43,7 @@ def table_rows(text: str) -> dict[int, dict[str, str]]:
 # ---- the paper's Table 1 -----------------------------------------------------------------------------------
 
 def test_table1_row_printed_exactly(capsys):
-    code, out, err = run_cli(capsys, "--params", "7.5e9", "--dp", "64")
+    code, out, err = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--paper")
     assert code == 0, err
     rows = table_rows(out)
     assert [rows[s]["total GB"] for s in range(4)] == TABLE1
@@ -55,7 +55,7 @@ def test_table1_row_printed_exactly(capsys):
 
 
 def test_table1_as_json(capsys):
-    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--json")
+    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--json", "--paper")
     assert code == 0
     data = json.loads(out)
     assert data["inputs"]["psi"] == 7_500_000_000 and data["inputs"]["dp"] == 64 and data["inputs"]["k"] == 12
@@ -66,7 +66,7 @@ def test_table1_as_json(capsys):
 
 
 def test_single_stage_row(capsys):
-    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--zero", "2")
+    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--zero", "2", "--paper")
     assert code == 0 and list(table_rows(out)) == [2] and table_rows(out)[2]["total GB"] == "16.6"
 
 
@@ -124,7 +124,7 @@ def test_offload_moves_exactly_the_optimizer_states_to_cpu(stage):
 
 
 def test_offload_table_has_device_and_cpu_columns(capsys):
-    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--zero", "2", "--offload")
+    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--zero", "2", "--offload", "--paper")
     row = table_rows(out)[2]
     assert code == 0 and row["device GB"] == "15.2" and row["CPU GB"] == "1.41" and "total GB" not in row
 
@@ -240,7 +240,8 @@ def test_plan_model_uses_the_peak_shard():
 # ---- the command line ------------------------------------------------------------------------------------------
 
 def test_tnlg_17b_tp4_zero3(capsys):
-    code, out, err = run_cli(capsys, "--model", "tnlg-17b", "--dp", "64", "--tp", "4", "--pp", "1", "--zero", "3")
+    code, out, err = run_cli(capsys, "--model", "tnlg-17b", "--dp", "64", "--tp", "4", "--pp", "1", "--zero", "3",
+                             "--paper")
     assert code == 0, err
     psi = shard_parameters(get_preset("tnlg-17b"), 4, 1).psi
     assert f"Psi = {psi:,} parameters per device: tnlg-17b with tp=4 pp=1" in out
@@ -260,7 +261,7 @@ def test_model_without_zero_prints_every_stage(capsys):
 def test_register_adds_the_plan_subcommand(capsys):
     parser = argparse.ArgumentParser(prog="megazoo")
     plan_cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", "--params", "7.5e9", "--dp", "64", "--zero", "3"])
+    args = parser.parse_args(["plan", "--params", "7.5e9", "--dp", "64", "--zero", "3", "--paper"])
     assert args.func(args) == 0 and "| 1.88 |" in capsys.readouterr().out
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +13,7 @@ from recipe_helpers import TINY, tiny_recipe
 
 from megazoo.data.indexed_dataset import IndexedDatasetWriter
 from megazoo.recipes.config import Recipe, RecipeError, from_dict, load_recipe, parse_override
-from megazoo.recipes.resolve import resolve
+from megazoo.recipes.resolve import model_config, resolve
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 
@@ -29,10 +32,15 @@ def _stand_ins(path: Path, tmp_path: Path) -> list[str]:
             for doc in range(4):
                 writer.add_document(np.arange(doc, doc + 100) % 50257)
         overrides += [f'data.paths=["{tmp_path / "corpus"}"]', "data.valid_paths=[]"]
-    if table.data.tokenizer and not Path(table.data.tokenizer).exists():
-        overrides.append(f"data.tokenizer={tmp_path}")
-    if table.checkpoint.load:
-        overrides.append(f"checkpoint.load={tmp_path}")
+    if table.data.tokenizer and not Path(table.data.tokenizer).exists():  # GPT-2's, from the shared data
+        shared = Path(os.environ.get("MEGAZOO_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+        overrides.append(f"data.tokenizer={shared / 'gpt2_bpe'}")
+    if table.checkpoint.load:  # a stand-in step directory: the resolver reads only its common.json's model
+        step = tmp_path / "checkpoint" / "step_00000000"
+        step.mkdir(parents=True)
+        cfg = model_config(load_recipe(path, [*overrides, "model.from_checkpoint=false"]))
+        (step / "common.json").write_text(json.dumps({"step": 0, "model": dataclasses.asdict(cfg)}))
+        overrides.append(f"checkpoint.load={step.parent}")
     return overrides
 
 
@@ -40,7 +48,7 @@ def _stand_ins(path: Path, tmp_path: Path) -> list[str]:
 def test_every_recipe_resolves_at_its_real_size(path, tmp_path):
     recipe = load_recipe(path, _stand_ins(path, tmp_path))
     par = recipe.parallel
-    res = resolve(recipe, world_size=par.dp * par.tp * par.pp)
+    res = resolve(recipe, world_size=par.dp * par.tp * par.pp * par.cp)
     cfg = res.model
     assert cfg.n_head % par.tp == 0 and res.padded_vocab % (128 * par.tp) == 0
     assert res.padded_vocab >= cfg.vocab_size and par.pp <= cfg.n_layer
@@ -122,6 +130,7 @@ def test_model_section_overrides_every_model_field():
     from megazoo.recipes.config import ModelSection
     fields = {f.name: f.default for f in dataclasses.fields(ModelSection)}
     assert fields.pop("preset") == "gpt2-tiny"
+    assert fields.pop("from_checkpoint") is False  # the one key that is not a ModelConfig override
     assert set(fields) == set(model_fields()) - {"name"} and set(fields.values()) == {None}
     assert "d_ff" in _error(lambda: tiny_recipe(model={"d_fff": 64}))  # unknown keys still list the valid ones
     assert "model.d_ff" in _error(lambda: tiny_recipe(model={"d_ff": "wide"}))  # and types are still checked

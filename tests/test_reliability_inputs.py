@@ -29,7 +29,7 @@ BAD = [
     ("parallel", {"timeout_s": 1e9}, "parallel.timeout_s = 1000000000.0 is invalid; valid: 0 < value <= 604800"),
     ("data", {"source": "stdlib", "vocab_size": 100}, "data.vocab_size = 100 is too small"),
     ("data", {"source": "stdlib", "vocab_size": 300, "max_bytes": 100}, "data.max_bytes = 100 cannot make one global batch"),
-    ("sample", {"prompt": ""}, "sample.prompt is empty"),
+    ("sample", {"top_k": -1}, "sample.top_k = -1"),  # (an empty prompt is valid: it starts after an eod)
     ("sample", {"temperature": -0.5}, "sample.temperature = -0.5"),
 ]
 

@@ -27,7 +27,8 @@ ALLOWED = {
     "data": ("data",),
     "parallel": ("parallel", "data.fileio"),  # data/fileio.py: stdlib-only atomic writes and sha256
     "kernels": ("kernels", "parallel.tensor", "parallel.topology", "parallel.collectives"),
-    "models": ("models", "kernels", "data", "parallel.tensor", "parallel.topology", "parallel.checkpoint"),
+    "models": ("models", "kernels", "data", "parallel.tensor", "parallel.topology", "parallel.checkpoint",
+               "parallel.context"),
     "eval": ("eval", "models", "kernels", "data", "parallel"),
     "recipes": PACKAGES,
 }

@@ -6,13 +6,23 @@ one-rank checkpoint (a checkpoints folder holding step_00000000) that loads into
 included) into full tensors and writes a directory `transformers` loads. Sizes and sha256 in the manifest (itself
 checked against manifest.sha256) detect truncated or corrupt files before anything is read; the model config
 comes from common.json and tensors are read with torch.load(weights_only=True), so a checkpoint never runs code.
+
+megazoo-to-hf also writes the model's tokenizer (--tokenizer, else the one the checkpoint records) as a Hugging
+Face tokenizer, and its end-of-text id as bos / eos / pad in config.json and generation_config.json, so
+AutoTokenizer loads the directory and generate() stops at end-of-text (models/gpt2/hf_tokenizer.py). Both
+directions write into a temporary directory beside --out and rename it at the end: a failed or interrupted
+conversion leaves nothing half-written, and an existing non-empty --out is refused before anything is read.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,14 +32,37 @@ from megazoo.parallel.checkpoint.consolidate import read_common, read_full_state
 from megazoo.parallel.checkpoint.io import CheckpointError
 
 
-def ensure_empty_out_dir(out_dir: str | Path) -> Path:
-    """`out_dir`, created if needed; refuses a non-empty one so no earlier result is ever overwritten."""
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse an existing non-empty `out_dir` (or a file there), so no earlier result is ever overwritten."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"output directory {out_dir} exists and is not empty: choose a new --out "
                               "(nothing is overwritten)")
+    return out_dir
+
+
+def ensure_empty_out_dir(out_dir: str | Path) -> Path:
+    """`out_dir`, created if needed; refuses a non-empty one so no earlier result is ever overwritten."""
+    out_dir = check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
+
+
+@contextlib.contextmanager
+def staged_out_dir(out_dir: str | Path):
+    """Yield a fresh temporary directory beside `out_dir`, renamed to `out_dir` only when the block succeeds:
+    an interrupted or failed conversion leaves no half-written output (the temporary one is removed)."""
+    out_dir = check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield staging
+        check_out_dir(out_dir)  # nobody wrote there meanwhile
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (checked): replaced by the finished one
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def save_consolidated(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path) -> Path:
@@ -60,20 +93,33 @@ def _model_config(common: dict) -> ModelConfig:
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
     from megazoo.models.gpt2.hf import read_hf_dir
 
-    out = ensure_empty_out_dir(args.out)  # checked before the (slow) read
+    check_out_dir(args.out)  # checked before the (slow) read
     cfg, full_state = read_hf_dir(args.hf_dir)
-    save_consolidated(full_state, cfg, out)
-    print(f"converted HF GPT-2 {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint {out}")
+    with staged_out_dir(args.out) as staging:
+        write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging)
+    print(f"converted HF GPT-2 {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint {args.out}")
     return 0
+
+
+def export_tokenizer(checkpoint: str | Path, spec: str | None):
+    """The tokenizer an export writes: --tokenizer (a spec, or "none"), else the one the checkpoint records."""
+    from megazoo.models.loading import open_checkpoint
+
+    if spec == "none":
+        return None
+    return open_checkpoint(checkpoint, spec, need_tokenizer=False, report=lambda message: None).tokenizer
 
 
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
     from megazoo.models.gpt2.hf import export_hf_dir
 
-    out = ensure_empty_out_dir(args.out)
+    check_out_dir(args.out)
+    tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
     cfg, full_state = load_consolidated(args.checkpoint)
-    export_hf_dir(full_state, cfg, out, tokenizer_dir=args.tokenizer)
-    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF GPT-2 directory {out}")
+    with staged_out_dir(args.out) as staging:
+        export_hf_dir(full_state, cfg, staging, tokenizer=tokenizer)
+    what = "with its tokenizer" if tokenizer is not None else "without a tokenizer (none recorded or given)"
+    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF GPT-2 directory {args.out}, {what}")
     return 0
 
 
@@ -83,7 +129,7 @@ def _run(func):
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
+        except (FileNotFoundError, ValueError, ConnectionError) as error:  # CheckpointError is a ValueError
             print(f"megazoo: error: {error}", file=sys.stderr)
             return 2
 
@@ -96,12 +142,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     sub = convert.add_subparsers(dest="direction", required=True)
     to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 directory -> consolidated megazoo checkpoint")
     to_mz.add_argument("hf_dir", help="HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)")
-    to_mz.add_argument("--out", required=True, help="new (empty) output directory")
+    to_mz.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
     to_mz.set_defaults(func=_run(_hf_to_megazoo))
-    to_hf = sub.add_parser("megazoo-to-hf", help="consolidated megazoo checkpoint -> HF GPT-2 directory")
+    to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF GPT-2 directory + tokenizer")
     to_hf.add_argument("checkpoint", help="megazoo checkpoint: a step_N directory or a checkpoints folder (its latest good one)")
-    to_hf.add_argument("--out", required=True, help="new (empty) output directory")
-    to_hf.add_argument("--tokenizer", default=None,
-                       help="GPT-2 BPE directory to copy in as vocab.json + merges.txt (optional)")
+    to_hf.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
+    to_hf.add_argument("--tokenizer", default=None, metavar="TOK",
+                       help="tokenizer to write beside the weights (a GPT-2 BPE directory, a tokenizer .json, a "
+                            "sentencepiece .model or hf:NAME); default: the one the checkpoint records; none: "
+                            "no tokenizer. Its end-of-text id becomes the model's bos / eos / pad id")
     to_hf.set_defaults(func=_run(_megazoo_to_hf))
     return convert

@@ -102,15 +102,20 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
     )
 
 
-def config_to_hf(cfg: ModelConfig):
-    """The HF `GPT2Config` computing the same function as `cfg`."""
+def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None):
+    """The HF `GPT2Config` computing the same function as `cfg`. `special`: bos / eos / pad ids of the model's
+    tokenizer (models/gpt2/hf_tokenizer.py: special_ids); without them GPT-2's end-of-text id 50256 is kept when
+    the vocabulary holds it, and no id is written otherwise (never one outside the vocabulary)."""
     from transformers import GPT2Config
 
+    if special is None:
+        eod = 50256 if cfg.vocab_size > 50256 else None
+        special = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": None}
     return GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_inner=cfg.d_ff, activation_function="gelu_new", resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout, attn_pdrop=cfg.attn_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
-        initializer_range=cfg.init_std, architectures=["GPT2LMHeadModel"], tie_word_embeddings=True,
+        initializer_range=cfg.init_std, architectures=["GPT2LMHeadModel"], tie_word_embeddings=True, **special,
     )
 
 
@@ -190,22 +195,37 @@ def import_hf_dir(hf_dir: str | Path, topology: Topology, dtype: torch.dtype = t
 
 
 def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                  tokenizer_dir: str | Path | None = None) -> Path:
+                  tokenizer_dir: str | Path | None = None, tokenizer=None) -> Path:
     """Write an HF GPT-2 checkpoint (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads.
 
-    With `tokenizer_dir`, its GPT-2 BPE files are copied in as vocab.json + merges.txt, so the directory is
-    also a complete tokenizer.
+    With `tokenizer` (a megazoo Tokenizer) or `tokenizer_dir` (a GPT-2 BPE directory), it is written as a Hugging
+    Face tokenizer, so the directory is also a complete tokenizer for AutoTokenizer, and its end-of-text id is
+    the model's bos / eos / pad id (config.json and generation_config.json: generate() stops there).
     """
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
+    from megazoo.models.gpt2.hf_tokenizer import save_hf_tokenizer, special_ids
+
+    if tokenizer is None and tokenizer_dir is not None:
+        from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+
+        tokenizer = GPT2BPETokenizer.from_dir(tokenizer_dir)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_state = megazoo_to_hf_state(full_state, cfg)
-    config_to_hf(cfg).save_pretrained(str(out_dir))
+    special = special_ids(tokenizer) if tokenizer is not None else None
+    config = config_to_hf(cfg, special)
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
     # HF's own format: tied lm_head omitted, "pt" metadata so from_pretrained treats it as a torch checkpoint.
     save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
-    if tokenizer_dir is not None:
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, out_dir, max_length=cfg.n_positions)
+    if tokenizer_dir is not None:  # GPT-2's own files too, for tools that read vocab.json + merges.txt
         from megazoo.data.fileio import atomic_write_bytes
         from megazoo.data.gpt2_bpe import find_bpe_files
 

@@ -82,13 +82,17 @@ def load_views(path: str | Path, views: list[StateView], *, kinds: tuple[str, ..
     for entry in manifest["pieces"]:
         by_key[(entry["name"], entry["kind"])].append(entry)
     wanted = [v for v in views if kinds is None or v.kind in kinds]
-    needed_files = {e["file"] for v in wanted for k in SOURCES[v.kind] for e in by_key.get((v.name, k), [])}
+    def sources_of(view: StateView) -> tuple[str, ...]:
+        if view.kind == "param" and view.tensor.dtype in (torch.float32, torch.float64):
+            return ("master", "param")  # full-precision parameters prefer the fp32 masters
+        return SOURCES[view.kind]
+
+    # the files of every piece a view may read (the masters' too: with kinds=("param",) they live on other ranks)
+    needed_files = {e["file"] for v in wanted for k in sources_of(v) for e in by_key.get((v.name, k), [])}
     files = {f: load_tensor_file(path / f) for f in sorted(needed_files)}
     cache: dict[tuple[str, str], torch.Tensor] = {}
     for view in sorted(wanted, key=lambda v: v.name):
-        sources = SOURCES[view.kind]
-        if view.kind == "param" and view.tensor.dtype in (torch.float32, torch.float64):
-            sources = ("master", "param")  # full-precision parameters prefer the fp32 masters
+        sources = sources_of(view)
         source = next((k for k in sources if (view.name, k) in by_key), None)
         if source is None:
             raise CheckpointError(f"checkpoint {path} has no {view.kind} for {view.name}")

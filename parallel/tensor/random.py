@@ -44,11 +44,13 @@ class TPRNGTracker:
         self._state = _get_state(self.device)
         _set_state(saved, self.device)
 
+    # No clone: a state tensor is never modified in place (torch.get_rng_state returns a new one and
+    # set_rng_state copies), and under fake tensors (the dry run) a clone would have no data to restore.
     def get_state(self) -> torch.Tensor:
-        return self._state.clone()
+        return self._state
 
     def set_state(self, state: torch.Tensor) -> None:
-        self._state = state.clone()
+        self._state = state
 
     @contextlib.contextmanager
     def fork(self):

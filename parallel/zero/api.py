@@ -104,7 +104,7 @@ class ZeroEngine:
             raise ValueError("init_fn (materialising a meta-device model) needs stage = 3")
         if meta and init_fn is None:
             raise ValueError("the model has meta-device parameters: pass init_fn (stage 3 materialises them)")
-        if broadcast_parameters and topology.dp_group is not None and not meta:
+        if broadcast_parameters and topology.grad_group is not None and not meta:
             self._broadcast(named)
         if stage == 3:
             modules = dict(model.named_modules())
@@ -174,7 +174,7 @@ class ZeroEngine:
         """dp rank 0's parameters and buffers on every dp rank, as DDP does: the same start whatever each rank
         seeded (ZeRO's update is only correct when the replicas agree). Collective: broadcast over dp."""
         for t in [p for _, p, _ in named] + list(self.module.buffers()):
-            dist.broadcast(t.data, group=self.topo.dp_group, group_src=0)
+            dist.broadcast(t.data, group=self.topo.grad_group, group_src=0)
 
     def _retie(self) -> None:
         """Point every alias of a tied parameter at the (possibly newly materialised) first one."""

@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from megazoo.parallel.fake_world import memory_key
 from megazoo.parallel.tensor import ShardSpec
 
 DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4 M elements per bucket (16 MB in fp32): see README "## Measured"
@@ -103,7 +104,7 @@ class BufferPool:
 
     def __init__(self):
         self._free: list[torch.Tensor] = []
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
+        self._lent: dict[tuple, torch.Tensor] = {}  # memory_key of a lent view -> its buffer
 
     def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         fits = [i for i, b in enumerate(self._free) if b.numel() >= numel and b.dtype == dtype and b.device == device]
@@ -112,11 +113,11 @@ class BufferPool:
         else:
             buffer = torch.empty(numel, dtype=dtype, device=device)
         view = buffer[:numel]
-        self._lent[view.data_ptr()] = buffer
+        self._lent[memory_key(view)] = buffer
         return view
 
     def give(self, view: torch.Tensor) -> None:
-        buffer = self._lent.pop(view.data_ptr(), None)
+        buffer = self._lent.pop(memory_key(view), None)
         if buffer is not None:
             self._free.append(buffer)
 

@@ -24,13 +24,21 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
                bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                units: Sequence[nn.Module] = (), init_fn: InitFn | None = None,
                tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
-               adamw: Callable | None = None):
+               adamw: Callable | None = None, compression=None):
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
     a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
     parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
     `adamw(groups, lr=, betas=, eps=)` builds the optimizer over what the rank owns (the caller passes the
-    kernels' adamw op); default: torch's single-tensor loop, torch.optim.AdamW(foreach=False)."""
+    kernels' adamw op); default: torch's single-tensor loop, torch.optim.AdamW(foreach=False).
+    `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 only."""
     adamw = adamw or _torch_adamw
+    if compression is not None:
+        from megazoo.parallel.compressed.optimizer import CompressedAdam  # imports stage0: not at module level
+        if stage != 0 or offload != "none":
+            raise ValueError(f"optimizer {compression.name!r} needs zero.stage = 0 without offload (got stage "
+                             f"{stage}, offload {offload!r})")
+        return CompressedAdam(named, topo, settings=compression, lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay, tied=tied, adamw=adamw, bucket_elements=bucket_elements)
     if stage == 0:
         if offload != "none":
             raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")

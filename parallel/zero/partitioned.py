@@ -133,7 +133,7 @@ class PartitionedOptimizer:
                  adamw: Callable | None = None, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT):
         if offload not in ("none", "cpu"):
             raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
-        self.topo, self.group = topo, topo.dp_group
+        self.topo, self.group = topo, topo.grad_group  # dp x cp (= dp when cp = 1)
         self.buckets = buckets
         self.shards = shards
         self.specs = specs or {}
@@ -167,7 +167,7 @@ class PartitionedOptimizer:
                    "weight_decay": 0.0}]
         adamw = adamw or torch.optim.AdamW  # kernels' adamw op: reference loop, foreach, torch fused or apex
         self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-        self.reducer = GradientReducer(self.group, topo.dp, self.comm, max_in_flight)
+        self.reducer = GradientReducer(self.group, topo.grad_size, self.comm, max_in_flight)
         self.wait_s: dict[str, float] = defaultdict(float)  # host seconds waiting on all-gathers (benchmarks)
 
     def _timed_wait(self, works: list, kind: str = "all-gather") -> None:
@@ -240,7 +240,7 @@ class PartitionedOptimizer:
                     views += [StateView(name, spec, kind, lo - off, hi - off, t[lo - s:hi - s]) for kind, t in owned]
                 if not self.params_partitioned:
                     views.append(StateView(name, spec, "param", 0, n, b.flat_params[off:off + n],
-                                           write=self.topo.dp_rank == 0))
+                                           write=self.topo.grad_rank == 0))
         return views
 
     def optimizer_bytes(self) -> int:

@@ -81,14 +81,16 @@ class ModelStateMemory:
     grads_bytes: float  # on the device
     optimizer_bytes: float  # this rank's optimizer states, wherever they live (CPU when offload)
     offload: bool = False
+    host_grads_bytes: float = 0.0  # the part of grads_bytes in CPU memory (megazoo's offload: owned fp32 grads)
 
     @property
     def device_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + (0.0 if self.offload else self.optimizer_bytes)
+        return (self.params_bytes + self.grads_bytes - self.host_grads_bytes
+                + (0.0 if self.offload else self.optimizer_bytes))
 
     @property
     def cpu_bytes(self) -> float:
-        return self.optimizer_bytes if self.offload else 0.0
+        return (self.optimizer_bytes if self.offload else 0.0) + self.host_grads_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -121,7 +123,8 @@ class CommVolume:
 
 @dataclass(frozen=True)
 class BufferConfig:
-    """Transient communication buffers, in elements. Defaults are DeepSpeed's ZeRO defaults."""
+    """Transient communication buffers, in elements. Defaults are DeepSpeed's ZeRO defaults (the `--paper`
+    planner's); megazoo's own are zero.reduce_bucket_size (2^24 elements by default) and megazoo_buffer_memory."""
     reduce_bucket: int = 500_000_000  # reduce_bucket_size: gradients gathered for one reduce(-scatter)
     allgather_bucket: int = 500_000_000  # allgather_bucket_size (stages 1-2): updated params per all-gather
     prefetch: int = 50_000_000  # stage3_prefetch_bucket_size: gathered params in flight ahead of use
@@ -161,6 +164,68 @@ def model_state_memory(psi: int, dp: int, stage: int, state: StateBytes = MIXED_
     grads = state.grads * psi / (dp if stage >= 2 else 1)
     optimizer = state.optimizer * psi / (dp if stage >= 1 else 1)
     return ModelStateMemory(stage, psi, dp, params, grads, optimizer, offload)
+
+
+# ---- megazoo's own model states (the default of `megazoo plan`; the paper's formulas above are `--paper`) ----
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+MAX_REDUCTIONS_IN_FLIGHT = 2  # as parallel/zero/partitioned.py: full-size gradient buckets reducing at once
+
+
+def storage_bytes(stage: int, precision: str) -> int:
+    """Bytes of one parameter (and one gradient) element as megazoo stores it: bf16/fp16 training keeps its
+    parameters and gradients in 2 bytes only under ZeRO >= 1 (stage 0 keeps fp32 and computes under autocast)."""
+    if precision not in PRECISIONS:
+        raise PlanError(f"precision {precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
+    if precision == "fp64":
+        return 8
+    return 4 if precision == "fp32" or stage == 0 else 2
+
+
+def megazoo_state_memory(psi: int, dp: int, stage: int, precision: str = "bf16", *,
+                         offload: bool = False) -> ModelStateMemory:
+    """The bytes megazoo's ZeRO optimizers hold per rank between steps (what their memory_bytes() reports), for
+    `psi` parameters (each bucket padded to a multiple of dp, as megazoo pads) over `dp` ranks. s = storage
+    bytes, m = master bytes (4; 8 in fp64), owned = psi / dp:
+
+        stage 0    params s psi, grads s psi, Adam moments 2m psi                        (4 + 4 + 8 = 16 B)
+        stage 1    params s psi, grads s psi (full buffers) + m owned (the fp32 accumulator the reduce-scatter
+                   lands in), moments 2m owned, + an fp32 master m owned unless s = m (then the owned chunk
+                   of the parameters is its own master: an alias, counted once, in params)
+        stage 2    as stage 1 without the full gradient buffers (returned to the pool after each reduction)
+        stage 3    as stage 2 with params s owned
+
+    So bf16/fp16: stage 1 2 + 2 + 16/N, stage 2 2 + 16/N, stage 3 18/N bytes per parameter (the owned gradient
+    is fp32: 4/N, not the paper's 2/N); fp32: 8 + 12/N, 4 + 12/N, 16/N. Offload ("cpu") moves the masters, the
+    moments and the owned fp32 gradients to CPU memory (host_grads_bytes)."""
+    _check(stage, psi, dp)
+    s, m = storage_bytes(stage, precision), 8 if precision == "fp64" else 4
+    if stage == 0:
+        if offload:
+            raise PlanError("offload needs zero stage >= 1 (only partitioned optimizer states are offloaded)")
+        return ModelStateMemory(0, psi, dp, s * psi, s * psi, 2 * m * psi)
+    owned = psi / dp
+    params = s * (owned if stage == 3 else psi)
+    grads = m * owned + (s * psi if stage == 1 else 0.0)
+    aliased = s == m and not offload
+    optimizer = 2 * m * owned + (0.0 if aliased else m * owned)
+    return ModelStateMemory(stage, psi, dp, params, grads, optimizer, offload, m * owned if offload else 0.0)
+
+
+def megazoo_buffer_memory(psi: int, stage: int, precision: str = "bf16", *, bucket: int = 1 << 24,
+                          units: tuple[int, int] | None = None) -> BufferMemory:
+    """megazoo's transient buffers during backward, apart from the model states (an estimate, not measured):
+    stage 0 reduces views of its gradient buffer and stage 1 reduces from its full gradient buffers (both model
+    states: no extra); stage 2 holds up to MAX_REDUCTIONS_IN_FLIGHT reducing buckets and the one filling, each
+    min(bucket, Psi) elements; stage 3 holds the root unit (embeddings, final LayerNorm) and two blocks (the one
+    running, the one prefetched) gathered, with their full gradients: `units` = (root, largest block)
+    elements, None when unknown. All-gathers write in place (no all-gather bucket)."""
+    _check(stage, psi, 1)
+    s = storage_bytes(stage, precision)
+    reduce = (MAX_REDUCTIONS_IN_FLIGHT + 1) * min(bucket, psi) * s if stage == 2 else 0.0
+    gathered = None if stage == 3 and units is None else 0.0
+    if stage == 3 and units is not None:
+        gathered = 2 * (units[0] + 2 * units[1]) * s  # params + their gradients
+    return BufferMemory(stage, reduce, 0.0, gathered or 0.0, None if gathered is None else 0.0)
 
 
 def communication_volume(psi: int, dp: int, stage: int, state: StateBytes = MIXED_ADAM, *,
@@ -235,12 +300,26 @@ class Plan:
     derivation: str  # how psi was obtained
     stages: tuple[StagePlan, ...]
     shard: ShardCounts | None = None  # the model-specific counts psi came from, when a model was given
+    precision: str | None = None  # megazoo's own accounting in this precision; None: the paper's formulas
 
 
 def plan(psi: int, dp: int, stages=STAGES, *, state: StateBytes = MIXED_ADAM, offload: bool = False,
          grad_accum: int = 1, buffers: BufferConfig = BufferConfig(), shard: ShardCounts | None = None,
-         derivation: str = "") -> Plan:
-    """Memory, communication and buffers for each ZeRO stage in `stages`, for Psi = `psi` over `dp` ranks."""
+         derivation: str = "", precision: str | None = None) -> Plan:
+    """Memory, communication and buffers for each ZeRO stage in `stages`, for Psi = `psi` over `dp` ranks: the
+    paper's formulas with `state` bytes per parameter, or with `precision` megazoo's own (megazoo_state_memory,
+    megazoo_buffer_memory with buffers.reduce_bucket, communication in the element sizes megazoo sends)."""
+    if precision is not None:
+        units = shard.unit_elements() if shard is not None and hasattr(shard, "unit_elements") else None
+        rows = []
+        for s in stages:
+            size = storage_bytes(s, precision)
+            rows.append(StagePlan(megazoo_state_memory(psi, dp, s, precision, offload=offload),
+                                  communication_volume(psi, dp, s, StateBytes(size, size, 0), grad_accum=grad_accum),
+                                  megazoo_buffer_memory(psi, s, precision, bucket=buffers.reduce_bucket,
+                                                        units=units)))
+        return Plan(psi, dp, state, offload, grad_accum, buffers,
+                    derivation or f"Psi = {psi:,} parameters per device (given)", tuple(rows), shard, precision)
     persistent = shard.persistent_elements(buffers.persistence_threshold) if shard else None
     rows = tuple(StagePlan(model_state_memory(psi, dp, s, state, offload=offload),
                            communication_volume(psi, dp, s, state, grad_accum=grad_accum),

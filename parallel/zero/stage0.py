@@ -36,7 +36,7 @@ class DataParallelAdamW(NothingToGather):
         # ends, maybe left out of the norm) or not.
         sharded = {p: spec.dim is not None and spec.size > 1 for _, p, spec in named}
         tied_params = {p for name, p, _ in named if name in tied.names}
-        self.reducer = GradientAllReducer(self.params, topo.dp_group, bucket_elements, self.comm,
+        self.reducer = GradientAllReducer(self.params, topo.grad_group, bucket_elements, self.comm,
                                           key=lambda p: (sharded[p], p in tied_params))
 
     def begin_micro_batch(self, last: bool) -> None:
@@ -77,7 +77,7 @@ class DataParallelAdamW(NothingToGather):
     def state_views(self) -> list[StateView]:
         """Full parameters (also the fp32 masters here) and Adam moments; dp rank 0 writes them."""
         ensure_adam_state(self.optimizer, self.params)
-        write = self.topo.dp_rank == 0
+        write = self.topo.grad_rank == 0
         return [view for name, p, spec in self.named if p.requires_grad
                 for view in whole_param_views(name, spec, p, self.optimizer.state[p], write)]
 

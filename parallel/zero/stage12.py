@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
+from megazoo.parallel.fake_world import same_memory
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
@@ -53,7 +54,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
         def bucket_group(name: str):  # tied parameters alone; otherwise the caller's grouping
             return ("tied", name) if name in tied.names else (group_of(name) if group_of else None)
 
-        buckets = build_buckets(named, topo.dp, topo.dp_rank, bucket_elements, bucket_group)
+        buckets = build_buckets(named, topo.grad_size, topo.grad_rank, bucket_elements, bucket_group)
         super().__init__(buckets, [b.flat_params[b.owned] for b in buckets], topo, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, offload=offload, tied=tied,
                          specs={name: spec for name, _, spec in named}, adamw=adamw)
@@ -167,7 +168,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
         for i in reversed(range(len(self.buckets))):  # buckets are in backward order: the forward needs the last first
             b, owned = self.buckets[i], updated[i]
             mine = b.flat_params[b.owned]
-            if owned.data_ptr() != mine.data_ptr():
+            if not same_memory(owned, mine):
                 mine.copy_(owned)
             if self.group is not None:
                 self._gathers[i] = all_gather_flat(b.flat_params, mine, self.group, async_op=True, ledger=self.comm)

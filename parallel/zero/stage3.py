@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
+from megazoo.parallel.fake_world import same_memory
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, build_buckets
@@ -81,7 +82,7 @@ class ZeroStage3(PartitionedOptimizer):
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
                  check_order: bool = True, offload: str = "none", adamw: Callable | None = None):
-        self.dp_group = topo.dp_group
+        self.dp_group = topo.grad_group  # dp x cp: every rank holding these parameters
         module_names = {m: n for n, m in model.named_modules()}
         prefixes = [module_names[u] + "." for u in units]
         per_unit: list[Named] = [[] for _ in range(len(units) + 1)]  # the last is the root unit
@@ -91,7 +92,7 @@ class ZeroStage3(PartitionedOptimizer):
         self.units: list[Unit] = []
         for i, unit_named in enumerate(per_unit):
             unit_named = _materialise(model, unit_named, init_fn, topo.device)
-            buckets = build_buckets(unit_named, topo.dp, topo.dp_rank, UNBOUNDED) if unit_named else []
+            buckets = build_buckets(unit_named, topo.grad_size, topo.grad_rank, UNBOUNDED) if unit_named else []
             unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets)
             self.units.append(unit)
             self._free(unit)
@@ -128,7 +129,7 @@ class ZeroStage3(PartitionedOptimizer):
         instead of hanging or crashing in mismatched collectives. Collective: a tiny all-gather over dp."""
         code = 2 * unit.index + OPS.index(op)
         mine = torch.tensor([code], dtype=torch.int64, device=self.topo.device)
-        everyone = torch.empty(self.topo.dp, dtype=torch.int64, device=self.topo.device)
+        everyone = torch.empty(self.topo.grad_size, dtype=torch.int64, device=self.topo.device)
         all_gather_flat(everyone, mine, self.dp_group)
         if (everyone != code).any():
             where = {r: f"{OPS[c % 2]} {self.units[c // 2].name}" for r, c in enumerate(everyone.tolist())}
@@ -238,7 +239,7 @@ class ZeroStage3(PartitionedOptimizer):
         for unit in self.units:
             for shard in unit.shards:
                 new = next(owned)
-                if new.data_ptr() != shard.data_ptr():  # fp32 training: the master is the shard itself
+                if not same_memory(new, shard):  # fp32 training: the master is the shard itself
                     shard.copy_(new)
         self._check_order = False
 

@@ -1,0 +1,167 @@
+"""`megazoo eval harness --checkpoint CKPT --tasks T1,T2 [--tokenizer TOK] [--tp N] [--batch-size B]
+[--include-path DIR] [--limit N] [--bootstrap-iters N] [--json OUT]`: lm-eval's evaluator on a megazoo checkpoint.
+
+The model is eval/harness_model.py's lm-eval model class. Checked in this process before any worker starts (exit
+2 and one line): lm-eval installed (else the line names the `megazoo[eval]` extra), the checkpoint and its
+tokenizer (recorded in the checkpoint, or --tokenizer), --tp against the heads, and the task names (an unknown
+one gets lm-eval's own "Tasks not found" message). Tasks are looked up in --include-path first, and lm-eval's
+~14,000 built-in task configs are indexed only when a name is not found there.
+
+With --tp N > 1 the command relaunches itself under torchrun (`python -m megazoo.eval.harness`): every rank loads
+only its own shards of the checkpoint (no consolidated copy) and runs every forward; rank 0 drives lm-eval, prints
+lm-eval's table and writes lm-eval's `results` object (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+EXTRA_HINT = "megazoo eval harness needs lm-eval: pip install 'megazoo[eval]' (or pip install lm-eval)"
+
+
+def task_manager(include_path: str | None, tasks: list[str]):
+    """lm-eval's TaskManager that knows every task in `tasks`; raises lm-eval's message for unknown ones."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if len(local.match_tasks(tasks)) == len(tasks):
+            return local
+    manager = TaskManager(include_path=include_path)
+    found = manager.match_tasks(tasks)
+    missing = [task for task in tasks if task not in found]
+    if missing:
+        raise ValueError(f"Tasks not found: {', '.join(missing)}")
+    return manager
+
+
+def check(args: argparse.Namespace, with_tasks: bool = True):
+    """Everything but the weights; returns (opened checkpoint, task names, TaskManager or None)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(EXTRA_HINT) from None
+    from megazoo.models.loading import open_checkpoint
+
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    if not tasks:
+        raise ValueError(f"--tasks {args.tasks!r} names no task: give T1,T2,...")
+    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} is invalid: it must be a positive integer")
+    if args.bootstrap_iters < 0:
+        raise ValueError(f"--bootstrap-iters {args.bootstrap_iters} is invalid: use 0 (no stderr) or more")
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise FileNotFoundError(f"--include-path {args.include_path}: directory not found")
+    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+    if args.tp < 1 or opened.cfg.n_head % args.tp:
+        raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {opened.cfg.n_head}")
+    return opened, tasks, task_manager(args.include_path, tasks) if with_tasks else None
+
+
+def run(args: argparse.Namespace, topo) -> dict | None:
+    """Evaluate on this rank: rank 0 drives lm-eval and returns its output; the other ranks serve forwards."""
+    from megazoo.eval.harness_model import MegazooLM, TPForward, serve
+    from megazoo.models.loading import load_gpt
+
+    opened, tasks, manager = check(args, with_tasks=topo.rank == 0)  # only rank 0 talks to lm-eval
+    model = load_gpt(opened, topo)
+    if topo.rank != 0:
+        serve(model)
+        return None
+    import lm_eval
+    from lm_eval.utils import make_table
+
+    forward = TPForward(model) if topo.tp > 1 else None
+    try:
+        lm = MegazooLM.from_parts(model, opened.tokenizer, forward, batch_size=args.batch_size)
+        output = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager,
+                                         bootstrap_iters=args.bootstrap_iters)
+    finally:
+        if forward is not None:
+            forward.close()
+    print(make_table(output), flush=True)
+    if args.json:
+        from megazoo.eval.scoring import write_result_json
+
+        write_result_json(output["results"], args.json)
+    return output
+
+
+def _forwarded_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--checkpoint", str(args.checkpoint), "--tasks", args.tasks, "--tp", str(args.tp),
+            "--batch-size", str(args.batch_size), "--bootstrap-iters", str(args.bootstrap_iters)]
+    for flag, value in (("--tokenizer", args.tokenizer), ("--include-path", args.include_path),
+                        ("--limit", args.limit), ("--json", args.json)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megazoo.parallel.launcher import launch_local
+    from megazoo.parallel.topology import Topology
+
+    try:
+        if args.tp > 1:
+            opened, _, _ = check(args)  # bad input fails here, before any worker starts
+            args.checkpoint = str(opened.path)
+            return launch_local(args.tp, "megazoo.eval.harness", _forwarded_argv(args))
+        run(args, Topology.solo("cuda" if torch.cuda.is_available() else "cpu"))
+    except (FileNotFoundError, ValueError, ConnectionError) as error:
+        print(f"megazoo: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, metavar="CKPT",
+                        help="a run's checkpoints/ folder (its latest good checkpoint) or one step_N directory")
+    parser.add_argument("--tasks", required=True, metavar="T1,T2", help="lm-eval task names, comma-separated")
+    parser.add_argument("--tokenizer", default=None, metavar="TOK",
+                        help="tokenizer spec (default: the one the checkpoint records)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward (default 8)")
+    parser.add_argument("--include-path", default=None, metavar="DIR", help="more lm-eval task yamls (first)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="the first N documents per task")
+    parser.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
+                        help="lm-eval's bootstrap iterations for standard errors (default 100000; 0: none)")
+    parser.add_argument("--json", default=None, metavar="OUT.json", help="write lm-eval's results object here")
+
+
+def register(tasks_subparsers) -> argparse.ArgumentParser:
+    """`megazoo eval harness` (added to eval's task subparsers by eval/cli.py)."""
+    parser = tasks_subparsers.add_parser("harness", help="lm-eval's tasks on a megazoo checkpoint (any tp)")
+    add_arguments(parser)
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun worker entry point: reads the launcher's RANK / WORLD_SIZE."""
+    from megazoo.parallel.local_launch import finish_worker
+    from megazoo.parallel.topology import Topology, init_distributed
+
+    parser = argparse.ArgumentParser(prog="megazoo eval harness")
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world_size == 1:
+        args.tp = 1
+        return _run(args)
+    init_distributed(rank, world_size, init_method="env://")
+    code = 0
+    try:
+        run(args, Topology.build(dp=1, tp=world_size))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
+        code = 2
+    finish_worker(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""What `megazoo eval wikitext103|lambada` checks before any process starts or any weight is read.
+
+The model config, its tokenizer (--tokenizer, else the one the checkpoint records or the --hf directory's own
+files), the flags against the model, and the data file: parsed (no tokenizing) and recognised, so that a LAMBADA
+jsonl given to the WikiText task, or a WikiText text file given to LAMBADA, is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PROTOCOLS = ("megatron", "lm-eval")
+DEFAULT_STRIDE = 32
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    cfg: object  # models.config.ModelConfig
+    name: str
+    tokenizer: object  # a data.tokenizer.Tokenizer
+    checkpoint: Path | None = None  # --checkpoint: the step directory it resolved to (recorded in the JSON)
+    step: int | None = None  # that checkpoint's training step
+
+
+def check_inputs(args: argparse.Namespace) -> ModelSource:
+    """Validate model config, tokenizer and data path before any process is started or weights are read."""
+    from megazoo.data.tokenizer_loading import load_tokenizer
+
+    protocol = getattr(args, "protocol", "megatron")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol {protocol!r} is invalid: use one of {', '.join(PROTOCOLS)}")
+    checkpoint = step = None
+    if args.hf is not None:
+        from megazoo.models.gpt2.hf import read_hf_config
+
+        model_dir = Path(args.hf)
+        cfg = read_hf_config(model_dir)
+        tokenizer_dir = args.tokenizer if args.tokenizer else model_dir
+        if not args.tokenizer and (model_dir / "tokenizer.json").is_file() and not any(
+                (model_dir / name).is_file() for name in ("vocab.json", "encoder.json")):
+            tokenizer_dir = f"hf:{model_dir.resolve()}"  # e.g. `megazoo convert megazoo-to-hf` of a trained BPE
+        try:
+            tokenizer = load_tokenizer(tokenizer_dir)  # GPT-2 BPE dir, tokenizer.json, sentencepiece .model, hf:NAME
+        except FileNotFoundError as error:
+            hint = "" if args.tokenizer else " (pass --tokenizer DIR with the GPT-2 BPE files)"
+            raise FileNotFoundError(f"{error}{hint}") from error
+    else:
+        from megazoo.models.loading import open_checkpoint
+
+        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+        model_dir, tokenizer_dir = opened.path, args.tokenizer or f"recorded in {opened.path}"
+        cfg, tokenizer, checkpoint, step = opened.cfg, opened.tokenizer, opened.path, opened.step
+    stride = getattr(args, "stride", None)
+    if stride is not None and protocol == "lm-eval":
+        raise ValueError(f"--stride {stride} applies to --protocol megatron only: lm-eval's WikiText protocol scores "
+                         "disjoint windows of the model's full context")
+    if stride is not None and not 1 <= stride <= cfg.n_positions:
+        raise ValueError(f"--stride {stride} must be between 1 and the model's context {cfg.n_positions}")
+    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} is invalid: it must be a positive integer")
+    if args.backend == "transformers" and args.hf is None:
+        raise ValueError("--backend transformers needs --hf DIR (a megazoo checkpoint runs through megazoo)")
+    if args.backend == "transformers" and args.tp > 1:
+        raise ValueError("--backend transformers runs in one process: use --tp 1")
+    if args.tp < 1 or cfg.n_head % args.tp:
+        raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {model_dir}) does not match the tokenizer "
+                         f"{tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
+    if not Path(args.data).is_file():
+        raise FileNotFoundError(f"--data {args.data}: file not found")
+    check_data(args.task, args.data)
+    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step)
+
+
+def _first_line_is_json_object(text: str) -> bool:
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def check_data(task: str, path: str | Path) -> None:
+    """Read and parse the data file (no tokenizing): malformed or mismatched data fails before any process."""
+    from megazoo.eval.lambada import read_lambada_texts
+    from megazoo.eval.scoring import read_text_file
+
+    text = read_text_file(path, "LAMBADA" if task == "lambada" else "WikiText")
+    if task == "lambada":
+        if not _first_line_is_json_object(text):
+            raise ValueError(f"LAMBADA file {path} is not JSON lines (its first line is not a JSON object): it looks "
+                             "like plain text, e.g. a WikiText file (use `megazoo eval wikitext103` for those); "
+                             "LAMBADA needs OpenAI's lambada_test.jsonl")
+        read_lambada_texts(path)
+        return
+    if _first_line_is_json_object(text):
+        raise ValueError(f"WikiText file {path} is JSON lines (its first line is a JSON object), e.g. LAMBADA's "
+                         "jsonl (use `megazoo eval lambada` for those); WikiText needs the plain-text "
+                         "wiki.test.tokens (or wiki.test.raw)")
+    if len(text.strip().split(" ")) < 2:
+        raise ValueError(f"WikiText file {path} has too little text to evaluate")

@@ -1,0 +1,246 @@
+"""A rank of a world that is not there: torch's fake process group and fake tensors, and what a step does in it.
+
+The dry run (recipes/dry_run.py) runs the real training step as rank r of a recipe's full world size on one
+CPU: collectives and point-to-point ops of the fake process group return at once, and fake tensors carry shape,
+dtype and device but no storage, so a 1T-parameter stage costs no memory. Every torch-internal import the dry
+run needs lives in this file (a torch upgrade touches only it):
+
+    torch.testing._internal.distributed.fake_pg   FakeStore + the "fake" backend (registered by importing it)
+    torch._subclasses.fake_tensor                 FakeTensorMode
+    torch.distributed._tools.mem_tracker          MemTracker: bytes alive per category, and their peak
+    torch.utils.flop_counter                      FlopCounterMode (public), plus a formula for CPU SDPA
+
+`StepRecorder` is used by the real (gloo) run too, so both runs are measured by the same code: it records every
+c10d collective and point-to-point op as (op, group size, bytes), and, under fake tensors, answers a host read
+(`.item()`, `.tolist()`: aten._local_scalar_dense, which fake tensors cannot answer) with a placeholder 0 and
+records where it happened, so the report can say which value was made up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+C10D_OPS = {  # the dispatcher's c10d op -> (our name, which argument holds the bytes that count)
+    "allreduce_": "all_reduce", "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allgather_": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather", "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all", "broadcast_": "broadcast", "reduce_": "reduce", "send": "send", "recv_": "recv",
+    "recv_any_source_": "recv", "barrier": "barrier", "gather_": "gather", "scatter_": "scatter",
+}
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """The default process group as rank `rank` of `world_size`, with the fake backend: every collective
+    returns at once (with the tensors unchanged); new_group and DeviceMesh work as in a real job."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process: the dry run needs its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensors():
+    """Tensors created inside have shape, dtype and device but no storage (FakeTensorMode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _group(obj) -> tuple[int, str]:
+    """(size, description) of the ProcessGroup a c10d op received (a ScriptObject wrapping it): DeviceMesh
+    describes its groups as "mesh_dp", "mesh_tp", "mesh_pp"."""
+    try:
+        pg = dist.ProcessGroup.unbox(obj)
+    except (AttributeError, RuntimeError, TypeError):
+        pg = obj
+    return pg.size(), getattr(pg, "group_desc", "")
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+@dataclass
+class StepRecorder(TorchDispatchMode):
+    """Records what a step sends and reads. Collectives: (op, group size) -> [count, bytes], where bytes is the
+    size of the tensor the op communicates: the input of an all-reduce / reduce-scatter / send, the output of an
+    all-gather / recv (the bytes each rank holds of the collective, not the ring's traffic). With `placeholders`
+    a host read returns 0 instead of raising, and its call site is recorded in `host_reads`."""
+
+    placeholders: bool = False
+    collectives: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    trace: list[tuple[str, int, int]] = field(default_factory=list)  # in order: (op, group size, bytes)
+    host_reads: Counter = field(default_factory=Counter)  # "file:line (function)" -> count
+    by_group: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (op, group desc) -> [count, bytes]
+
+    def __post_init__(self):
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and func._opname in C10D_OPS:
+            self._record(C10D_OPS[func._opname], args)
+        if self.placeholders and func is torch.ops.aten._local_scalar_dense.default:
+            self.host_reads[_call_site()] += 1
+            return False if args[0].dtype == torch.bool else 0
+        return func(*args, **kwargs)
+
+    def _record(self, op: str, args) -> None:
+        if op == "barrier":
+            return
+        size, desc = _group(next(a for a in args if isinstance(a, torch.ScriptObject)))  # the first: the group
+        counted = args[1] if op in ("reduce_scatter",) and isinstance(args[1], (torch.Tensor, list)) else args[0]
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(counted))
+        self.trace.append((op, size, nbytes))
+        for table, key in ((self.collectives, (op, size)), (self.by_group, (op, desc))):
+            entry = table.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+
+    def summary(self) -> list[dict]:
+        return [{"op": op, "group_size": g, "count": c, "bytes": b}
+                for (op, g), (c, b) in sorted(self.collectives.items())]
+
+
+def _call_site() -> str:
+    """The first frame outside torch: the line of our code that asked for a host value."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename and not frame.filename.endswith("fake_world.py"):
+            return f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} " \
+                   f"({frame.name})"
+    return "unknown"
+
+
+class MemoryTracker:
+    """Bytes of live tensor storage on this rank (torch's MemTracker), by category, and their peak.
+
+    Enter it before the model is built: every storage created inside is counted (ZeRO's flat buffers, fp32
+    masters, bucket buffers, activations). `label(params=..., grads=..., optimizer=...)` then names what the
+    setup created: storages of those tensors become parameters / gradients / optimizer state, everything else
+    created so far becomes "other", and the peak starts from there. During the step new storages are activations
+    (forward, recomputation),
+    temporaries (backward) or optimizer state (inside optimizer.step), as MemTracker classifies them."""
+
+    def __init__(self, exclude_optimizer: bool = False):
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+        class StepMemTracker(MemTracker):
+            def _update_peak_stats(self, peak_state):
+                # The device's peak: with `exclude_optimizer` (ZeRO-Offload) optimizer state is host memory.
+                for dev, snap in self._curr_mem_snap.items():
+                    used = snap["Total"] - (snap.get(_MemRefType.OPT, 0) if exclude_optimizer else 0)
+                    if used > self._peak_mem.get(dev, 0):
+                        self._peak_mem[dev] = used
+                        self._peak_mem_snap[dev] = dict(snap)
+
+            # No per-module statistics: they forbid calling a module twice per step (every micro-batch does)
+            # and cost a snapshot copy per call. Storages are counted from their creation, backward is still
+            # told apart (ModTracker's is_bw); recomputation under activation checkpointing counts as temporary.
+            def _pre_fw_hook(self, module, inputs):
+                pass
+
+            def _post_fw_hook(self, module, inputs, outputs):
+                pass
+
+            def _pre_bw_hook(self, module, args):
+                pass
+
+            def _post_bw_hook(self, module, args):
+                pass
+
+        self._tracker, self._kind = StepMemTracker(), _MemRefType
+
+    def __enter__(self):
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._tracker.__exit__(*exc)
+
+    def label(self, *, params=(), grads=(), optimizer=()) -> None:
+        t, kind = self._tracker, self._kind
+        for winfo, _ in list(t._WINFO.values()):  # setup's allocations: "other" unless named below
+            if winfo.reftype in (kind.ACT, kind.TEMP):
+                old, winfo.reftype = winfo.reftype, kind.OTH
+                t._update_snap(_update_type("REF"), winfo, old_reftype=old)
+        # Later wins: stage 0's optimizer holds the parameters themselves.
+        for tensors, reftype in ((optimizer, kind.OPT), (grads, kind.GRAD), (params, kind.PARAM)):
+            for x in tensors:
+                if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > 0:
+                    t._update_and_maybe_create_winfos(x, reftype)
+        # The peak starts here, from the labelled setup (the setup's own transients are not counted).
+        t._peak_mem, t._peak_mem_snap = {}, {}
+        t._update_peak_stats(None)
+
+    def _snapshot(self, which: str) -> dict[str, int]:
+        names = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
+                 "Temp": "temporaries", "Buffer": "other", "Other": "other"}
+        out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporaries": 0, "other": 0,
+               "total": 0}
+        for snap in self._tracker.get_tracker_snapshot(which).values():
+            for key, value in snap.items():
+                name = names.get(getattr(key, "value", key))
+                if name is not None:
+                    out[name] += value
+            out["total"] += snap.get("Total", 0)
+        return out
+
+    def peak(self) -> dict[str, int]:
+        return self._snapshot("peak")
+
+    def current(self) -> dict[str, int]:
+        return self._snapshot("current")
+
+
+def _update_type(name: str):
+    from torch.distributed._tools.mem_tracker import _UpdateType
+
+    return getattr(_UpdateType, name)
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                             **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def flop_counter() -> FlopCounterMode:
+    """FlopCounterMode that also counts the CPU flash-attention kernels (torch registers formulas only for the
+    CUDA ones, so SDPA on CPU would count 0): the same 4 b h s^2 d forward / 2.5x backward formulas."""
+    aten, mapping = torch.ops.aten, {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_sdpa_flops
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_sdpa_backward_flops
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def memory_key(t: torch.Tensor) -> tuple[int, int]:
+    """Where `t`'s data starts: (its storage, element offset). Stands in for data_ptr(), which reads the offset
+    alone for a fake tensor (no storage, so every fake tensor's address starts at 0) and would make two
+    different fake buffers look like one."""
+    return t.untyped_storage()._cdata, t.storage_offset()
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b start at the same element of the same storage (real or fake tensors)."""
+    return memory_key(a) == memory_key(b)

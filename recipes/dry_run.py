@@ -1,0 +1,165 @@
+"""`megazoo plan --recipe R.toml --dry-run`: the real training step, as rank r of the recipe's full world size,
+on one CPU with a fake process group and fake tensors (parallel/fake_world.py).
+
+The job is set up exactly as `megazoo train` sets it up: the same Topology (over the fake group), the same
+Trainer (recipes/trainer.py: build_model, build_optimizer, the PipelineEngine and its schedule, the precision
+and loss scaler), and one whole `Trainer.train_step`: every micro-batch through the schedule, the reductions,
+`optimizer_step` and the parameter gathers. Nothing is modelled a second time; what differs from training:
+- the data: fake token batches of the recipe's shape (micro_batch x seq_len + 1), not the corpus;
+- host reads: fake tensors hold no values, so a read (`.item()` / `.tolist()`) returns a placeholder 0 at that
+  point and the report names each place (the fp16 overflow verdict: "no overflow"; the step's metrics);
+- the device is the CPU: kernels are the CPU's (SDPA with dropout runs torch's math path, which stores the
+  attention probabilities; FlashAttention on a GPU does not), sizes and dtypes are the recipe's.
+
+One rank per role (`roles`): every pipeline stage that can differ (first, one middle stage, last) at dp rank 0
+and tp rank 0. dp ranks hold equal partitions (every ZeRO bucket is padded to a multiple of dp) and tp ranks
+equal shards (the vocabulary is padded to 128 x tp), so one rank stands for its whole stage. Measurement per
+role: peak bytes by category (MemoryTracker), each collective summed per (op, group size) (StepRecorder) and the
+step's FLOPs (FlopCounterMode); recipes/dry_run_report.py puts the planner's numbers beside them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from megazoo.parallel.fake_world import (MemoryTracker, StepRecorder, fake_process_group, fake_tensors,
+                                         flop_counter)
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.config import load_recipe
+from megazoo.recipes.data_setup import TrainData
+from megazoo.recipes.resolve import Resolved, model_config, resolve
+
+
+@dataclass(frozen=True)
+class Role:
+    rank: int  # the global rank that runs
+    pp_stage: int
+    ranks: tuple[int, ...]  # every rank it stands for
+    why: str
+
+
+@dataclass
+class StepMeasurement:
+    """What one rank's step used and sent (fake or real: the same code measures both)."""
+
+    peak: dict[str, int]  # bytes by category at the device peak, and "total"
+    host_bytes: int  # offloaded optimizer state (ZeRO-Offload) at that moment: CPU memory, not the device's
+    collectives: list[dict]  # {"op", "group_size", "count", "bytes"}, summed over the step
+    trace: list[tuple[str, int, int]]  # every collective in order: (op, group size, bytes)
+    flops: int
+    host_reads: dict[str, int] = field(default_factory=dict)  # call site -> placeholder reads (dry run only)
+    by_group: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (op, "mesh_dp"...) -> count, bytes
+
+
+@dataclass
+class RoleResult:
+    role: Role
+    measured: StepMeasurement
+    seconds: float
+
+
+class ShapedSamples:
+    """Token samples of the right shape and no content (zeros): the dry run reads no corpus. Created inside the
+    fake mode they are fake; in a real run they are real zeros (a valid, if dull, batch)."""
+
+    def __init__(self, count: int, seq_len: int):
+        self.count, self.seq_len = count, seq_len
+
+    def __len__(self) -> int:
+        return self.count
+
+    def stack(self, indices) -> torch.Tensor:
+        return torch.zeros((len(indices), self.seq_len + 1), dtype=torch.long)
+
+
+def shaped_data(res: Resolved) -> TrainData:
+    return TrainData(ShapedSamples(res.global_batch, res.recipe.train.seq_len), None)
+
+
+def load(path: str | Path, overrides=()) -> Resolved:
+    """The recipe resolved as `plan --recipe` resolves it: its corpus, tokenizer and checkpoint need not exist."""
+    recipe = load_recipe(path, list(overrides))
+    data = replace(recipe.data, source="synthetic", paths=(), valid_paths=(), tokenizer="")
+    bare = replace(recipe, data=data, checkpoint=replace(recipe.checkpoint, load=""))
+    return replace(resolve(bare), recipe=bare, model=model_config(recipe))
+
+
+def stated_gpu(path: str | Path) -> str | None:
+    """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/fit.py's key."""
+    for line in Path(path).read_text().splitlines():
+        found = re.search(r"Target cluster:.*?\b([AHV]\d{3})-(\d+)GB", line)
+        if found:
+            return f"{found.group(1).lower()}-{found.group(2)}gb"
+    return None
+
+
+def _global_rank(res: Resolved, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+    par = res.recipe.parallel
+    return (pp_rank * par.dp + dp_rank) * par.tp + tp_rank  # mesh ("pp", "dp", "tp"), tp innermost
+
+
+def roles(res: Resolved) -> list[Role]:
+    """The first stage, the last stage and one middle stage (pp > 2): the middle stage with the most blocks,
+    the earliest among equals, which under 1F1B also keeps the most micro-batches in flight (pp - stage)."""
+    par = res.recipe.parallel
+    stage_ranks = lambda s: tuple(_global_rank(res, s, d, t) for d in range(par.dp) for t in range(par.tp))  # noqa
+    if par.pp == 1:
+        return [Role(0, 0, stage_ranks(0), "every rank: equal dp partitions and tp shards")]
+    blocks = [sum(len(res.stage_layers[v]) for v in range(s, len(res.stage_layers), par.pp)) for s in range(par.pp)]
+    out = [Role(0, 0, stage_ranks(0), "first stage: embedding, most micro-batches in flight")]
+    if par.pp > 2:
+        mid = max(range(1, par.pp - 1), key=lambda s: (blocks[s], -s))
+        ranks = tuple(r for s in range(1, par.pp - 1) for r in stage_ranks(s))
+        out.append(Role(_global_rank(res, mid), mid, ranks,
+                        f"middle stages 1..{par.pp - 2}: stage {mid} has the most blocks ({blocks[mid]}) and, "
+                        f"under 1F1B, the most micro-batches in flight of them"))
+    out.append(Role(_global_rank(res, par.pp - 1), par.pp - 1, stage_ranks(par.pp - 1),
+                    "last stage: final LayerNorm, head and loss"))
+    return out
+
+
+def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bool) -> StepMeasurement:
+    """Build a Trainer with `build()` and run its step 0 under the memory tracker, the collective recorder and
+    the FLOP counter. Used by the dry run (fake tensors, placeholders for host reads) and by the tests' real
+    gloo runs (real tensors), so both are measured alike. The peak counts everything created from the build on.
+    With ZeRO-Offload the fp32 masters, their gradients and the Adam moments live in CPU memory: they are
+    labelled optimizer state and left out of the device peak (reported as host_bytes)."""
+    with MemoryTracker(exclude_optimizer=offload) as mem:
+        trainer = build()
+        zero = trainer.zero
+        masters = [p for g in zero.optimizer.param_groups for p in g["params"]]
+        host = masters + [p.grad for p in masters if p.grad is not None] if offload else masters
+        mem.label(params=[p for chunk in trainer.chunks for p in chunk.parameters()],
+                  grads=[] if offload else zero.gradients(), optimizer=host)
+        with StepRecorder(placeholders=placeholders) as rec, flop_counter() as flops:
+            trainer.train_step(0)
+        peak = mem.peak()
+    host_bytes = peak["optimizer"] if offload else 0
+    if offload:
+        peak["total"] -= host_bytes
+    return StepMeasurement(peak, host_bytes, rec.summary(), rec.trace, flops.get_total_flops(),
+                           dict(rec.host_reads), dict(rec.by_group))
+
+
+def run_role(res: Resolved, role: Role) -> RoleResult:
+    """One role's whole training step in a fake world of the recipe's size."""
+    from megazoo.recipes.trainer import Trainer
+
+    par = res.recipe.parallel
+    start = time.perf_counter()
+    with fake_process_group(role.rank, par.dp * par.tp * par.pp):
+        topo = Topology.build(par.dp, par.tp, par.pp, device="cpu")
+        with fake_tensors():
+            measured = measure_step(lambda: Trainer(res, topo, shaped_data(res)),
+                                    offload=res.recipe.zero.offload == "cpu", placeholders=True)
+    return RoleResult(role, measured, time.perf_counter() - start)
+
+
+def dry_run(res: Resolved, only: Callable[[Role], bool] | None = None) -> list[RoleResult]:
+    return [run_role(res, role) for role in roles(res) if only is None or only(role)]

@@ -1,0 +1,201 @@
+"""The dry run's report: each role's measurements beside the planner's numbers, the fit verdict, the JSON.
+
+    megazoo plan --recipe recipes/tnlg-17b.toml --dry-run [--gpu-memory GB | --gpu NAME] [--json OUT]
+
+Planner columns, per role's pipeline stage: model states from parallel/zero/planner.py (ZeRO paper, Table 1) on
+the stage's exact parameter count (recipes/plan.py), activations from recipes/activations.py, buffers from the
+planner's buffer_memory (recipes/fit.py's arithmetic, for this stage rather than the fullest). The activation
+formula is taken for the attention kernel the dry run executes (the CPU's: SDPA with dropout stores the
+probabilities, without dropout it does not). Communication: the collectives on the dp group ("mesh_dp") in ring
+bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter / all-gather (N-1)/N of the tensor) beside the paper's
+per-step volume. FLOPs: FlopCounterMode's count beside 6 x matmul parameters x tokens + attention (recipes/
+flops.py's convention) for this stage's share, plus one forward again when activations are checkpointed.
+Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the planner's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from megazoo.models.layout import parameter_layout
+from megazoo.parallel.zero.planner import (GB, BufferConfig, buffer_memory, communication_volume,
+                                           model_state_memory)
+from megazoo.recipes.activations import ActivationSpec, stage_activations
+from megazoo.recipes.dry_run import RoleResult, dry_run, load, stated_gpu
+from megazoo.recipes.fit import PRECISION_BYTES, parse_gpu, recipe_layout
+from megazoo.recipes.plan import shard_parameters
+from megazoo.recipes.resolve import Resolved
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 3, 2
+RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_gather": lambda n: (n - 1) / n}
+
+
+def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
+    """The planner's bytes for one pipeline stage's device: params, grads, optimizer (0 when offloaded),
+    activations, buffers, total; and its dp communication per step (paper, ring bytes sent)."""
+    cfg, layout = res.model, recipe_layout(res)
+    no_scores = layout.flash_attention and res.model.attn_dropout == 0.0  # what the CPU's SDPA keeps
+    state, elem = PRECISION_BYTES[layout.precision]
+    shard = shard_parameters(cfg, layout.tp, layout.pp, layout.stage_layers)
+    acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
+                             [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
+                             micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
+                             spec=ActivationSpec.for_model(cfg, elem, 1, no_scores), cp=layout.cp)
+    st = shard.stages[pp_stage]
+    mem = model_state_memory(st.numel, layout.dp, layout.zero, state, offload=layout.offload)
+    buffers = BufferConfig(layout.bucket, layout.bucket)
+    buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
+                        persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
+    comm = communication_volume(st.numel, layout.dp, layout.zero, state, grad_accum=layout.grad_accum)
+    out = {"params": mem.params_bytes, "grads": mem.grads_bytes,
+           "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].total_bytes,
+           "buffers": buf, "dp_comm_bytes": comm.bytes if layout.dp > 1 else 0.0, "psi": st.numel}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
+    return out
+
+
+def formula_flops(res: Resolved, pp_stage: int) -> float:
+    """6 x this tp rank's matmul parameters of the stage x its tokens + 12 L s d / tp attention per token
+    (recipes/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
+    cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
+    layers = [i for v in range(pp_stage, len(res.stage_layers), par.pp) for i in res.stage_layers[v]]
+    last = pp_stage == par.pp - 1
+    params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
+    blocks = sum(p.local_numel(par.tp) for p in params if p.name.endswith(".weight") and ".ln_" not in p.name)
+    head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
+    tokens = t.micro_batch * t.grad_accum * t.seq_len
+    attention = 12.0 * len(layers) * t.seq_len * cfg.d_model / par.tp
+    recompute = (2.0 * blocks + attention / 3) if t.activation_checkpointing else 0.0
+    return tokens * (6.0 * (blocks + head) + attention + recompute)
+
+
+def dp_ring_bytes(result: RoleResult, dp: int, world: int) -> float:
+    """Bytes this rank sends on its dp group in the step, as ring collectives move them. DeviceMesh names the
+    group "mesh_dp"; when dp is the whole world it hands out the default group instead."""
+    total = 0.0
+    for (op, desc), (_, nbytes) in result.measured.by_group.items():
+        if (desc.startswith("mesh_dp") or desc == "default_pg" and dp == world) and op in RING:
+            total += nbytes * RING[op](dp)
+    return total
+
+
+def rel(measured: float, planned_value: float) -> float | None:
+    return None if not planned_value else (measured - planned_value) / planned_value
+
+
+def role_dict(res: Resolved, r: RoleResult) -> dict:
+    plan = planned(res, r.role.pp_stage)
+    m, par = r.measured, res.recipe.parallel
+    world = par.dp * par.tp * par.pp
+    return {"rank": r.role.rank, "pp_stage": r.role.pp_stage, "ranks": list(r.role.ranks), "why": r.role.why,
+            "measured_peak_bytes": m.peak["total"], "planned_peak_bytes": plan["total"],
+            "relative_difference": rel(m.peak["total"], plan["total"]),
+            "by_category": {k: v for k, v in m.peak.items() if k != "total"}, "host_bytes": m.host_bytes,
+            "planned_by_category": {k: plan[k] for k in ("params", "grads", "optimizer", "activations", "buffers")},
+            "collectives": m.collectives, "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
+            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "flops": m.flops, "formula_flops": formula_flops(
+                res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
+
+
+def report(res: Resolved, results: list[RoleResult], capacity_gb: float, seconds: float) -> dict:
+    rows = [role_dict(res, r) for r in results]
+    fits = all(row["measured_peak_bytes"] <= capacity_gb * GB for row in rows)
+    par = res.recipe.parallel
+    return {"world_size": par.dp * par.tp * par.pp, "fits": fits, "gpu_memory_gb": capacity_gb, "roles": rows,
+            "seconds": seconds}
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def to_text(res: Resolved, rep: dict) -> str:
+    par, t = res.recipe.parallel, res.recipe.train
+    lines = [f"Dry run: {res.model.name}, dp={par.dp} x tp={par.tp} x pp={par.pp} = {rep['world_size']} ranks, "
+             f"ZeRO-{res.recipe.zero.stage}{' + CPU offload' if res.recipe.zero.offload == 'cpu' else ''}, "
+             f"{t.precision}, micro-batch {t.micro_batch} x grad_accum {t.grad_accum}, seq {t.seq_len}: one "
+             f"training step per role on fake tensors and a fake process group ({rep['seconds']:.1f} s)",
+             "  data: zero token batches of the recipe's shape (no corpus read); device: CPU kernels "
+             "(GB = 1e9 bytes)"]
+    for row in rep["roles"]:
+        c, p = row["by_category"], row["planned_by_category"]
+        n = len(row["ranks"])
+        lines += ["", f"role: rank {row['rank']} (pipeline stage {row['pp_stage']}), stands for {n} rank"
+                      f"{'s' if n != 1 else ''}: {row['why']} ({row['seconds']:.1f} s)",
+                  f"  peak GB measured {_gb(row['measured_peak_bytes'])} vs planner {_gb(row['planned_peak_bytes'])}"
+                  f" ({_pct(row['relative_difference'])})",
+                  f"    measured: params {_gb(c['params'])}, grads {_gb(c['grads'])}, optimizer "
+                  f"{_gb(c['optimizer'])}, activations {_gb(c['activations'])}, backward temporaries "
+                  f"{_gb(c['temporaries'])}, other {_gb(c['other'])}"
+                  + (f"; CPU (offloaded optimizer) {_gb(row['host_bytes'])}" if row["host_bytes"] else ""),
+                  f"    planner:  params {_gb(p['params'])}, grads {_gb(p['grads'])}, optimizer {_gb(p['optimizer'])}"
+                  f", activations {_gb(p['activations'])}, buffers {_gb(p['buffers'])}",
+                  "  collectives in the step (op, group size: count, bytes of the tensors):"]
+        for col in row["collectives"]:
+            lines.append(f"    {col['op']:>14} over {col['group_size']:>3}: {col['count']:>6} x, "
+                         f"{col['bytes'] / GB:.4f} GB")
+        lines.append(f"  dp ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
+                     f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
+        lines.append(f"  FLOPs: {row['flops']:.4g} counted vs {row['formula_flops']:.4g} by formula "
+                     f"({_pct(rel(row['flops'], row['formula_flops']))})")
+        for site, count in row["placeholders"].items():
+            lines.append(f"  placeholder: {count} host read(s) at {site} returned 0 (fake tensors hold no value)")
+    verdict = "yes" if rep["fits"] else "no"
+    worst = max(r["measured_peak_bytes"] for r in rep["roles"])
+    lines += ["", f"fits: {verdict} (largest measured peak {_gb(worst)} GB of {rep['gpu_memory_gb']:g} GB)"]
+    return "\n".join(lines)
+
+
+class DryRunUsageError(Exception):
+    """Bad flags (exit 2); the message names the flag."""
+
+
+def capacity(args) -> float:
+    if args.gpu_memory and args.gpu:
+        raise DryRunUsageError("--gpu-memory and --gpu: give one of them, not both")
+    text = args.gpu_memory or args.gpu or stated_gpu(args.recipe)
+    if not text:
+        raise DryRunUsageError(f"--gpu-memory: {args.recipe} names no GPU in its header; give --gpu-memory GB")
+    try:
+        return parse_gpu(text)[0]
+    except ValueError as err:
+        raise DryRunUsageError(str(err).replace("--gpu-memory", "--gpu" if args.gpu else "--gpu-memory")) from None
+
+
+def run(args) -> int:
+    """The `plan --dry-run` subcommand: 0 fits, 3 does not, 2 on bad flags."""
+    try:
+        if not args.recipe:
+            raise DryRunUsageError("--dry-run needs --recipe RECIPE.toml")
+        if not Path(args.recipe).is_file():
+            raise DryRunUsageError(f"--recipe {args.recipe}: no such file")
+        if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
+            raise DryRunUsageError(f"--json {args.json}: its directory does not exist")
+        gb = capacity(args)
+        from megazoo.recipes.config import RecipeError
+        try:
+            res = load(args.recipe, args.set or [])
+        except RecipeError as err:
+            raise DryRunUsageError(f"--recipe {args.recipe}: {err}") from None
+    except DryRunUsageError as err:
+        print(f"megazoo plan: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    start = time.perf_counter()
+    rep = report(res, dry_run(res), gb, 0.0)
+    rep["seconds"] = time.perf_counter() - start
+    if args.json == "-":
+        print(json.dumps(rep, indent=2))
+    else:
+        print(to_text(res, rep))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rep, indent=2))
+            print(f"json: {args.json}")
+    return EXIT_FITS if rep["fits"] else EXIT_DOES_NOT_FIT

@@ -1,0 +1,91 @@
+"""The lm-eval adapter (`megazoo eval harness`, the "megazoo" lm-eval model) == lm-eval's own `hf` model on the
+exported weights, offline, on local copies of lambada_openai and wikitext, a multiple-choice and a generate_until
+task: every per-sample log-likelihood to 1e-5 (relative for page sums above 1), aggregates to 1e-6 relative,
+the same greedy generations; tp=2 (torchrun, sharded load) == tp=1; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from lm_eval_tasks import TASKS, lm_eval_reference, offline
+
+from megazoo.recipes.cli import main as megazoo
+
+offline()  # nothing may reach for the hub
+
+METRICS = {"lambada_openai": ("acc,none", "perplexity,none"),
+           "wikitext": ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"),
+           "mc_local": ("acc,none", "acc_norm,none"), "gen_local": ("exact_match,none",)}
+
+
+def close(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    return lm_eval_reference(tmp_path_factory, data_dir)
+
+
+def test_every_sample_matches_lm_evals_hf_model(setup):
+    hf, ours = setup["hf"]["samples"], setup["ours"]["samples"]
+    for task in TASKS:
+        assert len(ours[task]) == len(hf[task]) > 0
+        for a, b in zip(ours[task], hf[task]):
+            assert a["doc_id"] == b["doc_id"]
+            for mine, theirs in zip(a["resps"], b["resps"]):
+                if task == "gen_local":
+                    assert mine == theirs  # greedy text, cut at "\n\n"
+                elif task == "wikitext":  # a page's summed log-likelihood
+                    assert close(mine[0], theirs[0], 1e-5), (task, a["doc_id"], mine, theirs)
+                else:
+                    assert close(mine[0][0], theirs[0][0], 1e-5) and mine[0][1] == theirs[0][1], (task, mine, theirs)
+
+
+def test_aggregates_match_lm_evals_hf_model(setup):
+    for task, metrics in METRICS.items():
+        for metric in metrics:
+            mine, theirs = setup["ours"]["results"][task][metric], setup["hf"]["results"][task][metric]
+            assert mine == pytest.approx(theirs, rel=1e-6), (task, metric)
+
+
+def test_cli_tp2_equals_tp1_and_writes_lm_evals_results(setup, tmp_path, capsys):
+    args = ["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--tasks", "lambada_openai,wikitext",
+            "--include-path", str(setup["tasks"]), "--bootstrap-iters", "0", "--batch-size", "4"]
+    tp2 = subprocess.run([sys.executable, "-m", "megazoo.recipes.cli", *args, "--tp", "2", "--json",
+                          str(tmp_path / "tp2.json")], capture_output=True, text=True, timeout=600)
+    assert tp2.returncode == 0, tp2.stderr[-3000:]
+    assert "lambada_openai" in tp2.stdout and "word_perplexity" in tp2.stdout  # lm-eval's table, once (rank 0)
+    results = json.loads((tmp_path / "tp2.json").read_text())
+    assert set(results) == {"lambada_openai", "wikitext"}
+    for task in results:
+        for metric in METRICS[task]:
+            assert results[task][metric] == pytest.approx(setup["ours"]["results"][task][metric], rel=1e-6)
+    # tp=1 in this process, with --limit: lm-eval's results object for the first 2 documents
+    assert megazoo([*args[:5], "lambada_openai", *args[6:], "--limit", "2", "--json", str(tmp_path / "tp1.json")]) == 0
+    limited = json.loads((tmp_path / "tp1.json").read_text())["lambada_openai"]
+    assert limited["sample_len"] == 2
+    first_two = [s["resps"][0][0][0] for s in setup["ours"]["samples"]["lambada_openai"][:2]]
+    assert limited["perplexity,none"] == pytest.approx(2.718281828459045 ** (-sum(first_two) / 2), rel=1e-6)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+    (["--tasks", "lambada_openai", "--tp", "3"], "--tp 3 must be a positive divisor"),
+    (["--tasks", "lambada_openai", "--limit", "0"], "--limit 0 is invalid"),
+])
+def test_bad_input_is_one_line_and_exit_2(setup, capsys, extra, message):
+    args = ["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--include-path", str(setup["tasks"]), *extra]
+    assert megazoo(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_without_lm_eval_the_error_names_the_extra(setup, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now raises ImportError
+    assert megazoo(["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--tasks", "lambada_openai"]) == 2
+    err = capsys.readouterr().err
+    assert "megazoo[eval]" in err and err.count("\n") == 1
