@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from megazoo.parallel.launcher import Job
+from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import Recipe, RecipeError, load_recipe
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, previous_run
@@ -71,9 +72,11 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 def torchrun_node_command(recipe: str, overrides: list[str], *, nnodes: int, node_rank: int, nproc_per_node: int,
-                          master: str, rdzv_id: str, python: str = sys.executable) -> list[str]:
+                          master: str, rdzv_id: str, python: str = sys.executable,
+                          data_dir: str | None = None) -> list[str]:
     """The torchrun command for one node of a c10d-rendezvous job training `recipe`."""
     sets = [arg for text in overrides for arg in ("--set", text)]
+    sets += ["--data-dir", os.path.abspath(data_dir)] if data_dir else []
     return [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", master,
             "--rdzv-id", rdzv_id, "-m", TRAIN_MODULE, recipe, *sets]
@@ -104,7 +107,8 @@ def _node(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     lock = None
     try:
-        recipe = load_recipe(args.recipe, overrides)
+        args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
+        recipe = load_recipe(args.recipe, overrides, data_dir=args.data_dir)
         nproc = check_layout(recipe, args.nnodes, args.nproc_per_node)
         if not 0 <= args.node_rank < args.nnodes:
             raise RecipeError(f"--node-rank {args.node_rank} is invalid: with --nnodes {args.nnodes} it must be "
@@ -112,7 +116,8 @@ def _node(args: argparse.Namespace) -> int:
         parse_endpoint(args.master)
         resolve(recipe, world_size=args.nnodes * nproc)
         command = torchrun_node_command(args.recipe, overrides, nnodes=args.nnodes, node_rank=args.node_rank,
-                                        nproc_per_node=nproc, master=args.master, rdzv_id=args.rdzv_id)
+                                        nproc_per_node=nproc, master=args.master, rdzv_id=args.rdzv_id,
+                                        data_dir=args.data_dir)
         if args.dry_run:
             print(" ".join(command))
             return 0
@@ -150,12 +155,14 @@ def _slurm(args: argparse.Namespace) -> int:
     try:
         if args.nnodes is None or args.nproc_per_node is None:
             raise RecipeError("--slurm needs --nodes N and --gpus-per-node G")
-        recipe = load_recipe(args.recipe, args.overrides)
+        args.recipe = str(find_recipe(args.recipe))
+        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir)
         check_layout(recipe, args.nnodes, args.nproc_per_node)
         resolve(recipe, world_size=args.nnodes * args.nproc_per_node)
         options = SlurmOptions(nodes=args.nnodes, gpus_per_node=args.nproc_per_node, partition=args.partition,
                                time=args.time, account=args.account, job_name=args.job_name, port=args.port)
-        script = render_sbatch(recipe, Path(args.recipe), list(args.overrides), options, workdir=Path.cwd())
+        script = render_sbatch(recipe, Path(args.recipe), list(args.overrides), options, workdir=Path.cwd(),
+                               data_dir=args.data_dir)
     except RecipeError as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
         return 2
@@ -175,7 +182,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe file, e.g. recipes/tnlg-17b.toml")
+    parser.add_argument("recipe", help="recipe file or shipped recipe name, e.g. tnlg-17b (megazoo recipes)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="folder of the recipe's relative data paths (default: the recipe's folder)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe key (repeatable)")
     parser.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, default=None, metavar="N",

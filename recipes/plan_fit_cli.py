@@ -54,10 +54,11 @@ def _int(flag: str, text, minimum: int = 1) -> int:
 
 
 def _from_recipe(args):
+    from megazoo.recipes.catalog import find_recipe
     from megazoo.recipes.config import RecipeError, load_recipe
     from megazoo.recipes.resolve import model_config, resolve
     try:
-        recipe = load_recipe(args.recipe, args.set or [])
+        recipe = load_recipe(find_recipe(args.recipe), args.set or [])  # a file, or a shipped recipe's name
         try:
             resolved = resolve(recipe)
         except RecipeError as err:  # the user's corpus or checkpoint need not exist to plan

@@ -10,6 +10,7 @@ runs the same script, whose `--resume` continues from the latest good checkpoint
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -60,7 +61,7 @@ def _check(options: SlurmOptions) -> None:
 
 
 def render_sbatch(recipe: Recipe, recipe_path: Path, overrides: list[str], options: SlurmOptions, *,
-                  workdir: Path, python: str = sys.executable) -> str:
+                  workdir: Path, python: str = sys.executable, data_dir: str | None = None) -> str:
     """The sbatch script (text) that trains `recipe` on options.nodes x options.gpus_per_node GPUs. The caller
     has checked the layout (nodes x GPUs = dp x tp x pp); this checks run.dir is on shared storage."""
     _check(options)
@@ -76,6 +77,7 @@ def render_sbatch(recipe: Recipe, recipe_path: Path, overrides: list[str], optio
     sbatch += [f"--time={options.time}"] * (options.time is not None)
     sbatch += [f"--account={options.account}"] * (options.account is not None)
     sets = "".join(f" \\\n    --set {q(text)}" for text in overrides)
+    sets += f" \\\n    --data-dir {q(os.path.abspath(data_dir))}" if data_dir else ""
     bin_dir = Path(python).parent
     lines = [
         "#!/bin/bash",

@@ -188,3 +188,24 @@ def test_slurm_refuses_a_wrong_layout_and_a_node_local_run_dir(tmp_path, capsys)
     assert "run.dir /tmp/tnlg is on node-local storage" in capsys.readouterr().err
     assert launch_cli.main(_slurm(tmp_path, "--nodes", "32")) == 2
     assert "--slurm needs --nodes N and --gpus-per-node G" in capsys.readouterr().err
+
+
+def test_launch_takes_a_shipped_recipe_name_and_forwards_data_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the repository: the name must resolve to the installed recipe
+    data = tmp_path / "corpora"
+    data.mkdir()
+    base = ["demo", "--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:29500"]
+    assert launch_cli.main([*base, "--data-dir", str(data), "--dry-run"]) == 0, capsys.readouterr().err
+    command = capsys.readouterr().out.split()
+    recipe = Path(command[command.index("megazoo.recipes.train") + 1])
+    assert recipe.is_file() and recipe.name == "demo.toml"
+    assert command[command.index("--data-dir") + 1] == str(data)
+    assert launch_cli.main(["no-such-recipe", *base[1:], "--dry-run"]) == 2
+    assert "neither a file nor a shipped recipe" in capsys.readouterr().err
+    assert launch_cli.main([*base, "--data-dir", str(tmp_path / "missing"), "--dry-run"]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+    out = tmp_path / "demo.sbatch"
+    code = launch_cli.main(["--slurm", "demo", "--nodes", "1", "--gpus-per-node", "2", "--data-dir", str(data),
+                            "--set", "run.dir=/shared/runs/demo", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert f"--data-dir {data}" in out.read_text()
