@@ -8,7 +8,12 @@ Part `throughput`: tokens/s and peak RSS per rank at dp=2 for megazoo's ZeRO sta
 megazoo's GPT, the same build_zero objects the Trainer drives), torch DistributedDataParallel and torch FSDP2
 (`fully_shard` per block, then the root), on the same model, weights (models.weights.init_weights) and data:
 the memory-bound model (8 x 1024, 16 heads, vocab 8192, 109M params, micro-batch 1 x seq 128) and gpt2-117m.
-All fp32, AdamW, clip 1.0; `warmup` steps are run and not timed, then `steps` are timed. Each step is split
+All fp32, AdamW, clip 1.0; `warmup` steps are run and not timed, then `steps` steps are timed as ONE window
+between two barriers (a barrier after every step would hide what overlaps across steps: stage 1-2's and the
+next forward's all-gathers). Configurations run in `rounds` interleaved rounds (alternating order); a row
+reports the median step time over rounds, and its "vs DDP" / "vs FSDP2" ratios are the medians of the
+per-round ratios (each taken against the reference run in the same round, so a load change between rounds
+cancels); peak RSS is the maximum over rounds. Each step is split
 into phases (mean seconds per timed step): forward, backward, reduce wait (finish_gradients; DDP reduces
 inside its backward), grad norm, optimizer (the rest of the step: clip, AdamW, stages 1-2's all-gather) and
 all-gather wait (the ZeRO objects' own host-clock accumulator `wait_s`, where present: stages 1-2 inside the
@@ -145,21 +150,17 @@ def train_worker(impl: str, shape, seq: int, micro_batch: int, warmup: int, step
     model, train_step, state_bytes, comm = build(impl, cfg, topo, ph)
     built = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(1000 + topo.dp_rank)
-    losses, times, cpu, phases = [], [], [], {}
-    for i in range(warmup + steps):
-        batch = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen)
-        dist.barrier()  # time the slowest rank's step
-        start, cpu_start, before = time.perf_counter(), time.process_time(), dict(ph)
-        losses.append(train_step(batch[:, :-1], batch[:, 1:]).item())
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - cpu_start)
-            for k in PHASES:
-                phases[k] = phases.get(k, 0.0) + (ph.get(k, 0.0) - before.get(k, 0.0)) / steps
-    # Medians: the 2 cores may be shared with other jobs. CPU seconds (all threads of this rank) are the
-    # contention-robust cost; wall seconds the throughput actually seen.
-    return {"step_s": sorted(times)[len(times) // 2], "cpu_s": sorted(cpu)[len(cpu) // 2], "losses": losses,
+    batches = [torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen)
+               for _ in range(warmup + steps)]
+    losses = [train_step(b[:, :-1], b[:, 1:]) for b in batches[:warmup]]
+    dist.barrier()  # the window below is the slowest rank's `steps` steps
+    start, cpu_start, before = time.perf_counter(), time.process_time(), dict(ph)
+    losses += [train_step(b[:, :-1], b[:, 1:]) for b in batches[warmup:]]
+    dist.barrier()
+    step_s, cpu_s = (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
+    phases = {k: (ph.get(k, 0.0) - before.get(k, 0.0)) / steps for k in PHASES}
+    # CPU seconds (all threads of this rank) are the contention-robust cost; wall seconds the throughput seen.
+    return {"step_s": step_s, "cpu_s": cpu_s, "losses": [x.item() for x in losses],
             "build_s": built, "phases": phases,
             "peak_rss": peak_rss(), "state_bytes": state_bytes(), "comm_bytes": comm(),
             "params": sum(p.numel() for p in model.parameters()) if impl != "zero3" else cfg.num_parameters(),
@@ -177,8 +178,8 @@ def run_throughput(args) -> list[dict]:
     idle, _ = launch(idle_worker, 2, mmap_large=not args.default_malloc)
     rows = [{"model": "-", "impl": "idle rank", "peak_rss": [r["peak_rss"] for r in idle]}]
     for name, seq, mb in models:
-        best: dict[str, dict] = {}
-        for round_ in range(args.rounds):  # interleaved rounds, alternating order: the fastest round of each
+        runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
+        for round_ in range(args.rounds):  # interleaved rounds, alternating order
             for impl in IMPLS if round_ % 2 == 0 else IMPLS[::-1]:
                 res, why = launch(train_worker, 2, impl, name, seq, mb, args.warmup, args.steps,
                                   mmap_large=not args.default_malloc)
@@ -187,22 +188,41 @@ def run_throughput(args) -> list[dict]:
                 if res:
                     r0 = res[0]
                     row.update(params=model_config(name).num_parameters(), step_s=r0["step_s"],
+                               tokens_per_step=r0["tokens_per_step"],
                                cpu_s=max(r["cpu_s"] for r in res),
                                tokens_per_s=r0["tokens_per_step"] / r0["step_s"], losses=r0["losses"],
                                peak_rss=[r["peak_rss"] for r in res], state_bytes=[r["state_bytes"] for r in res],
                                comm_bytes=r0["comm_bytes"], build_s=r0["build_s"],
                                phases={k: max(r["phases"][k] for r in res) for k in PHASES})
-                    old = best.get(impl)
-                    if old and not old["failed"]:
-                        row["peak_rss"] = [max(x, y) for x, y in zip(row["peak_rss"], old["peak_rss"])]
-                if impl not in best or (res and (best[impl]["failed"] or
-                                                 row["tokens_per_s"] > best[impl]["tokens_per_s"])):
-                    best[impl] = {**best.get(impl, {}), **row} if res else row
+                runs[impl].append(row)
                 done = f"FAILED {why}" if why else f"{row['tokens_per_s']:.0f} tok/s"
                 print(f"  {name} {impl} (round {round_ + 1}): {done} (load {row['loadavg_1m']:.1f})",
                       file=sys.stderr, flush=True)
-        rows += [best[impl] for impl in IMPLS]
+        rows += [_combine(runs[impl], runs) for impl in IMPLS]
     return rows
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def _combine(mine: list[dict], runs: dict[str, list[dict]]) -> dict:
+    """One row from an implementation's rounds: median step time, CPU time and phases, max peak RSS, and the
+    median over rounds of the tokens/s ratio to DDP and to FSDP2 measured in the same round."""
+    ok = [r for r in mine if not r["failed"]]
+    if not ok:
+        return mine[-1]
+    row = dict(ok[len(ok) // 2], rounds=len(ok))
+    row["step_s"], row["cpu_s"] = _median([r["step_s"] for r in ok]), _median([r["cpu_s"] for r in ok])
+    row["tokens_per_s"] = row["tokens_per_step"] / row["step_s"]
+    row["loadavg_1m"] = _median([r["loadavg_1m"] for r in ok])
+    row["peak_rss"] = [max(rank) for rank in zip(*(r["peak_rss"] for r in ok))]
+    row["phases"] = {k: _median([r["phases"][k] for r in ok]) for k in PHASES}
+    for ref in ("ddp", "fsdp2"):
+        pairs = [(r["step_s"], o["step_s"]) for r, o in zip(mine, runs[ref]) if not r["failed"] and not o["failed"]]
+        row[f"vs_{ref}"] = _median([o / m for m, o in pairs]) if pairs else None
+    return row
 
 
 def estimate_rank_bytes(stage: int, n_params: int, cfg: ModelConfig, world: int) -> float:
@@ -264,9 +284,7 @@ def print_throughput(rows) -> None:
     print("\n| model | params | impl | seq x mb x dp | tokens/s | vs DDP | vs FSDP2 | step s | CPU s/step/rank "
           "| load 1m | peak RSS/rank GB (r0, r1) | params+optimizer states/rank GB | comm/step/rank MB | last loss |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ref = {(r["model"], r["impl"]): r.get("tokens_per_s") for r in rows if not r.get("failed")}
-    ratio = lambda r, impl: f"{r['tokens_per_s'] / ref[r['model'], impl]:.2f}x" if ref.get(  # noqa: E731
-        (r["model"], impl)) else "-"
+    ratio = lambda r, impl: "-" if r.get(f"vs_{impl}") is None else f"{r[f'vs_{impl}']:.2f}x"  # noqa: E731
     for r in rows:
         rss = ", ".join(_gb(x) for x in r.get("peak_rss") or [])
         if r["impl"] == "idle rank":
@@ -279,7 +297,8 @@ def print_throughput(rows) -> None:
                   f"| {r['tokens_per_s']:.0f} | {ratio(r, 'ddp')} | {ratio(r, 'fsdp2')} | {r['step_s']:.3f} "
                   f"| {r['cpu_s']:.2f} | {r['loadavg_1m']:.1f} | {rss} | {_gb(max(r['state_bytes']))} | {comm} "
                   f"| {r['losses'][-1]:.6f} |")
-    print("\nPer-phase seconds per step (mean of the timed steps, slowest rank per phase; all-gather wait is part of "
+    print("\nPer-phase seconds per step (mean over the timed window, slowest rank per phase, median over rounds; "
+          "all-gather wait is part of "
           "the optimizer phase for stages 1-2 and of forward/backward for stage 3):\n")
     print("| model | impl | " + " | ".join(PHASES) + " |")
     print("|---|---|" + "---|" * len(PHASES))
@@ -317,7 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=1, help="micro batch per rank for gpt2-117m")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="throughput: interleaved rounds (fastest kept; RSS: max)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="throughput: interleaved rounds (medians of step time and of per-round ratios; RSS: max)")
     p.add_argument("--largest-seq", type=int, default=64)
     p.add_argument("--largest-stages", type=lambda v: [int(x) for x in v.split(",")], default=[0, 3],
                    help="largest: comma-separated ZeRO stages to search (e.g. 0,1,2,3)")

@@ -98,7 +98,8 @@ def build_buckets(named: list[tuple[str, torch.nn.Parameter, ShardSpec]], dp: in
 class BufferPool:
     """Flat buffers reused within one step: full-size gradient buckets and reduce-scatter outputs are taken and
     given back as reductions complete, so a backward allocates (and the OS zero-fills) a few buffers instead of
-    one per bucket per micro-batch. `take` hands out a view of the smallest free buffer that fits, uninitialised;
+    one per bucket per micro-batch. `take` hands out a view of the smallest free buffer that fits, uninitialised
+(on a miss, the free buffers of that dtype are released before a new one is allocated);
     `clear()` (end of the step's reductions) returns everything to the allocator, so nothing is held between
     steps. `nbytes()` is what the pool holds right now, lent or free (counted in memory_bytes)."""
 
@@ -111,6 +112,9 @@ class BufferPool:
         if fits:
             buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
+            # A miss (stage 3: the root unit's larger buffer at the end of backward): first let go of the free
+            # buffers too small for it, so they are not held next to the new one.
+            self._free = [b for b in self._free if b.dtype != dtype or b.device != device]
             buffer = torch.empty(numel, dtype=dtype, device=device)
         view = buffer[:numel]
         self._lent[memory_key(view)] = buffer

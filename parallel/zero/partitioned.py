@@ -55,8 +55,11 @@ class GradientReducer:
         self._pending: deque = deque()
         self._host_adds: deque = deque()  # ZeRO-Offload: (event, pinned staging, owned CPU chunk) not yet added
 
-    def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor, on_done: Callable[[], object] | None = None) -> None:
-        """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done."""
+    def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor | Callable[[torch.Tensor, float], object],
+               on_done: Callable[[], object] | None = None) -> None:
+        """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done.
+        `owned_grad` may be a function(sum, 1 / dp) that accumulates the reduced chunk itself (stage 3 creates
+        its owned gradients at their first reduction)."""
         while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
         out = self.pool.take(flat.numel() // self.dp, flat.dtype, flat.device)
@@ -71,7 +74,7 @@ class GradientReducer:
         work, out, owned_grad, on_done = self._pending.popleft()
         if work is not None:
             work.wait()
-        if out.device != owned_grad.device and out.device.type == "cuda":
+        if not callable(owned_grad) and out.device != owned_grad.device and out.device.type == "cuda":
             # ZeRO-Offload: copy the reduced chunk into pinned host memory without blocking the backward that
             # called us; the CPU add happens once the copy's event has completed (at the latest in drain()).
             staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
@@ -79,6 +82,9 @@ class GradientReducer:
             event = torch.cuda.Event()
             event.record()
             self._host_adds.append((event, staging, owned_grad))
+        elif callable(owned_grad):
+            owned_grad(out, 1.0 / self.dp)
+            self.pool.give(out)
         else:
             owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
             self.pool.give(out)
@@ -161,6 +167,7 @@ class PartitionedOptimizer:
             self.owned_grads.append(grad)
         for master, grad in zip(self.masters, self.owned_grads):
             master.grad = grad
+        self.grads_clean = True  # every owned gradient is zero (stage 3 may then release them)
         groups = [{"params": [m for m, b in zip(self.masters, buckets) if b.weight_decay],
                    "weight_decay": weight_decay},
                   {"params": [m for m, b in zip(self.masters, buckets) if not b.weight_decay],
@@ -184,7 +191,7 @@ class PartitionedOptimizer:
         tp-sharded buckets also sum over tp; replicated ones are counted once. Collectives: one all-reduce over
         dp, one over tp, one over pp."""
         parts = [(g, b.tp_sharded) for i, (b, g) in enumerate(zip(self.buckets, self.owned_grads))
-                 if i not in self.tied_buckets or self.tied.counted_in_norm]
+                 if g is not None and (i not in self.tied_buckets or self.tied.counted_in_norm)]
         return flat_grad_norm(parts, self.topo, self.group, ledger=self.comm)
 
     @torch.no_grad()
@@ -199,17 +206,33 @@ class PartitionedOptimizer:
                     grad.copy_(on_device)
 
     def gradients(self) -> list[torch.Tensor]:
-        return self.owned_grads
+        return [g for g in self.owned_grads if g is not None]
+
+    def accumulate_owned(self, k: int, reduced: torch.Tensor, scale: float) -> None:
+        """owned_grads[k] += reduced * scale, creating it (in the master's dtype) when it was released."""
+        grad = self.owned_grads[k]
+        if grad is None:
+            grad = reduced.to(self.masters[k].dtype, copy=True).mul_(scale)  # = 0 + scale x reduced, bitwise
+            self.owned_grads[k] = self.masters[k].grad = grad
+        else:
+            grad.add_(reduced.to(grad.dtype), alpha=scale)
+        self.grads_clean = False
+
+    def release_owned_grads(self) -> None:
+        """Free the (zero) owned gradients until the next reduction creates them (stage 3, no offload)."""
+        for k, master in enumerate(self.masters):
+            master.grad = self.owned_grads[k] = None
 
     def zero_grads_(self) -> None:
         """Drop this step's gradients (a step skipped on overflow)."""
-        for g in self.owned_grads:
+        for g in self.gradients():
             g.zero_()
+        self.grads_clean = True
 
     @torch.no_grad()
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-        for g in self.owned_grads:
+        for g in self.gradients():
             g.mul_(coef.to(g.device, g.dtype))
 
     @torch.no_grad()
@@ -218,8 +241,9 @@ class PartitionedOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        for g in self.owned_grads:
+        for g in self.gradients():
             g.zero_()
+        self.grads_clean = True
         return [m.to(b.flat_params.device, b.dtype, non_blocking=True) for m, b in zip(self.masters, self.buckets)]
 
     def state_views(self) -> list[StateView]:
@@ -251,4 +275,4 @@ class PartitionedOptimizer:
         return total
 
     def owned_grad_bytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.owned_grads)
+        return sum(g.numel() * g.element_size() for g in self.gradients())

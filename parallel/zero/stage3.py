@@ -13,8 +13,12 @@ Collectives (all over dp), per micro-batch:
   step        AdamW on the owned chunks only; nothing is gathered until the next forward.
 So 3 x params x (dp-1)/dp elements per rank per micro-batch: 1.5 x plain data parallelism.
 
-The root unit is gathered when the model's forward starts and freed when its gradients are reduced (the tied
-embedding is used at both ends of the model). Model construction creates only shards: a model built on the
+The root unit is gathered when the model's forward starts. It is freed again as soon as backward reaches the
+blocks, when no root parameter was saved for backward before or inside a block (checked each forward by a
+saved-tensor hook): for a GPT the tied embedding's head matmul is the last reader, and the embedding lookup's
+backward needs only the token ids. Otherwise it stays gathered until its gradients are reduced. A parameter
+that is at least half of its unit (the tied embedding) sits alone in its bucket, so its autograd gradient is
+reduce-scattered as it is, with no full-size copy. Model construction creates only shards: a model built on the
 meta device is materialised one unit at a time, so the peak is one full unit, never the full model.
 """
 
@@ -50,6 +54,7 @@ class Unit:
         self.gathered = True  # built full; freed right after construction
         self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)  # from the reducer's pool
         self.got: list[set[int]] = [set() for _ in buckets]  # offsets of the gradients copied into grad_flats
+        self.storages = {b.flat_params.untyped_storage()._cdata for b in buckets}  # what a saved view points at
         self.ready = 0
 
 
@@ -92,7 +97,10 @@ class ZeroStage3(PartitionedOptimizer):
         self.units: list[Unit] = []
         for i, unit_named in enumerate(per_unit):
             unit_named = _materialise(model, unit_named, init_fn, topo.device)
-            buckets = build_buckets(unit_named, topo.grad_size, topo.grad_rank, UNBOUNDED) if unit_named else []
+            half = sum(p.numel() for _, p, _ in unit_named) / 2  # a parameter this large gets its own bucket
+            alone = {name for name, p, _ in unit_named if p.numel() >= half}
+            buckets = build_buckets(unit_named, topo.grad_size, topo.grad_rank, UNBOUNDED,
+                                    group_of=lambda name: name if name in alone else None) if unit_named else []
             unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets)
             self.units.append(unit)
             self._free(unit)
@@ -100,11 +108,15 @@ class ZeroStage3(PartitionedOptimizer):
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay, offload=offload,
                          specs={name: spec for name, _, spec in named}, adamw=adamw, max_in_flight=1)
-        self._owned_grad_of = {}
+        self._owned_grad_of = {}  # (unit, bucket) -> what the reducer adds the reduced chunk into
         k = 0
         for u in self.units:
             for j in range(len(u.buckets)):
-                self._owned_grad_of[(u.index, j)] = self.owned_grads[k]
+                # Without offload the owned gradients are released while a step's first forward runs and
+                # created by their first reduction (partitioned.accumulate_owned), as FSDP's sharded gradients.
+                into = (lambda out, scale, k=k: self.accumulate_owned(k, out, scale)) if offload == "none" \
+                    else self.owned_grads[k]
+                self._owned_grad_of[(u.index, j)] = into
                 k += 1
         self._where = {}
         for u in self.units:
@@ -119,8 +131,11 @@ class ZeroStage3(PartitionedOptimizer):
             module.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i))
             module.register_full_backward_pre_hook(lambda m, grad_out, i=i: self._pre_backward(i))
         model.register_forward_pre_hook(lambda m, args: self._before_model_forward())
-        model.register_forward_hook(lambda m, args, out: self._after_model_forward())
+        model.register_forward_hook(lambda m, args, out: self._after_model_forward(), always_call=True)
         self._in_backward = False
+        self._saving = None  # the saved-tensor hooks watching root parameters during a forward with grad
+        self._root_read = False  # a root parameter was saved for backward since the forward started
+        self._root_needed = False  # ... and a block ran after it: its backward reads root parameters mid-way
         self._check_order = check_order  # the first step verifies every dp rank gathers the same units
 
     # ---- gather / free ------------------------------------------------------------------------------------
@@ -164,15 +179,21 @@ class ZeroStage3(PartitionedOptimizer):
         unit.gathered = False
 
     def _pre_forward(self, i: int) -> None:
+        self._root_needed |= self._root_read and not self._in_backward
         self._gather(self.blocks[i])
         if i + 1 < len(self.blocks) and not self._in_backward:
             self._gather(self.blocks[i + 1], wait=False)  # prefetch: overlaps this block's compute
 
     def _post_forward(self, i: int) -> None:
         if not self._in_backward:  # during backward this forward is a checkpoint recomputation: keep it
+            self._root_needed |= self._root_read
             self._free(self.blocks[i])
 
     def _pre_backward(self, i: int) -> None:
+        if not self._in_backward and not self._root_needed and self.root.gathered:
+            # Autograd runs every operation recorded after the last block before any block's backward, so
+            # the root's readers are done: free it now, not when its gradients arrive at the very end.
+            self._free(self.root)
         self._in_backward = True
         self._gather(self.blocks[i])
         if i > 0:
@@ -182,9 +203,24 @@ class ZeroStage3(PartitionedOptimizer):
         # A new micro-batch starts (a checkpointed block's recomputation re-runs that block only, never the
         # model): from here block forwards free their units again.
         self._in_backward = False
+        self._root_read = self._root_needed = False
+        if torch.is_grad_enabled() and self.grads_clean and self.offload == "none":
+            self.release_owned_grads()  # a step's first micro-batch: nothing to accumulate into yet
+        if torch.is_grad_enabled() and self._saving is None:
+            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._saving.__enter__()
         self._gather(self.root)
 
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Saved-tensor hook (forward only): notes when a root parameter (or a view of one) is saved."""
+        if not self._root_read and t.untyped_storage()._cdata in self.root.storages:
+            self._root_read = True
+        return t
+
     def _after_model_forward(self) -> None:
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
         if not torch.is_grad_enabled():  # no backward will follow (evaluation, generation)
             self._free(self.root)
 
@@ -198,9 +234,16 @@ class ZeroStage3(PartitionedOptimizer):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, j, off = self._where[param]
         bucket = unit.buckets[j]
-        if unit.grad_flats[j] is None:  # uninitialised: every range is written below or zeroed at launch
-            unit.grad_flats[j] = self.reducer.pool.take(bucket.numel, bucket.dtype, param.device)
-        unit.grad_flats[j][off:off + param.numel()].copy_(param.grad.view(-1))
+        grad = param.grad
+        if (unit.grad_flats[j] is None and len(bucket.params) == 1 and bucket.numel == grad.numel()
+                and grad.is_contiguous() and grad.dtype == bucket.dtype):
+            # A parameter alone in its bucket (the tied embedding): autograd's gradient is this bucket's flat
+            # gradient already; the reducer holds it until reduced (the pool does not know it: give() ignores it)
+            unit.grad_flats[j] = grad.detach().view(-1)
+        else:
+            if unit.grad_flats[j] is None:  # uninitialised: every range is written below or zeroed at launch
+                unit.grad_flats[j] = self.reducer.pool.take(bucket.numel, bucket.dtype, param.device)
+            unit.grad_flats[j][off:off + param.numel()].copy_(grad.view(-1))
         unit.got[j].add(off)
         param.grad = None
         unit.ready += 1
