@@ -130,3 +130,16 @@ def test_bad_tokenizer_is_refused_before_reading_weights(exported, tmp_path, cap
     assert convert(["convert", "megazoo-to-hf", ckpts, "--out", tmp_path / "o", "--tokenizer", "none"]) == 0
     config = json.loads((tmp_path / "o" / "config.json").read_text())
     assert config.get("bos_token_id") is None and not (tmp_path / "o" / "tokenizer.json").exists()
+
+
+def test_exported_folder_and_files_are_readable_by_others(exported):
+    # The export is staged in a mkdtemp folder (0700) and renamed: it must come out with the umask's modes, like
+    # any folder the user makes, or shared storage breaks (another user cannot load the model).
+    import os
+    import stat
+    _, out = exported
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in [out, *out.iterdir()]:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path

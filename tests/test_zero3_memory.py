@@ -9,6 +9,9 @@ reduction (parallel/zero/stage3.py, buckets.py).
   values), and training still equals a single-process fp64 reference to 1e-10.
 - The tied embedding sits alone in its bucket: its autograd gradient is reduce-scattered as it is; no
   full-size pool buffer of its size is ever allocated.
+- At most one unit's full-size gradient buffers are held at once: a unit's first gradient first finishes the
+  previous unit's reduce-scatter, whose buffer it then reuses; that reduce-scatter's output becomes the owned
+  gradient (no copy) when the owned gradient does not exist yet.
 - The buffer pool lets go of free buffers too small for a request before allocating a larger one.
 """
 
@@ -46,6 +49,11 @@ def _root_during_backward():
     at_blocks, after_forward, taken, grads_in_forward, after_step = [], [], [], [], []
     for block in model.h.values():  # registered after the engine's hooks: runs after its pre-backward
         block.register_full_backward_pre_hook(lambda m, g: at_blocks.append(_gathered_bytes(zero.root)))
+    pool_bytes, kept = [], []
+    for p in model.parameters():  # registered after the engine's: sees the buffer it took for this gradient
+        p.register_post_accumulate_grad_hook(lambda p: pool_bytes.append(zero.reducer.pool.nbytes()))
+    release = zero.reducer.pool.release
+    zero.reducer.pool.release = lambda view: kept.append(release(view)) or kept[-1]
     take = zero.reducer.pool.take
     zero.reducer.pool.take = lambda numel, *a: taken.append(numel) or take(numel, *a)
     ids = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(topo.dp_rank))
@@ -57,17 +65,22 @@ def _root_during_backward():
         engine.step()
         after_step.append([g.abs().max().item() for g in zero.owned_grads])
     alone = [b.numel for b in zero.root.buckets if b.names == ["wte.weight"]]
-    return at_blocks, after_forward, taken, alone, _gathered_bytes(zero.root), grads_in_forward, after_step
+    unit_bytes = max(sum(b.numel * 8 for b in u.buckets) for u in zero.blocks)
+    return (at_blocks, after_forward, taken, alone, _gathered_bytes(zero.root), grads_in_forward, after_step,
+            (max(pool_bytes), unit_bytes, kept))
 
 
 def test_root_unit_is_freed_when_backward_reaches_the_blocks():
-    for at_blocks, after_forward, taken, alone, root_after, in_forward, after_step in run_distributed(
+    for at_blocks, after_forward, taken, alone, root_after, in_forward, after_step, pool in run_distributed(
             _root_during_backward, 2):
         assert all(b > 0 for b in after_forward)  # the head reads the tied embedding: gathered for forward
         assert len(at_blocks) == 2 * CFG.n_layer and all(b == 0 for b in at_blocks)
         assert root_after == 0
         assert in_forward == [([], 0), ([], 0)]  # no owned gradient while the forward runs
         assert all(g and max(g) == 0 for g in after_step)  # between steps: every owned gradient exists, zero
+        pool_peak, unit_bytes, kept = pool
+        assert pool_peak <= 1.5 * unit_bytes  # one block's buffers (+ a reduce-scatter output), never two blocks'
+        assert sum(kept) >= 2 * CFG.n_layer  # each block's (2 buckets) reduced chunk became its owned gradient
         # wte alone in a bucket (vocab 512 x 32 is divisible by dp): reduced from autograd's gradient, so the
         # pool never hands out a full-size buffer for it (only its 1/dp reduce-scatter output).
         assert len(alone) == 1 and alone[0] == CFG.vocab_size * CFG.d_model

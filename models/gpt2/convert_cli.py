@@ -48,6 +48,15 @@ def ensure_empty_out_dir(out_dir: str | Path) -> Path:
     return out_dir
 
 
+def _plain_modes(folder: Path) -> None:
+    """Give `folder` and everything in it the modes a plain mkdir / open would under the user's umask:
+    mkdtemp makes the folder 0700 and safetensors writes its file 0600, which shared storage cannot read."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def staged_out_dir(out_dir: str | Path):
     """Yield a fresh temporary directory beside `out_dir`, renamed to `out_dir` only when the block succeeds:
@@ -57,6 +66,7 @@ def staged_out_dir(out_dir: str | Path):
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         yield staging
+        _plain_modes(staging)
         check_out_dir(out_dir)  # nobody wrote there meanwhile
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked): replaced by the finished one

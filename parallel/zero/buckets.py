@@ -98,7 +98,8 @@ def build_buckets(named: list[tuple[str, torch.nn.Parameter, ShardSpec]], dp: in
 class BufferPool:
     """Flat buffers reused within one step: full-size gradient buckets and reduce-scatter outputs are taken and
     given back as reductions complete, so a backward allocates (and the OS zero-fills) a few buffers instead of
-    one per bucket per micro-batch. `take` hands out a view of the smallest free buffer that fits, uninitialised
+    one per bucket per micro-batch. `take` hands out a view of the smallest free buffer that fits (at most 1.25x
+the request), uninitialised
 (on a miss, the free buffers of that dtype are released before a new one is allocated);
     `clear()` (end of the step's reductions) returns everything to the allocator, so nothing is held between
     steps. `nbytes()` is what the pool holds right now, lent or free (counted in memory_bytes)."""
@@ -108,13 +109,16 @@ class BufferPool:
         self._lent: dict[tuple, torch.Tensor] = {}  # memory_key of a lent view -> its buffer
 
     def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        fits = [i for i, b in enumerate(self._free) if b.numel() >= numel and b.dtype == dtype and b.device == device]
+        # Within a quarter of the request: a small reduce-scatter output must not occupy the full-size buffer the
+        # next unit's gradients are about to need (stage 3 would then allocate a second one).
+        fits = [i for i, b in enumerate(self._free) if numel <= b.numel() <= numel + numel // 4
+                and b.dtype == dtype and b.device == device]
         if fits:
             buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
             # A miss (stage 3: the root unit's larger buffer at the end of backward): first let go of the free
             # buffers too small for it, so they are not held next to the new one.
-            self._free = [b for b in self._free if b.dtype != dtype or b.device != device]
+            self._free = [b for b in self._free if b.dtype != dtype or b.device != device or b.numel() > numel]
             buffer = torch.empty(numel, dtype=dtype, device=device)
         view = buffer[:numel]
         self._lent[memory_key(view)] = buffer
@@ -124,6 +128,14 @@ class BufferPool:
         buffer = self._lent.pop(memory_key(view), None)
         if buffer is not None:
             self._free.append(buffer)
+
+    def release(self, view: torch.Tensor) -> bool:
+        """Hand a lent view over to the caller for good, when it is its whole buffer; False (still lent) if not."""
+        key = memory_key(view)
+        if key in self._lent and self._lent[key].numel() == view.numel():
+            del self._lent[key]
+            return True
+        return False
 
     def clear(self) -> None:
         self._free.clear()

@@ -59,7 +59,7 @@ class GradientReducer:
                on_done: Callable[[], object] | None = None) -> None:
         """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done.
         `owned_grad` may be a function(sum, 1 / dp) that accumulates the reduced chunk itself (stage 3 creates
-        its owned gradients at their first reduction)."""
+        its owned gradients at their first reduction); it returns True when it kept `sum` (taken from the pool)."""
         while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
         out = self.pool.take(flat.numel() // self.dp, flat.dtype, flat.device)
@@ -83,8 +83,8 @@ class GradientReducer:
             event.record()
             self._host_adds.append((event, staging, owned_grad))
         elif callable(owned_grad):
-            owned_grad(out, 1.0 / self.dp)
-            self.pool.give(out)
+            if not owned_grad(out, 1.0 / self.dp):
+                self.pool.give(out)
         else:
             owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
             self.pool.give(out)
@@ -97,6 +97,11 @@ class GradientReducer:
             event, staging, owned_grad = self._host_adds.popleft()
             event.synchronize()
             owned_grad.add_(staging.to(owned_grad.dtype), alpha=1.0 / self.dp)
+
+    def finish_launched(self) -> None:
+        """Wait for every launched reduction and add it into its owned chunk (their buffers go back to the pool)."""
+        while self._pending:
+            self._finish_oldest()
 
     def in_flight_bytes(self) -> int:
         """The pool (full-size buckets being filled or reduced, reduce-scatter outputs) and offload staging."""
@@ -208,15 +213,18 @@ class PartitionedOptimizer:
     def gradients(self) -> list[torch.Tensor]:
         return [g for g in self.owned_grads if g is not None]
 
-    def accumulate_owned(self, k: int, reduced: torch.Tensor, scale: float) -> None:
-        """owned_grads[k] += reduced * scale, creating it (in the master's dtype) when it was released."""
-        grad = self.owned_grads[k]
+    def accumulate_owned(self, k: int, reduced: torch.Tensor, scale: float) -> bool:
+        """owned_grads[k] += reduced * scale, creating it (in the master's dtype) when it was released: then the
+        reduce-scatter output itself becomes the owned gradient when the pool lets it go. True when kept."""
+        grad, kept = self.owned_grads[k], False
         if grad is None:
-            grad = reduced.to(self.masters[k].dtype, copy=True).mul_(scale)  # = 0 + scale x reduced, bitwise
+            kept = reduced.dtype == self.masters[k].dtype and self.reducer.pool.release(reduced)
+            grad = (reduced if kept else reduced.to(self.masters[k].dtype, copy=True)).mul_(scale)  # = 0 + s x r
             self.owned_grads[k] = self.masters[k].grad = grad
         else:
             grad.add_(reduced.to(grad.dtype), alpha=scale)
         self.grads_clean = False
+        return kept
 
     def release_owned_grads(self) -> None:
         """Free the (zero) owned gradients until the next reduction creates them (stage 3, no offload)."""

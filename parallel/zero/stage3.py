@@ -10,7 +10,11 @@ Collectives (all over dp), per micro-batch:
               free it right after.
   backward    all-gather it again before its backward (prefetching the unit before it), then, once all its
               gradients exist, reduce-scatter them into the owners' chunks and free the parameters and gradients.
+              The reduce-scatter runs while the next unit's gather is waited and its first backward op runs; the
+              next unit's first gradient waits for it, so one unit's full-size gradient buffer is alive at a time.
   step        AdamW on the owned chunks only; nothing is gathered until the next forward.
+Owned gradient chunks exist from their unit's first reduce-scatter (whose output becomes the chunk) to the next
+step's first forward, which releases them (zero by then): no fp32 gradient memory while a forward runs.
 So 3 x params x (dp-1)/dp elements per rank per micro-batch: 1.5 x plain data parallelism.
 
 The root unit is gathered when the model's forward starts. It is freed again as soon as backward reaches the
@@ -235,6 +239,10 @@ class ZeroStage3(PartitionedOptimizer):
         unit, j, off = self._where[param]
         bucket = unit.buckets[j]
         grad = param.grad
+        if all(f is None for f in unit.grad_flats):
+            # This unit's first gradient: finish the previous unit's reduce-scatter (it overlapped this unit's
+            # all-gather wait and first backward op) so its buffer is reused, not held next to a second one.
+            self.reducer.finish_launched()
         if (unit.grad_flats[j] is None and len(bucket.params) == 1 and bucket.numel == grad.numel()
                 and grad.is_contiguous() and grad.dtype == bucket.dtype):
             # A parameter alone in its bucket (the tied embedding): autograd's gradient is this bucket's flat
@@ -253,6 +261,9 @@ class ZeroStage3(PartitionedOptimizer):
     def _reduce_and_free(self, unit: Unit) -> None:
         if self._check_order and self.dp_group is not None:
             self._verify_same_unit(unit, "reduce-scatter")
+        if unit is self.root:  # the blocks' backward is over: their buffers are not reused before the step
+            self.reducer.finish_launched()
+            self.reducer.pool.clear()
         for j, b in enumerate(unit.buckets):
             flat = unit.grad_flats[j]
             if flat is None:  # no gradient reached this bucket
