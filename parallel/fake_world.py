@@ -135,8 +135,8 @@ class MemoryTracker:
     masters, bucket buffers, activations). `label(params=..., grads=..., optimizer=...)` then names what the
     setup created: storages of those tensors become parameters / gradients / optimizer state, everything else
     created so far becomes "other", and the peak starts from there. During the step new storages are activations
-    (forward, recomputation),
-    temporaries (backward) or optimizer state (inside optimizer.step), as MemTracker classifies them."""
+    (forward), temporaries (backward, recomputation included) or optimizer state (inside a torch Optimizer's
+    step), as MemTracker classifies them: the categories are its heuristics; the total is the figure to use."""
 
     def __init__(self, exclude_optimizer: bool = False):
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType

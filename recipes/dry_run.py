@@ -91,8 +91,14 @@ def load(path: str | Path, overrides=()) -> Resolved:
 
 
 def stated_gpu(path: str | Path) -> str | None:
-    """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/fit.py's key."""
-    for line in Path(path).read_text().splitlines():
+    """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/fit.py's key;
+    `path` may also be a shipped recipe's name."""
+    path = Path(path)
+    if not path.is_file():
+        path = Path(__file__).resolve().parent / f"{path.name}.toml"
+        if not path.is_file():
+            return None
+    for line in path.read_text().splitlines():
         found = re.search(r"Target cluster:.*?\b([AHV]\d{3})-(\d+)GB", line)
         if found:
             return f"{found.group(1).lower()}-{found.group(2)}gb"
@@ -135,8 +141,9 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
         zero = trainer.zero
         masters = [p for g in zero.optimizer.param_groups for p in g["params"]]
         host = masters + [p.grad for p in masters if p.grad is not None] if offload else masters
-        mem.label(params=[p for chunk in trainer.chunks for p in chunk.parameters()],
-                  grads=[] if offload else zero.gradients(), optimizer=host)
+        params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+        full_grads = [p.grad for p in params if p.grad is not None]  # stage 0/1: views of the flat buckets
+        mem.label(params=params, grads=full_grads + ([] if offload else zero.gradients()), optimizer=host)
         with StepRecorder(placeholders=placeholders) as rec, flop_counter() as flops:
             trainer.train_step(0)
         peak = mem.peak()

@@ -9,7 +9,7 @@ formula is taken for the attention kernel the dry run executes (the CPU's: SDPA 
 probabilities, without dropout it does not). Communication: the collectives on the dp group ("mesh_dp") in ring
 bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter / all-gather (N-1)/N of the tensor) beside the paper's
 per-step volume. FLOPs: FlopCounterMode's count beside 6 x matmul parameters x tokens + attention (recipes/
-flops.py's convention) for this stage's share, plus one forward again when activations are checkpointed.
+flops.py's convention) for this stage's share, plus the forward recomputed under activation checkpointing.
 Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the planner's convention).
 """
 
@@ -69,7 +69,11 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
     tokens = t.micro_batch * t.grad_accum * t.seq_len
     attention = 12.0 * len(layers) * t.seq_len * cfg.d_model / par.tp
-    recompute = (2.0 * blocks + attention / 3) if t.activation_checkpointing else 0.0
+    # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: without dropout after
+    # it, the block's last matmul (mlp.c_proj, whose output nothing saves) is not run again.
+    last_mm = sum(p.local_numel(par.tp) for p in params if p.name.endswith("mlp.c_proj.weight"))
+    again = blocks - (last_mm if cfg.dropout == 0.0 else 0)
+    recompute = (2.0 * again + attention / 3) if t.activation_checkpointing else 0.0
     return tokens * (6.0 * (blocks + head) + attention + recompute)
 
 
@@ -175,8 +179,6 @@ def run(args) -> int:
     try:
         if not args.recipe:
             raise DryRunUsageError("--dry-run needs --recipe RECIPE.toml")
-        if not Path(args.recipe).is_file():
-            raise DryRunUsageError(f"--recipe {args.recipe}: no such file")
         if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
             raise DryRunUsageError(f"--json {args.json}: its directory does not exist")
         gb = capacity(args)

@@ -5,7 +5,10 @@ against the GPU's memory; recipes/plan.py: per-shard parameter counts) and the s
 (recipes/cost_model.py: model FLOPs at an MFU + un-overlapped communication over stated bandwidths), on the repo's
 recipes where one exists (recipes/tnlg-17b.toml, gpt-100b.toml, gpt-1t.toml, read as `megazoo plan --recipe`
 reads them). Published figures are quoted with their source; where our reading of a source is from memory it says
-so. Nothing here runs a model: the numbers are exact for the planner's formulas.
+so. Nothing here runs a model: the numbers are exact for the planner's formulas. Where a dry run of the recipe
+has been recorded (`python benchmarks/dry_run.py --recipes tnlg-17b gpt-100b gpt-1t --json runs/dry_run.json`:
+the real training step at the full world size on fake tensors, recipes/dry_run.py), its measured peak, dp bytes
+and FLOPs per role are shown beside the planner's, each column saying whether it is measured or computed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megazoo.recipes.flops import model_flops_per_token
 from megazoo.recipes.plan_fit_cli import _from_recipe
 from megazoo.recipes.reproduce_common import REPO, Report, figure, table
 
+DRY_RUN_JSON = REPO / "runs" / "dry_run.json"  # benchmarks/dry_run.py --json (measured, not computed)
 V100 = GPUS["v100-32gb"]  # 32 GB, 125 TFLOP/s fp16, DGX-2: 16 per node on NVSwitch
 SRC_TNLG = ("Microsoft Research blog, \"Turing-NLG: A 17-billion-parameter language model by Microsoft\" (Rosset, "
             "Feb. 2020): with ZeRO, model parallelism 16 -> 4 and 4x the batch size per node")
@@ -159,12 +163,35 @@ def low_bandwidth(rep: Report) -> list[list]:
              "(tp 2 inside a node)"]]
 
 
+def dry_run_section(rep: Report) -> None:
+    """The recorded dry runs' measurements beside the planner's computed numbers (or how to record them)."""
+    import json
+    if not DRY_RUN_JSON.is_file():
+        rep.add("## Measured by the dry run", f"Not recorded: every figure above is computed. Record with `python "
+                f"benchmarks/dry_run.py --recipes tnlg-17b gpt-100b gpt-1t --json {DRY_RUN_JSON.relative_to(REPO)}`.")
+        return
+    rows = []
+    for r in json.loads(DRY_RUN_JSON.read_text()):
+        for role in r["roles"]:
+            rows.append([r["recipe"], r["world_size"], f"{role['rank']} (stage {role['pp_stage']})",
+                         f"{role['measured_peak_bytes'] / GB:.2f}", f"{role['planned_peak_bytes'] / GB:.2f}",
+                         f"{role['dp_ring_bytes'] / GB:.2f}", f"{role['paper_dp_comm_bytes'] / GB:.2f}",
+                         f"{role['flops'] / 1e15:.2f}", f"{role['formula_flops'] / 1e15:.2f}"])
+    rep.add("## Measured by the dry run", f"From {DRY_RUN_JSON.relative_to(REPO)} (benchmarks/dry_run.py): the "
+            "real training step per pipeline role at the recipe's full world size on fake tensors. GB = 1e9 bytes.",
+            table(["recipe", "ranks", "role", "peak GB (measured)", "peak GB (computed, planner)",
+                   "dp GB/step (measured)", "dp GB/step (computed, ZeRO paper)", "PFLOP (measured)",
+                   "PFLOP (computed, 6 N T + attention)"], rows))
+    rep.data["dry_run"] = rows
+
+
 def claims(args) -> Report:
     rep = Report("System claims of the ZeRO / DeepSpeed / Turing-NLG announcements, recomputed")
     rep.add("Recomputed by megazoo's planner (recipes/fit.py: ZeRO model states + Korthikanti activations + "
             "buckets per device; GB = 1e9 bytes, a V100-32GB holds 32 GB) and cost model (recipes/cost_model.py). "
             "The summary first, then each claim's detail.")
     summary = tnlg(rep) + gpt100b(rep) + gpt1t(rep) + low_bandwidth(rep)
+    dry_run_section(rep)
     rep.sections.insert(1, table(["claim", "published", "source", "recomputed", "how"], summary, "lllll"))
     rep.data["summary"] = summary
     fig, axes = figure(ncols=2, nrows=2, width=4.6, height=3.2)

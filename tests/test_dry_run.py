@@ -145,15 +145,12 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
 # Real size: shipped recipes at their full world size, widths, batch shapes, ZeRO stage and precision. To keep
 # the suite fast the depth is cut (the step's cost is linear in the blocks per stage); `python
 # benchmarks/dry_run.py` runs every shipped recipe whole.
-@pytest.mark.parametrize("name, sets", [("tnlg-17b", ["model.n_layer=2"]), ("gpt2-117m", ["model.n_layer=2"]),
-                                        ("gpt-1t", ["train.grad_accum=2", "train.global_batch=4"])])
+@pytest.mark.parametrize("name, sets", [("tnlg-17b", ["model.n_layer=2"]), ("gpt2-117m", ["model.n_layer=2"])])
 def test_shipped_recipe_dry_runs_at_full_size(name, sets):
     res = load(f"recipes/{name}.toml", sets)
     par = res.recipe.parallel
     chosen = roles(res)
     assert sorted(r for role in chosen for r in role.ranks) == list(range(par.dp * par.tp * par.pp))
-    if name == "gpt-1t":  # 800 ranks: run the first stage only (the others: benchmarks/dry_run.py)
-        chosen = chosen[:1]
     rep = report(res, [run_role(res, role) for role in chosen], 32, 0.0)
     assert rep["world_size"] == par.dp * par.tp * par.pp
     for row in rep["roles"]:
@@ -165,3 +162,14 @@ def test_shipped_recipe_dry_runs_at_full_size(name, sets):
             assert abs(row["dp_ring_bytes"] - factor * row["paper_dp_comm_bytes"]) <= \
                 0.02 * factor * row["paper_dp_comm_bytes"], row
     assert torch.distributed.is_initialized() is False  # the fake world is gone again
+
+
+def test_roles_of_the_3d_recipes_cover_every_rank():
+    """gpt-1t (800 ranks, 25 stages) and gpt3-175b: first, one middle and the last stage stand for every rank."""
+    for name in ("gpt-1t", "gpt3-175b"):
+        res = load(f"recipes/{name}.toml")
+        par = res.recipe.parallel
+        chosen = roles(res)
+        assert [r.pp_stage for r in chosen][0] == 0 and chosen[-1].pp_stage == par.pp - 1 and len(chosen) == 3
+        assert sorted(r for role in chosen for r in role.ranks) == list(range(par.dp * par.tp * par.pp))
+        assert all(role.rank in role.ranks for role in chosen)

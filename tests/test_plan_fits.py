@@ -38,7 +38,7 @@ def test_named_gpus(capsys):
     (["--recipe", DEMO], "--gpu-memory GB"),
     (["--recipe", DEMO, "--gpu-memory", "big"], "valid GPUs"),
     (["--recipe", DEMO, "--gpu-memory", "32", "--gpu", "v100-32gb"], "not both"),
-    (["--recipe", "no/such.toml", "--gpu-memory", "32"], "does not exist"),
+    (["--recipe", "no/such.toml", "--gpu-memory", "32"], "neither a file nor a shipped recipe"),
     (["--model", "gpt2-tiny", "--gpu-memory", "-1"], "> 0"),
     (["--search", "--model", "gpt2-tiny", "--gpu-memory", "32"], "--gpus"),
     (["--model", "tnlg-17b", "--tp", "8", "--gpu-memory", "32"], "28 attention heads"),

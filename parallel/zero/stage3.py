@@ -10,8 +10,8 @@ Collectives (all over dp), per micro-batch:
               free it right after.
   backward    all-gather it again before its backward (prefetching the unit before it), then, once all its
               gradients exist, reduce-scatter them into the owners' chunks and free the parameters and gradients.
-              The reduce-scatter runs while the next unit's gather is waited and its first backward op runs; the
-              next unit's first gradient waits for it, so one unit's full-size gradient buffer is alive at a time.
+              The reduce-scatter runs while the next unit's gather is waited; that unit's backward starts after
+              it, so one unit's full-size gradient buffer is alive at a time.
   step        AdamW on the owned chunks only; nothing is gathered until the next forward.
 Owned gradient chunks exist from their unit's first reduce-scatter (whose output becomes the chunk) to the next
 step's first forward, which releases them (zero by then): no fp32 gradient memory while a forward runs.
@@ -200,6 +200,10 @@ class ZeroStage3(PartitionedOptimizer):
             self._free(self.root)
         self._in_backward = True
         self._gather(self.blocks[i])
+        # The unit after this one (in forward order) launched its reduce-scatter when its gradients were done
+        # (it overlapped the wait above); finish it before this unit's backward allocates gradients and before
+        # the prefetch below allocates the previous unit: its buffer is then reused, never held beside them.
+        self.reducer.finish_launched()
         if i > 0:
             self._gather(self.blocks[i - 1], wait=False)
 
