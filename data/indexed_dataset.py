@@ -168,18 +168,33 @@ class IndexedDataset:
     def verified_path(self) -> Path:
         return Path(str(self.bin_path) + VERIFIED_SUFFIX)
 
+    def _verification_key(self, stat) -> dict:
+        """What a cached verification must still match: the .bin's size and mtime and the checksums."""
+        return {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns, "bin_sha256": self._bin_sha.hex(),
+                "index_sha256": self.checksum}
+
     def _cached_verification(self) -> dict | None:
         try:
             record = json.loads(self.verified_path.read_text(encoding="utf-8"))
-            stat = self.bin_path.stat()
-            fresh = {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns, "bin_sha256": self._bin_sha.hex(),
-                     "index_sha256": self.checksum}
+            fresh = self._verification_key(self.bin_path.stat())
             if isinstance(record, dict) and all(record.get(k) == v for k, v in fresh.items()) \
                     and isinstance(record.get("max_token"), int):
                 return record
         except (OSError, ValueError):
             pass
         return None
+
+    def _cache_verification(self, before, max_token: int) -> None:
+        """Record a scan's result in PREFIX.bin.verified when the .bin did not change during it (and is not so
+        fresh that a write within the mtime granularity could go unseen)."""
+        after = self.bin_path.stat()
+        settled = time.time_ns() - after.st_mtime_ns > _RACY_NS
+        if settled and (before.st_size, before.st_mtime_ns) == (after.st_size, after.st_mtime_ns):
+            try:
+                atomic_write_text(self.verified_path, json.dumps({**self._verification_key(after),
+                                                                  "max_token": max_token}) + "\n")
+            except OSError:
+                pass  # a read-only dataset folder: verified, just not cached
 
     def verify_data(self, *, cache: bool = True) -> int:
         """Hash the whole .bin against the SHA-256 the writer recorded (catches in-place corruption); return the
@@ -197,15 +212,8 @@ class IndexedDataset:
                     max_token = max(max_token, int(tokens.max()))
         if digest.digest() != self._bin_sha:
             raise ValueError(f"{self.bin_path} is corrupt: its SHA-256 differs from the one in {self.idx_path.name}")
-        after = self.bin_path.stat()
-        settled = time.time_ns() - after.st_mtime_ns > _RACY_NS
-        if cache and settled and (before.st_size, before.st_mtime_ns) == (after.st_size, after.st_mtime_ns):
-            record = {"bin_bytes": after.st_size, "bin_mtime_ns": after.st_mtime_ns, "bin_sha256": self._bin_sha.hex(),
-                      "index_sha256": self.checksum, "max_token": max_token}
-            try:
-                atomic_write_text(self.verified_path, json.dumps(record) + "\n")
-            except OSError:
-                pass  # a read-only dataset folder: verified, just not cached
+        if cache:
+            self._cache_verification(before, max_token)
         return max_token
 
     def check_tokens(self, vocab_size: int) -> None:

@@ -23,14 +23,12 @@ PREFIX.bin.verified like megazoo's own format) and refuses negative ids.
 
 from __future__ import annotations
 
-import json
 import struct
-import time
 
 import numpy as np
 
-from megazoo.data.fileio import atomic_write_text, file_sha256
-from megazoo.data.indexed_dataset import _RACY_NS, _SCAN_BYTES, IndexedDataset, data_paths
+from megazoo.data.fileio import file_sha256
+from megazoo.data.indexed_dataset import _SCAN_BYTES, IndexedDataset, data_paths
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # 34 bytes, no padding
@@ -85,18 +83,9 @@ class MegatronIndexedDataset(IndexedDataset):
         self.checksum = file_sha256(self.idx_path)  # no stored checksum: the index's own hash names caches
         self._bin_sha = b""
 
-    def _cached_verification(self) -> dict | None:
-        try:
-            record = json.loads(self.verified_path.read_text(encoding="utf-8"))
-            stat = self.bin_path.stat()
-            fresh = {"format": "megatron", "bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns,
-                     "index_sha256": self.checksum}
-            if isinstance(record, dict) and all(record.get(k) == v for k, v in fresh.items()) \
-                    and isinstance(record.get("max_token"), int):
-                return record
-        except (OSError, ValueError):
-            pass
-        return None
+    def _verification_key(self, stat) -> dict:
+        return {"format": "megatron", "bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns,
+                "index_sha256": self.checksum}
 
     def verify_data(self, *, cache: bool = True) -> int:
         """The largest token id (a scan of the .bin, cached by size and mtime); negative ids are an error."""
@@ -110,14 +99,8 @@ class MegatronIndexedDataset(IndexedDataset):
                 raise ValueError(f"{self.bin_path} holds negative token id {int(block.min())} (token "
                                  f"{lo + int(np.argmin(block))}): not a token dataset, or the wrong dtype code")
             max_token = max(max_token, int(block.max()) if block.size else -1)
-        after = self.bin_path.stat()
-        if cache and time.time_ns() - after.st_mtime_ns > _RACY_NS and before.st_mtime_ns == after.st_mtime_ns:
-            record = {"format": "megatron", "bin_bytes": after.st_size, "bin_mtime_ns": after.st_mtime_ns,
-                      "index_sha256": self.checksum, "max_token": max_token}
-            try:
-                atomic_write_text(self.verified_path, json.dumps(record) + "\n")
-            except OSError:
-                pass
+        if cache:
+            self._cache_verification(before, max_token)
         return max_token
 
     def __repr__(self) -> str:

@@ -17,7 +17,6 @@ With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -150,25 +149,13 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point (`python -m megazoo.eval.cli TASK ...`): reads the launcher's RANK/WORLD_SIZE."""
-    from megazoo.parallel.local_launch import finish_worker
-    from megazoo.parallel.topology import Topology, init_distributed
+    from megazoo.parallel.local_launch import tp_worker
 
     parser = argparse.ArgumentParser(prog="megazoo eval")
     subparsers = parser.add_subparsers(dest="command", required=True)
     register(subparsers)
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world_size == 1:
-        args.tp = 1
-        return args.func(args)
-    init_distributed(rank, world_size, init_method="env://")
-    code = 0
-    try:
-        evaluate(args, Topology.build(dp=1, tp=world_size))
-    except (FileNotFoundError, ValueError) as error:
-        print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
-        code = 2
-    finish_worker(code)  # barrier (when all went well), destroy the group, flush, os._exit(code)
+    return tp_worker(args, args.func, evaluate)
 
 
 if __name__ == "__main__":

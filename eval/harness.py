@@ -143,24 +143,12 @@ def register(tasks_subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point: reads the launcher's RANK / WORLD_SIZE."""
-    from megazoo.parallel.local_launch import finish_worker
-    from megazoo.parallel.topology import Topology, init_distributed
+    from megazoo.parallel.local_launch import tp_worker
 
     parser = argparse.ArgumentParser(prog="megazoo eval harness")
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world_size == 1:
-        args.tp = 1
-        return _run(args)
-    init_distributed(rank, world_size, init_method="env://")
-    code = 0
-    try:
-        run(args, Topology.build(dp=1, tp=world_size))
-    except (FileNotFoundError, ValueError) as error:
-        print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
-        code = 2
-    finish_worker(code)
+    return tp_worker(args, _run, run)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,23 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout_s: float = DEF
     if missing or hung:
         raise RuntimeError(f"ranks {missing} wrote no result (hung: {hung}) within {timeout_s:.0f}s")
     return [o["result"] for o in outcomes]
+
+
+def tp_worker(args: Any, solo: Callable[[Any], int], work: Callable[[Any, Any], None]) -> int:
+    """The torchrun worker of a tensor-parallel command (eval, eval harness, generate): alone (WORLD_SIZE 1) it
+    runs `solo(args)` with tp = 1; under torchrun it joins the group, runs `work(args, Topology(tp=world))` and
+    ends through finish_worker, exit 2 with the rank named when the input is bad (FileNotFoundError, ValueError)."""
+    from megazoo.parallel.topology import Topology
+
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world_size == 1:
+        args.tp = 1
+        return solo(args)
+    init_distributed(rank, world_size, init_method="env://")
+    code = 0
+    try:
+        work(args, Topology.build(dp=1, tp=world_size))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
+        code = 2
+    finish_worker(code)  # barrier (when all went well), destroy the group, flush, os._exit(code)

@@ -12,7 +12,6 @@ and rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -101,26 +100,18 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point: every rank decodes, rank 0 prints."""
-    from megazoo.parallel.local_launch import finish_worker
-    from megazoo.parallel.topology import Topology, init_distributed
+    from megazoo.parallel.local_launch import tp_worker
 
     parser = argparse.ArgumentParser(prog="megazoo generate")
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world_size == 1:
-        args.tp = 1
-        return _run(args)
-    init_distributed(rank, world_size, init_method="env://")
-    code = 0
-    try:
-        text = continuation(args, Topology.build(dp=1, tp=world_size))
-        if rank == 0:
+
+    def decode_and_print(args: argparse.Namespace, topo) -> None:
+        text = continuation(args, topo)
+        if topo.tp_rank == 0:
             print(text, flush=True)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
-        code = 2
-    finish_worker(code)
+
+    return tp_worker(args, _run, decode_and_print)
 
 
 if __name__ == "__main__":

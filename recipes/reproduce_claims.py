@@ -46,7 +46,7 @@ def _recipe(name: str, *sets: str):
 
 def tnlg(rep: Report) -> list[list]:
     cfg, recipe = _recipe("tnlg-17b")
-    rows, mem = [], {}
+    mem = {}
     for zero in (0, 1):
         for tp in divisors(cfg.n_head):
             lay = replace(recipe, dp=max(256 // tp, 1), tp=tp, zero=zero, micro_batch=1, grad_accum=1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import warnings
 
 import pytest

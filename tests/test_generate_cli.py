@@ -3,7 +3,6 @@ equals the argmax loop's, EOS ends the text, tp=2 (torchrun) prints what tp=1 pr
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 

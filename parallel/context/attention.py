@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from megazoo.parallel.context.comms import RingExchange, head_to_seq_shards, seq_to_head_shards
-from megazoo.parallel.context.layout import gathered_positions, positions
+from megazoo.parallel.context.layout import gathered_positions, position_ranges
 from megazoo.parallel.topology import CP_ATTENTION as ALGORITHMS, group_rank, group_size
 
 Attend = Callable[..., torch.Tensor]  # (q, k, v, dropout_p) -> y, causal, all (b, h, s, hd)
@@ -50,6 +50,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
 
 
 TILE = 128  # query / key rows per tile: a tile pair's temporaries are O(TILE^2), whatever the sequence length
+
+
+def _position_list(local_len: int, cp: int, rank: int) -> list[int]:
+    """Rank `rank`'s token positions as Python ints (no tensor, no read back from the device)."""
+    return [pos for run in position_ranges(local_len, cp, rank) for pos in run]
 
 
 def _tiles(local_len: int, tile: int) -> list[tuple[int, int]]:
@@ -89,7 +94,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(group), group_rank(group)
         dtype = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
-        tiles, q_pos = _tiles(n, tile), positions(n, cp, rank).tolist()
+        tiles, q_pos = _tiles(n, tile), _position_list(n, cp, rank)
         qd = q.to(dtype)
         out = torch.zeros_like(qd)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
@@ -98,7 +103,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(cp):
             if t < cp - 1:
                 ring.start([k_cur, v_cur])  # the next block travels while this one is computed
-            kd, vd, k_pos = k_cur.to(dtype), v_cur.to(dtype), positions(n, cp, (rank - t) % cp).tolist()
+            kd, vd, k_pos = k_cur.to(dtype), v_cur.to(dtype), _position_list(n, cp, (rank - t) % cp)
             for (i0, i1), (j0, j1), causal in _tile_pairs(q_pos, k_pos, tiles):
                 scores = _scores(qd[:, :, i0:i1], kd[:, :, j0:j1], scale, causal)
                 lse_b = scores.logsumexp(dim=-1)  # (b, h, tq): finite, every row sees a key
@@ -120,7 +125,7 @@ class _RingAttention(torch.autograd.Function):
         group = ctx.group
         cp, rank = group_size(group), group_rank(group)
         dtype, n, scale = out.dtype, q.shape[2], 1.0 / math.sqrt(q.shape[-1])
-        tiles, q_pos = _tiles(n, ctx.tile), positions(n, cp, rank).tolist()
+        tiles, q_pos = _tiles(n, ctx.tile), _position_list(n, cp, rank)
         qd, do = q.to(dtype), grad.to(dtype)
         delta = (do * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction, (b, h, n)
         dq = torch.zeros_like(qd)
@@ -129,7 +134,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(cp):
             if t < cp - 1:
                 kv_ring.start([k_cur, v_cur])
-            kd, vd, k_pos = k_cur.to(dtype), v_cur.to(dtype), positions(n, cp, (rank - t) % cp).tolist()
+            kd, vd, k_pos = k_cur.to(dtype), v_cur.to(dtype), _position_list(n, cp, (rank - t) % cp)
             dk, dv = torch.zeros_like(kd), torch.zeros_like(vd)
             for (i0, i1), (j0, j1), causal in _tile_pairs(q_pos, k_pos, tiles):
                 qi, kj, vj, doi = qd[:, :, i0:i1], kd[:, :, j0:j1], vd[:, :, j0:j1], do[:, :, i0:i1]

@@ -35,16 +35,24 @@ def split_sequence(x: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torc
     return torch.cat([chunks[front], chunks[back]], dim=dim)
 
 
-def positions(local_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Positions (in the whole sequence) of this rank's `local_len` tokens: (local_len,) int64."""
+def position_ranges(local_len: int, cp: int, cp_rank: int) -> list[range]:
+    """The runs of whole-sequence positions this rank's `local_len` tokens hold: one run at cp = 1, else its front
+    and back chunks. Plain ints, for host-side bookkeeping (the ring's tile plan) without a tensor."""
     if cp == 1:
-        return torch.arange(local_len, device=device)
+        return [range(local_len)]
     if local_len % 2:
         raise ValueError(f"a cp rank's sequence holds two equal chunks, but its length is {local_len}")
     c = local_len // 2
     front, back = chunk_ids(cp, cp_rank)
-    return torch.cat([torch.arange(front * c, (front + 1) * c, device=device),
-                      torch.arange(back * c, (back + 1) * c, device=device)])
+    return [range(front * c, (front + 1) * c), range(back * c, (back + 1) * c)]
+
+
+def positions(local_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Positions (in the whole sequence) of this rank's `local_len` tokens: (local_len,) int64, made on `device`."""
+    runs = position_ranges(local_len, cp, cp_rank)
+    if len(runs) == 1:
+        return torch.arange(local_len, device=device)
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in runs])
 
 
 def gathered_positions(local_len: int, cp: int, device=None) -> torch.Tensor:
