@@ -161,10 +161,11 @@ class GPT(nn.Module):
             for i, block in self.h.items():
                 x = block(x, cache.layer(int(i)))
             cache.advance(x.shape[1])
-        for block in self.h.values() if cache is None else ():
-            if self.activation_checkpointing and self.training:
+        elif self.activation_checkpointing and self.training:
+            for block in self.h.values():
                 x = checkpoint(self.rng.replayable(block), x, use_reentrant=False)
-            else:
+        else:
+            for block in self.h.values():
                 x = block(x)
         if not self.with_head:
             return x

@@ -86,10 +86,10 @@ def save(trainer: Trainer, step: int) -> Path:
     tokenizer = getattr(trainer.data, "tokenizer", None)
     if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizer_store.py)
         common["tokenizer"] = tokenizer_record(tokenizer)
+    written_layout = layout(res)
     return save_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
-                           extras={"rng": _rng_state(trainer), "layout": layout(res), **_optimizer_extras(trainer)},
-                           common=common,
-                           layout=layout(res), keep=res.recipe.checkpoint.keep)
+                           extras={"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)},
+                           common=common, layout=written_layout, keep=res.recipe.checkpoint.keep)
 
 
 def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> int:
