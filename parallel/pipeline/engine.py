@@ -118,6 +118,7 @@ class PipelineEngine:
                                                     device=self.topo.device)  # (b, s, d)
                     buffers.append(inbox[t.identity])
             post(step.transfers, buffers, self.topo.pp_ranks)
+            buffers.clear()  # post waited: a sent gradient or activation is not kept through this step's compute
             if step.action is None:
                 continue
             kind, micro, chunk = step.action
