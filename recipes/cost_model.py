@@ -96,9 +96,10 @@ class Candidate:
 
 def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, global_batch: int, seq_len: int,
            precision: str = "fp16", flash_attention: bool = True, max_pp: int | None = None,
-           zero_stages=(0, 1, 2, 3)) -> list[Candidate]:
+           zero_stages=(0, 1, 2, 3), paper: bool = False) -> list[Candidate]:
     """Every (dp, tp, pp, zero, checkpointing) on `gpus` GPUs with the largest micro-batch that fits (a divisor
-    of global_batch / dp), ranked by estimated step time (fastest first)."""
+    of global_batch / dp), ranked by estimated step time (fastest first). `paper`: model states by the ZeRO
+    paper's formulas instead of megazoo's optimizers' bytes (recipes/fit.py state_memory)."""
     if gpus < 1 or global_batch < 1:
         raise PlanError(f"--gpus {gpus} / global batch {global_batch} must be >= 1")
     found = []
@@ -117,18 +118,19 @@ def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, gl
                 for ckpt in (False, True):
                     base = Layout(dp, tp, pp, zero, 1, per_rank, seq_len, ckpt, precision=precision,
                                   flash_attention=flash_attention)
-                    mb = _best_micro_batch(cfg, base, capacity_gb, per_rank)
+                    mb = _best_micro_batch(cfg, base, capacity_gb, per_rank, paper)
                     if not mb:
                         continue
                     lay = replace(base, micro_batch=mb, grad_accum=per_rank // mb)
-                    mem = device_memory(cfg, lay, capacity_gb)
+                    mem = device_memory(cfg, lay, capacity_gb, paper=paper)
                     found.append(Candidate(mem, step_time(cfg, lay, mem.psi, cm)))
     return sorted(found, key=lambda c: c.time.total)
 
 
-def _best_micro_batch(cfg: ModelConfig, base: Layout, capacity_gb: float, per_rank: int) -> int:
+def _best_micro_batch(cfg: ModelConfig, base: Layout, capacity_gb: float, per_rank: int, paper: bool) -> int:
     # The in-flight count depends on grad_accum (pipeline): size it for the largest micro-batch first.
-    mb = max_micro_batch(cfg, base, capacity_gb, limit=per_rank, divides=per_rank)
-    while mb and not device_memory(cfg, replace(base, micro_batch=mb, grad_accum=per_rank // mb), capacity_gb).fits:
+    mb = max_micro_batch(cfg, base, capacity_gb, limit=per_rank, divides=per_rank, paper=paper)
+    while mb and not device_memory(cfg, replace(base, micro_batch=mb, grad_accum=per_rank // mb), capacity_gb,
+                                   paper=paper).fits:
         mb = max(d for d in divisors(per_rank) if d < mb) if mb > 1 else 0
     return mb

@@ -1,7 +1,11 @@
 """Does a layout fit a GPU? Model states + activations + buffers per device, against the GPU's memory.
 
-    model states  parallel/zero/planner.py's formulas (ZeRO paper, Table 1) for each pipeline stage's exact
-                  parameter count on one tp rank (recipes/plan.py's shard_parameters)
+    model states  what megazoo's ZeRO optimizers hold (parallel/zero/planner.py's megazoo_state_memory, tested
+                  equal to their memory_bytes()): bf16/fp16 stage 0 16 B/param (fp32 storage under autocast),
+                  stage 1 2 + 2 + 16/N, stage 2 2 + 16/N, stage 3 18/N (the owned gradient is fp32: 4/N where the
+                  paper counts 2/N); with `paper=True` (`megazoo plan --paper`) the ZeRO paper's Table 1 instead
+                  (model_state_memory: 16, 4 + 12/N, 2 + 14/N, 16/N). Each pipeline stage's exact parameter count
+                  on one tp rank (recipes/plan.py's shard_parameters); N = dp x cp.
     activations   recipes/activations.py (Korthikanti et al. 2022), the schedule's in-flight micro-batches
     buffers       gradient reduce bucket (+ the all-gather bucket at ZeRO 1-2; stage-3 prefetch and persistent
                   parameters) at the recipe's zero.reduce_bucket_size, planner's buffer_memory
@@ -17,8 +21,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from megazoo.models.config import ModelConfig
-from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes,
-                                           buffer_memory, model_state_memory)
+from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
+                                           StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
 from megazoo.recipes.activations import ActivationSpec, StageActivations, stage_activations
 from megazoo.recipes.plan import shard_parameters
 
@@ -40,8 +44,11 @@ GPUS = {g.name: g for g in (
     GPU("h100-80gb", 80, 989e12, 450e9, 50e9),  # DGX H100: NVLink4 900 GB/s bidirectional, 400 Gb/s NDR per GPU
 )}
 
+# The paper's bytes per parameter (--paper) and the activation element size, by recipe precision.
 PRECISION_BYTES = {"fp16": (MIXED_ADAM, 2), "bf16": (MIXED_ADAM, 2), "auto": (MIXED_ADAM, 2),
                    "fp32": (FP32_ADAM, 4), "fp64": (StateBytes(8, 8, 16), 8)}
+# megazoo_state_memory's precision: "auto" trains in bf16 on CUDA (recipes/model_setup.py), and a fit is for a GPU.
+MEGAZOO_PRECISION = {"fp16": "fp16", "bf16": "bf16", "auto": "bf16", "fp32": "fp32", "fp64": "fp64"}
 DEFAULT_BUCKET = 1 << 24  # recipes' zero.reduce_bucket_size default (elements)
 _shard = lru_cache(maxsize=512)(shard_parameters)  # the search asks for the same (cfg, tp, pp) many times
 
@@ -94,6 +101,8 @@ class DeviceMemory:
     buffers: float
     capacity: float
     stage: StageActivations
+    states: ModelStateMemory | None = None  # the model-state breakdown behind model_states
+    paper: bool = False  # model states by the ZeRO paper's formulas instead of megazoo's optimizers' bytes
 
     @property
     def total(self) -> float:
@@ -113,16 +122,36 @@ class DeviceMemory:
         return [f"fits: {'yes' if self.fits else 'no'} ({g(self.total)} of {g(self.capacity)} per device)",
                 f"  layout: {self.layout.describe()}",
                 f"  peak pipeline stage: {self.pp_rank} of {self.layout.pp}; Psi = {self.psi:,} parameters",
-                f"  model states: {g(self.model_states)} (ZeRO-{self.layout.zero} formulas, "
-                f"{'CPU-offloaded optimizer states excluded' if self.layout.offload else 'on the device'})",
+                f"  model states: {g(self.model_states)} ({self._states_detail()})",
                 f"  activations:  {g(self.activations)} = {act}",
                 f"  buffers:      {g(self.buffers)} (reduce/all-gather buckets of {self.layout.bucket:,} elements)",
                 f"  total:        {g(self.total)} vs capacity {g(self.capacity)} "
                 f"({'headroom' if self.fits else 'over by'} {g(abs(self.capacity - self.total))})"]
 
+    def _states_detail(self) -> str:
+        m, z = self.states, self.layout.zero
+        parts = "" if m is None else (f"params {m.params_bytes / GB:.2f} + grads "
+                                      f"{(m.grads_bytes - m.host_grads_bytes) / GB:.2f} + optimizer "
+                                      f"{0.0 if m.offload else m.optimizer_bytes / GB:.2f} GB; ")
+        where = "CPU-offloaded states excluded" if self.layout.offload else "on the device"
+        if self.paper:
+            return f"{parts}the ZeRO paper's formulas at ZeRO-{z}, {where}"
+        return f"{parts}what megazoo's ZeRO-{z} optimizer holds, {where}; the ZeRO paper's bytes: --paper"
 
-def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1) -> DeviceMemory:
-    """Per-device memory of `cfg` trained under `layout`, on its fullest pipeline stage."""
+
+def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelStateMemory:
+    """Model states of `psi` parameters per device under `layout`, partitioned over dp x cp (cp ranks hold the
+    same parameters): megazoo's optimizers' bytes, or with `paper` the ZeRO paper's (planner.py owns both)."""
+    n = layout.dp * layout.cp
+    if paper:
+        return model_state_memory(psi, n, layout.zero, PRECISION_BYTES[layout.precision][0], offload=layout.offload)
+    return megazoo_state_memory(psi, n, layout.zero, MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
+
+
+def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1,
+                  paper: bool = False) -> DeviceMemory:
+    """Per-device memory of `cfg` trained under `layout`, on its fullest pipeline stage; model states as
+    megazoo's optimizers hold them, or with `paper` by the ZeRO paper's formulas (state_memory)."""
     if layout.precision not in PRECISION_BYTES:
         raise PlanError(f"precision {layout.precision!r} is invalid; valid: {', '.join(PRECISION_BYTES)}")
     if layout.zero == 3 and layout.pp > 1:
@@ -137,12 +166,11 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
     buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
-        # ZeRO partitions over dp x cp (cp ranks hold the same parameters)
-        states = model_state_memory(st.numel, layout.dp * layout.cp, layout.zero, state,
-                                    offload=layout.offload).device_bytes
+        states = state_memory(st.numel, layout, paper=paper)
         buf = buffer_memory(st.numel, layout.zero, buffers_cfg, element_bytes=state.params,
                             persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
-        row = DeviceMemory(layout, st.pp_rank, st.numel, states, act.total_bytes, buf, capacity_gb * GB, act)
+        row = DeviceMemory(layout, st.pp_rank, st.numel, states.device_bytes, act.total_bytes, buf, capacity_gb * GB,
+                           act, states, paper)
         if best is None or row.total > best.total:
             best = row
     return best

@@ -245,7 +245,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "parallel/zero/planner.py megazoo_state_memory; with --paper: 2+2+12, fp32 4+4+8")
     parser.add_argument("--paper", action="store_true",
                         help="the ZeRO paper's formulas (2 + 2 + K bytes per parameter, Table 1) and DeepSpeed's "
-                             "buffer defaults instead of the bytes megazoo's optimizers hold")
+                             "buffer defaults instead of the bytes megazoo's optimizers hold (bf16/fp16: stage 0 16, "
+                             "1: 2 + 2 + 16/N, 2: 2 + 16/N, 3: 18/N B/param; the paper: 16, 4 + 12/N, 2 + 14/N, "
+                             "16/N); with --recipe / --search / --gpu: the fit's model states by the paper's "
+                             "formulas (activations and buffers are the same either way)")
     parser.add_argument("--k", default=None, help="with --paper: optimizer-state bytes per parameter")
     parser.add_argument("--grad-accum", default="1", help="micro-batches per step (stage 2/3 comm grows with it)")
     parser.add_argument("--reduce-bucket", default=None,

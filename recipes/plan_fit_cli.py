@@ -5,7 +5,8 @@
     megazoo plan --model tnlg-17b --dp 64 --tp 4 --zero 1 --micro-batch 8 --activation-checkpointing --gpu-memory 32
     megazoo plan --search --model tnlg-17b --gpus 256 --gpu v100-32gb [--global-batch 512] [--mfu 0.4]
 
-Memory: recipes/fit.py (model states, recipes/activations.py, buffers). Ranking: recipes/cost_model.py; the
+Memory: recipes/fit.py (model states as megazoo's optimizers hold them, or with --paper by the ZeRO paper's
+formulas; recipes/activations.py; buffers). Ranking: recipes/cost_model.py; the
 assumptions it uses are printed with the list. recipes/plan_cli.py owns the flags and calls `run` here.
 """
 
@@ -104,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise FitUsageError("--gpu-memory / --gpu need --recipe RECIPE.toml or --model PRESET")
     try:
-        mem = device_memory(cfg, layout, capacity)
-        best = max_micro_batch(cfg, layout, capacity)
+        mem = device_memory(cfg, layout, capacity, paper=args.paper)
+        best = max_micro_batch(cfg, layout, capacity, paper=args.paper)
     except PlanError as err:
         raise FitUsageError(str(err)) from None
     where = f"{cfg.name}" + (f" on {gpu.name}" if gpu else f" on a {capacity:g} GB GPU")
@@ -141,9 +142,10 @@ def _run_search(args, capacity: float, gpu) -> int:
     if not 0 < cm.mfu <= 1:
         raise FitUsageError(f"--mfu {cm.mfu} is invalid; valid: 0 < MFU <= 1")
     found = search(cfg, gpus, capacity, cm, global_batch=batch, seq_len=seq, precision=precision,
-                   flash_attention=layout.flash_attention)
+                   flash_attention=layout.flash_attention, paper=args.paper)
+    states = "the ZeRO paper's model-state formulas" if args.paper else "model states as megazoo's optimizers hold them"
     print(f"Layouts of {cfg.name} on {gpus} GPUs of {capacity:g} GB that fit (batch {batch} x seq {seq}, "
-          f"{precision}), fastest first; {len(found)} found")
+          f"{precision}; {states}), fastest first; {len(found)} found")
     for line in cm.describe():
         print(line)
     if gpu is None:

@@ -1,7 +1,8 @@
 """`megazoo reproduce claims`: the system claims of the ZeRO / DeepSpeed / Turing-NLG announcements, recomputed.
 
-Every recomputed figure comes from the planner (recipes/fit.py: model states + activations + buffers per device
-against the GPU's memory; recipes/plan.py: per-shard parameter counts) and the stated cost model
+Every recomputed figure comes from the planner (recipes/fit.py: model states as megazoo's ZeRO optimizers hold
+them + activations + buffers per device against the GPU's memory, the ZeRO paper's model-state bytes shown beside
+where they change a verdict; recipes/plan.py: per-shard parameter counts) and the stated cost model
 (recipes/cost_model.py: model FLOPs at an MFU + un-overlapped communication over stated bandwidths), on the repo's
 recipes where one exists (recipes/tnlg-17b.toml, gpt-100b.toml, gpt-1t.toml, read as `megazoo plan --recipe`
 reads them). Published figures are quoted with their source; where our reading of a source is from memory it says
@@ -77,18 +78,26 @@ def gpt100b(rep: Report) -> list[list]:
     cfg, lay = _recipe("gpt-100b")
     cm = CostModel.for_gpu(V100)
     mems = {z: device_memory(cfg, replace(lay, zero=z), V100.memory_gb) for z in (0, 1, 2, 3)}
+    paper = {z: device_memory(cfg, replace(lay, zero=z), V100.memory_gb, paper=True) for z in mems}
     mem = mems[lay.zero]
     t = step_time(cfg, lay, mem.psi, cm)
     tflops = model_flops_per_token(cfg, lay.seq_len) * lay.global_batch * lay.seq_len / t.total / lay.gpus / 1e12
     rep.add("## 100B with ZeRO on 400 V100-32GB (recipes/gpt-100b.toml)", f"Source: {SRC_ZERO}. Layout: "
             f"{lay.describe()}. {' '.join(line.strip() for line in cm.describe())}",
-            table(["ZeRO stage", "model states GB", "activations GB", "buffers GB", "total GB", "fits 32 GB"],
+            table(["ZeRO stage", "model states GB", "activations GB", "buffers GB", "total GB", "fits 32 GB",
+                   "model states GB (ZeRO paper)", "total GB (ZeRO paper)"],
                   [[z, f"{m.model_states / GB:.1f}", f"{m.activations / GB:.1f}", f"{m.buffers / GB:.1f}",
-                    f"{m.total / GB:.1f}", "yes" if m.fits else "no"] for z, m in mems.items()]),
+                    f"{m.total / GB:.1f}", "yes" if m.fits else "no", f"{paper[z].model_states / GB:.1f}",
+                    f"{paper[z].total / GB:.1f}"] for z, m in mems.items()]),
+            "Model states are what megazoo's optimizers hold (parallel/zero/planner.py megazoo_state_memory, equal "
+            "to their memory_bytes()): each rank keeps the gradient of the shard it owns in fp32, 4/N bytes per "
+            "parameter, at ZeRO-1 beside the full fp16 gradient buffer (the paper: none) and at ZeRO-2 / 3 where the "
+            "paper (2 + 2 + K = 12) counts an fp16 2/N; so +4/N, +2/N, +2/N bytes per parameter at stages 1, 2, 3.",
             f"Estimated step {t.total:.1f} s = compute {t.compute:.1f} + tp comm {t.tp_comm:.1f} + dp comm "
             f"{t.dp_comm:.1f}: {tflops:.1f} model TFLOPS per GPU, {tflops * lay.gpus / 1e3:.1f} PFLOPS in all (model "
             "FLOPs, recomputation not counted; the paper's count may include it).")
-    rep.data["gpt100b"] = {z: m.total for z, m in mems.items()} | {"tflops_per_gpu": tflops, "step_s": t.total}
+    rep.data["gpt100b"] = {z: m.total for z, m in mems.items()} | {"tflops_per_gpu": tflops, "step_s": t.total,
+                                                                   "paper": {z: m.total for z, m in paper.items()}}
     rep.data["_100b_plot"] = mems
     paper = "ZeRO paper (Rajbhandari et al. 2020)"
     return [["100B with ZeRO on 400 V100s: fits", "trains (ZeRO-100B)", paper,
@@ -101,14 +110,19 @@ def gpt100b(rep: Report) -> list[list]:
 
 def gpt1t(rep: Report) -> list[list]:
     cfg, lay = _recipe("gpt-1t")
+    def fits(pp: int, offload: bool, paper: bool = False):
+        return device_memory(cfg, replace(lay, pp=pp, stage_layers=None, offload=offload), V100.memory_gb,
+                             paper=paper)
+    # the smallest pipeline (fewest GPUs at tp 16 x dp 2) whose fullest stage fits 32 GB with the states on the GPU
+    no_offload, paper_pp = (next(pp for pp in range(lay.pp, cfg.n_layer + 1) if fits(pp, False, p).fits)
+                            for p in (False, True))
+    paper_gb = fits(lay.pp, False, True).total / GB
     rows, by_pp = [], {}
-    for pp in (25, 26, 28, 30, 32, 40):
-        base = replace(lay, pp=pp, stage_layers=None)
-        on, off = (device_memory(cfg, replace(base, offload=o), V100.memory_gb) for o in (False, True))
+    for pp in sorted({25, 26, 28, 30, 32, 40, 48, 64, no_offload}):
+        on, off = fits(pp, False), fits(pp, True)
         by_pp[pp] = (on.total / GB, off.total / GB)
-        rows.append([pp, base.gpus, f"{on.total / GB:.1f}", "yes" if on.fits else "no", f"{off.total / GB:.1f}",
+        rows.append([pp, on.layout.gpus, f"{on.total / GB:.1f}", "yes" if on.fits else "no", f"{off.total / GB:.1f}",
                      "yes" if off.fits else "no"])
-    no_offload = min(pp for pp, (gb, _) in by_pp.items() if gb <= V100.memory_gb)
     rep.add("## 1T with 3D parallelism on ~800 V100-32GB (recipes/gpt-1t.toml)", f"Source: {SRC_3D}. Layout: "
             f"tp {lay.tp} x pp x dp {lay.dp}, ZeRO-{lay.zero}, micro-batch {lay.micro_batch} x grad_accum "
             f"{lay.grad_accum}, seq {lay.seq_len}, activation checkpointing, 1F1B; GB on the fullest stage.",
@@ -116,12 +130,17 @@ def gpt1t(rep: Report) -> list[list]:
             f"The planner's verdict: at the published 800 GPUs (pp 25) the layout does not fit 32 GB with ZeRO-1 "
             f"alone ({by_pp[25][0]:.1f} GB); it fits with the optimizer states offloaded to CPU (ZeRO-Offload, "
             f"{by_pp[25][1]:.1f} GB; what recipes/gpt-1t.toml does), or without offload at pp {no_offload} "
-            f"({no_offload * lay.tp * lay.dp} GPUs). DeepSpeed likely partitioned activation checkpoints over tp "
-            "(and kept them on CPU), which megazoo does not implement.")
-    rep.data["gpt1t"] = {"by_pp": by_pp, "smallest_pp_without_offload": no_offload}
+            f"({no_offload * lay.tp * lay.dp} GPUs). By the ZeRO paper's bytes (2 + 2 + 12/N per parameter) pp 25 "
+            f"would need {paper_gb:.1f} GB and pp {paper_pp} ({paper_pp * lay.tp * lay.dp} GPUs) would fit: "
+            "megazoo's ZeRO-1 optimizer also holds the gradient of its owned shard in fp32 (4/N more bytes per "
+            "parameter, 2 at N = 2). DeepSpeed likely partitioned activation checkpoints over tp (and kept them on "
+            "CPU), which megazoo does not implement.")
+    rep.data["gpt1t"] = {"by_pp": by_pp, "smallest_pp_without_offload": no_offload,
+                         "paper": {"gb_at_800": paper_gb, "smallest_pp_without_offload": paper_pp}}
     return [["1T with 3D parallelism on ~800 V100s", "fits on 800", "DeepSpeed blog (Sep. 2020)",
              f"800 GPUs: {by_pp[25][0]:.1f} GB, does not fit; fits with CPU offload ({by_pp[25][1]:.1f} GB) or "
-             f"on {no_offload * lay.tp * lay.dp} GPUs", "needs CPU offload (or activation partitioning) at 800"]]
+             f"on {no_offload * lay.tp * lay.dp} GPUs", "needs CPU offload (or activation partitioning) at 800; "
+             f"by the ZeRO paper's bytes {paper_gb:.1f} GB, fits on {paper_pp * lay.tp * lay.dp} GPUs"]]
 
 
 def low_bandwidth(rep: Report) -> list[list]:
@@ -187,9 +206,9 @@ def dry_run_section(rep: Report) -> None:
 
 def claims(args) -> Report:
     rep = Report("System claims of the ZeRO / DeepSpeed / Turing-NLG announcements, recomputed")
-    rep.add("Recomputed by megazoo's planner (recipes/fit.py: ZeRO model states + Korthikanti activations + "
-            "buckets per device; GB = 1e9 bytes, a V100-32GB holds 32 GB) and cost model (recipes/cost_model.py). "
-            "The summary first, then each claim's detail.")
+    rep.add("Recomputed by megazoo's planner (recipes/fit.py: model states as megazoo's ZeRO optimizers hold them + "
+            "Korthikanti activations + buckets per device; GB = 1e9 bytes, a V100-32GB holds 32 GB) and cost model "
+            "(recipes/cost_model.py). The summary first, then each claim's detail.")
     summary = tnlg(rep) + gpt100b(rep) + gpt1t(rep) + low_bandwidth(rep)
     dry_run_section(rep)
     rep.sections.insert(1, table(["claim", "published", "source", "recomputed", "how"], summary, "lllll"))
