@@ -303,3 +303,11 @@ def memory_key(t: torch.Tensor) -> tuple[int, int]:
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when a and b start at the same element of the same storage (real or fake tensors)."""
     return memory_key(a) == memory_key(b)
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for a fake tensor (shape, dtype and device only): filling it with initial values is work that
+    produces nothing - the dry run's weights have no values, and its step never reads one."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor)
