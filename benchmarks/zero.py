@@ -175,12 +175,14 @@ def idle_worker() -> dict:
 def run_throughput(args) -> list[dict]:
     models = [("gpt2-tiny", 128, 8)] if args.quick else [(MEMORY_BOUND[0], 128, 1),
                                                           ("gpt2-117m", args.seq, args.micro_batch)]
+    models = [m for m in models if not args.models or m[0] in args.models]
+    impls = tuple(i for i in IMPLS if i in args.impls)
     idle, _ = launch(idle_worker, 2, mmap_large=not args.default_malloc)
     rows = [{"model": "-", "impl": "idle rank", "peak_rss": [r["peak_rss"] for r in idle]}]
     for name, seq, mb in models:
-        runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
+        runs: dict[str, list[dict]] = {impl: [] for impl in impls}
         for round_ in range(args.rounds):  # interleaved rounds, alternating order
-            for impl in IMPLS if round_ % 2 == 0 else IMPLS[::-1]:
+            for impl in impls if round_ % 2 == 0 else impls[::-1]:
                 res, why = launch(train_worker, 2, impl, name, seq, mb, args.warmup, args.steps,
                                   mmap_large=not args.default_malloc)
                 row = {"model": name, "seq": seq, "micro_batch": mb, "impl": impl, "failed": why,
@@ -198,7 +200,7 @@ def run_throughput(args) -> list[dict]:
                 done = f"FAILED {why}" if why else f"{row['tokens_per_s']:.0f} tok/s"
                 print(f"  {name} {impl} (round {round_ + 1}): {done} (load {row['loadavg_1m']:.1f})",
                       file=sys.stderr, flush=True)
-        rows += [_combine(runs[impl], runs) for impl in IMPLS]
+        rows += [_combine(runs[impl], runs) for impl in impls]
     return rows
 
 
@@ -219,7 +221,7 @@ def _combine(mine: list[dict], runs: dict[str, list[dict]]) -> dict:
     row["loadavg_1m"] = _median([r["loadavg_1m"] for r in ok])
     row["peak_rss"] = [max(rank) for rank in zip(*(r["peak_rss"] for r in ok))]
     row["phases"] = {k: _median([r["phases"][k] for r in ok]) for k in PHASES}
-    for ref in ("ddp", "fsdp2"):
+    for ref in (r for r in ("ddp", "fsdp2") if r in runs):
         pairs = [(r["step_s"], o["step_s"]) for r, o in zip(mine, runs[ref]) if not r["failed"] and not o["failed"]]
         row[f"vs_{ref}"] = _median([o / m for m, o in pairs]) if pairs else None
     return row
@@ -332,6 +334,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("all", "throughput", "largest"), default="all")
     p.add_argument("--quick", action="store_true", help="tiny model only, 1 warm-up + 2 timed steps")
+    p.add_argument("--models", nargs="+", choices=(MEMORY_BOUND[0], "gpt2-117m"), default=None,
+                   help="throughput: only these models (default both)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                   help="throughput: only these implementations (ratios need ddp / fsdp2 among them)")
     p.add_argument("--seq", type=int, default=256, help="sequence length for gpt2-117m")
     p.add_argument("--micro-batch", type=int, default=1, help="micro batch per rank for gpt2-117m")
     p.add_argument("--warmup", type=int, default=1)
