@@ -8,6 +8,9 @@ Order: torch's scaled_dot_product_attention first on every device - on CUDA it r
 memory-efficient kernel (never materialising the (s, s) scores), which no unfused path can match. Then the
 unfused paths, q k^T -> scaled causal masked softmax -> dropout -> p v, whose softmax is apex's fused CUDA
 kernel (Megatron's scaled_upper_triang_masked_softmax), our Triton kernel, or the plain reference.
+"recompute" (kernels/recompute_attention.py) is SDPA keeping only q, k, v for backward and recomputing the
+rest there, with the same dropout mask: on CPU, where SDPA with dropout runs its math path and keeps the
+probabilities, it holds what FlashAttention holds on a GPU (the dry run uses it for that).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megazoo.kernels import recompute_attention
 from megazoo.kernels.availability import Candidate, HALF_AND_FLOAT, apex_missing, triton_missing
 
 
@@ -103,6 +107,9 @@ def sdpa_backends() -> str:
 
 CANDIDATES = (
     Candidate("torch", lambda: attention_sdpa, f"scaled_dot_product_attention(is_causal=True): {sdpa_backends()}"),
+    # SDPA that keeps q, k, v only (kernels/recompute_attention.py): what FlashAttention keeps, on any device, for
+    # one more attention forward in backward. Never auto-picked (torch always runs), only by kernels.attention.
+    Candidate("recompute", lambda: recompute_attention.attention_recompute, recompute_attention.DETAIL),
     # Both below hold the (b, h, s, s) scores: only an explicit kernels.attention picks them, never `prefer`.
     Candidate("apex", lambda: unfused_attention(scaled_causal_softmax_apex),
               "q k^T -> apex scaled_upper_triang_masked_softmax -> p v", apex_missing(

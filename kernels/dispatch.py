@@ -14,7 +14,8 @@ Rules (the same for every op):
     only way it runs on CPU) is never picked by auto: it exists for tests.
 
 Implementation names: "apex", "triton", "torch" (torch's own fused kernels), "foreach" (AdamW only: torch's
-multi-tensor path) and "reference" (plain torch ops, the definition the others are tested against).
+multi-tensor path), "recompute" (attention only: SDPA that keeps q, k, v and recomputes the rest in backward;
+only a per-op override picks it) and "reference" (plain torch ops, the definition the others are tested against).
 """
 
 from __future__ import annotations

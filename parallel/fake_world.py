@@ -23,6 +23,7 @@ import contextlib
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -169,19 +170,29 @@ class MemoryTracker:
     setup created: storages of those tensors become parameters / gradients / optimizer state, everything else
     created so far becomes "other", and the peak starts from there. During the step new storages are activations
     (forward), temporaries (backward, recomputation included) or optimizer state (inside a torch Optimizer's
-    step), as MemTracker classifies them: the categories are its heuristics; the total is the figure to use."""
+    step), as MemTracker classifies them: the categories are its heuristics; the total is the figure to use.
+    Gradients created during the step (ZeRO-3's owned gradients: the first reduce-scatter of a step creates them,
+    or its pooled output becomes one) are named by `label(later_grads=f)`: whenever a new peak is recorded, the
+    live storages of the tensors f() returns are gradients first (a relabelling moves bytes between categories,
+    never the total)."""
 
     def __init__(self, exclude_optimizer: bool = False):
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+        self._later_grads: Callable[[], list[torch.Tensor]] | None = None
+        relabel = self._relabel_later_grads
+
         class StepMemTracker(MemTracker):
             def _update_peak_stats(self, peak_state):
                 # The device's peak: with `exclude_optimizer` (ZeRO-Offload) optimizer state is host memory.
-                for dev, snap in self._curr_mem_snap.items():
-                    used = snap["Total"] - (snap.get(_MemRefType.OPT, 0) if exclude_optimizer else 0)
-                    if used > self._peak_mem.get(dev, 0):
-                        self._peak_mem[dev] = used
-                        self._peak_mem_snap[dev] = dict(snap)
+                used = {dev: snap["Total"] - (snap.get(_MemRefType.OPT, 0) if exclude_optimizer else 0)
+                        for dev, snap in self._curr_mem_snap.items()}
+                higher = [dev for dev, n in used.items() if n > self._peak_mem.get(dev, 0)]
+                if higher:
+                    relabel()  # name the gradients created since, before the split is kept
+                for dev in higher:
+                    self._peak_mem[dev] = used[dev]
+                    self._peak_mem_snap[dev] = dict(self._curr_mem_snap[dev])
 
             # No per-module statistics: they forbid calling a module twice per step (every micro-batch does)
             # and cost a snapshot copy per call. Storages are counted from their creation; recomputation under
@@ -209,8 +220,10 @@ class MemoryTracker:
     def __exit__(self, *exc):
         self._tracker.__exit__(*exc)
 
-    def label(self, *, params=(), grads=(), optimizer=()) -> None:
+    def label(self, *, params=(), grads=(), optimizer=(), later_grads=None) -> None:
+        """`later_grads`: a function returning the gradients as they are now, some created during the step."""
         t, kind = self._tracker, self._kind
+        self._later_grads = later_grads
         for winfo, _ in list(t._WINFO.values()):  # setup's allocations: "other" unless named below
             if winfo.reftype in (kind.ACT, kind.TEMP):
                 old, winfo.reftype = winfo.reftype, kind.OTH
@@ -223,6 +236,17 @@ class MemoryTracker:
         # The peak starts here, from the labelled setup (the setup's own transients are not counted).
         t._peak_mem, t._peak_mem_snap = {}, {}
         t._update_peak_stats(None)
+
+    def _relabel_later_grads(self) -> None:
+        """The tracked storages of label(later_grads=f)'s f() become gradients (untracked ones stay so)."""
+        if self._later_grads is None:
+            return
+        t, grad = self._tracker, self._kind.GRAD
+        for x in self._later_grads():
+            winfo = t._WINFO.get(x.untyped_storage(), (None, None))[0] if isinstance(x, torch.Tensor) else None
+            if winfo is not None and winfo.reftype != grad:
+                old, winfo.reftype = winfo.reftype, grad
+                t._update_snap(_update_type("REF"), winfo, old_reftype=old)
 
     def _snapshot(self, which: str) -> dict[str, int]:
         names = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",

@@ -7,17 +7,27 @@ layer of sequence s, micro-batch b, hidden h, a heads stores, with 16-bit activa
     tensor parallel t         s b h (10 + 24 / t + 5 a s / (h t))  (LayerNorm/dropout inputs stay replicated)
     full recomputation        2 s b h                              (only the layer's input is kept)
 
-Itemised (so other element sizes follow; e = bytes per activation element, m = bytes per dropout mask element):
-    replicated over tp:  the inputs of the 2 LayerNorms and of QKV / fc1 (4e) + 2 residual dropout masks (2m)
+Itemised (so other element sizes follow; e = bytes per activation element, m = bytes per dropout mask element,
+r = bytes per element of the residual stream):
+    replicated over tp:  the inputs of the 2 LayerNorms (2r) and of QKV / fc1 (2e) + 2 residual dropout masks (2m)
     sharded over tp:     Q, K, V (3e), the attention output projection input (e), the GELU input (4e), fc2 input (4e)
     attention scores:    a s^2 b (softmax output e + dropout mask m + dropout output e), sharded over tp; with
                          fused (flash / SDPA) attention no scores are stored, only the fp32 log-sum-exp
                          (4 a s b; its output is laid out as the projection's input, so it is counted once).
-At e = 2, m = 1 this is exactly the paper's 34 and 5. CUDA's fused dropout keeps a 1-byte mask; on the CPU torch
-keeps the mask in the activation dtype (m = e). Without dropout (p = 0) there is no mask and no dropout output.
+At r = e = 2, m = 1 this is exactly the paper's 34 and 5. CUDA's fused dropout keeps a 1-byte mask; on the CPU
+torch keeps the mask in the dtype of the dropout's input (m = r). Without dropout (p = 0) there is no mask and no
+dropout output.
+
+torch AMP (megazoo's ZeRO-0 in bf16/fp16: fp32 parameters under autocast, recipes/model_setup.py) differs from
+the paper's 16-bit model: the embedding's output and every bias add are fp32, so the residual stream is fp32
+(r = 4): the LayerNorm inputs and the checkpoints of full recomputation are 4 bytes an element (measured with
+megatron-8.3b's width at tp = 8: 4 s b h per checkpointed block, not 2); the matmuls run on 16-bit casts of
+their inputs (e = 2) and of their weights, and each matmul keeps its weight's cast for backward: 12 h^2 / t
+elements of e bytes per block and micro-batch in flight, unless the block is recomputed (`weight_copies`).
 
 Outside the blocks: the embedding dropout mask (first stage), and on the last stage the final LayerNorm's input
-and output (2e s b h) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32, an
+and the head's (16-bit) input ((r + e) s b h; under autocast of fp32 parameters also the head weight's cast,
+e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32, an
 fp32 copy in the cross-entropy (the paper's 4 s b v / t). With checkpointing one layer's full activations exist
 again while it is recomputed in backward.
 
@@ -41,11 +51,21 @@ class ActivationSpec:
     flash_attention: bool = False  # fused attention (SDPA / flash): no (b, a, s, s) scores are stored
     dropout: bool = True  # residual / embedding dropout active (p > 0)
     attn_dropout: bool = True  # attention-probability dropout active (p > 0)
+    residual_bytes: int = 0  # the residual stream's element (0: element_bytes; 4 under autocast of fp32 params)
+    weight_copies: bool = False  # autocast of fp32 parameters: every matmul keeps its weight's 16-bit cast
+
+    @property
+    def residual(self) -> int:
+        return self.residual_bytes or self.element_bytes
 
     @staticmethod
-    def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1,
-                  flash_attention: bool = False) -> "ActivationSpec":
-        return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0)
+    def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
+                  *, autocast_fp32_params: bool = False) -> "ActivationSpec":
+        """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
+        bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
+        amp = autocast_fp32_params and element_bytes < 4
+        return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
+                              4 if amp else 0, amp)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -56,15 +76,16 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
     keeps only the log-sum-exp."""
     e = spec.element_bytes
     m_drop = spec.mask_bytes if spec.dropout else 0
-    replicated = 4 * e + 2 * m_drop
+    replicated = 2 * spec.residual + 2 * e + 2 * m_drop
     sharded = 12 * e
     sbh = s * b * h
+    weights = e * 12 * h * h / t if spec.weight_copies else 0.0  # QKV, projection, fc1, fc2 weights' 16-bit casts
     if spec.flash_attention:
         scores = 4 * a * s * b / t  # its fp32 log-sum-exp (its output is the projection input, counted above)
     else:
         per_score = e + ((spec.mask_bytes + e) if spec.attn_dropout else 0)
         scores = per_score * a * s * (s * cp) * b / t
-    return sbh * (replicated + sharded / t) + scores
+    return sbh * (replicated + sharded / t) + scores + weights
 
 
 def korthikanti(s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -73,8 +94,9 @@ def korthikanti(s: int, b: int, h: int, a: int, t: int = 1) -> float:
 
 
 def checkpoint_bytes(s: int, b: int, h: int, spec: ActivationSpec = ActivationSpec()) -> float:
-    """Full recomputation keeps each layer's input only: 2 s b h at 16 bits (replicated over tp)."""
-    return spec.element_bytes * s * b * h
+    """Full recomputation keeps each layer's input only: r s b h, the residual stream's bytes (2 s b h at 16
+    bits, 4 under autocast of fp32 parameters), replicated over tp."""
+    return spec.residual * s * b * h
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: int = 1) -> float:
@@ -120,7 +142,9 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if rank == 0 and spec.dropout:
             extra += spec.mask_bytes * s * b * h
         if rank == pp - 1:
-            extra += 2 * e * s * b * h + (e + (4 if e < 4 else 0)) * s * b * vocab / tp
+            extra += (spec.residual + e) * s * b * h + (e + (4 if e < 4 else 0)) * s * b * vocab / tp
+            if spec.weight_copies:  # the tied head's 16-bit cast of its vocabulary shard, kept for backward
+                extra += e * vocab / tp * h
         out.append(StageActivations(rank, n, in_flight(schedule, pp, rank, micro_batches, virtual), kept,
                                     full if checkpointing and n else 0.0, extra))
     return out

@@ -8,8 +8,11 @@ and loss scaler), and one whole `Trainer.train_step`: every micro-batch through 
 - the data: fake token batches of the recipe's shape (micro_batch x seq_len + 1), not the corpus;
 - host reads: fake tensors hold no values, so a read (`.item()` / `.tolist()`) returns a placeholder 0 at that
   point and the report names each place (the fp16 overflow verdict: "no overflow"; the step's metrics);
-- the device is the CPU: kernels are the CPU's (SDPA with dropout runs torch's math path, which stores the
-  attention probabilities; FlashAttention on a GPU does not), sizes and dtypes are the recipe's.
+- the device is the CPU: kernels are the CPU's, sizes and dtypes are the recipe's. One kernel is swapped so
+  that it keeps what the GPU's keeps (`gpu_kernels`; the report notes it): with attention dropout, CPU SDPA runs
+  its math path, which stores the (b, h, s, s) attention probabilities; FlashAttention on a GPU keeps q, k, v,
+  the output and a log-sum-exp, so the dry run runs kernels.attention = "recompute" (the same SDPA, recomputed
+  in backward; kernels/recompute_attention.py) instead.
 
 One rank per role (`roles`): every pipeline stage that can differ (first, one middle stage, last) at dp rank 0
 and tp rank 0. dp ranks hold equal partitions (every ZeRO bucket is padded to a multiple of dp) and tp ranks
@@ -28,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from megazoo.parallel.checkpoint.views import ensure_adam_state
 from megazoo.parallel.fake_world import (MemoryTracker, StepRecorder, fake_process_group, fake_tensors,
                                          flop_counter)
 from megazoo.parallel.topology import Topology
@@ -90,6 +94,33 @@ def load(path: str | Path, overrides=()) -> Resolved:
     return replace(resolve(bare), recipe=bare, model=model_config(recipe))
 
 
+def gpu_kernels(res: Resolved) -> tuple[Resolved, list[str]]:
+    """The recipe as the dry run runs it on the CPU, and one note per kernel swapped for the GPU's behaviour.
+
+    Attention: where the recipe runs SDPA (FlashAttention / memory-efficient on its GPU) with attention dropout,
+    CPU SDPA takes its math path and keeps scores, probabilities and mask for backward (~1.3 GB per layer for
+    gpt2-1.5b), which the GPU does not; "recompute" keeps q, k, v only, as the GPU's kernel does (less its output,
+    which the output projection keeps anyway, and its log-sum-exp). Without dropout the CPU's own fused SDPA
+    already keeps what the GPU's keeps: nothing is swapped."""
+    from megazoo.kernels.dispatch import resolve_op
+
+    kernels = res.recipe.kernels
+    sdpa = resolve_op("attention", kernels.choice(), torch.device("cpu")).name == "torch"
+    if res.model.attention != "dense" or res.model.attn_dropout == 0.0 or not sdpa:
+        return res, []
+    note = ("attention runs kernels.attention = \"recompute\" in place of SDPA: with attention dropout the CPU's "
+            "SDPA keeps the (b, h, s, s) probabilities for backward, the GPU's FlashAttention keeps q, k, v, the "
+            "output and a log-sum-exp; \"recompute\" keeps q, k, v (its FLOPs: + the attention core's forward, "
+            "again in backward)")
+    return replace(res, recipe=replace(res.recipe, kernels=replace(kernels, attention="recompute"))), [note]
+
+
+def attention_recomputed(res: Resolved) -> bool:
+    """Whether the dry run's attention is "recompute" (swapped in by gpu_kernels, or the recipe's own): it keeps
+    no scores, and runs the attention core's forward once more in backward."""
+    return res.model.attention == "dense" and gpu_kernels(res)[0].recipe.kernels.attention == "recompute"
+
+
 def stated_gpu(path: str | Path) -> str | None:
     """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/fit.py's key;
     `path` may also be a shipped recipe's name."""
@@ -135,15 +166,22 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
     the FLOP counter. Used by the dry run (fake tensors, placeholders for host reads) and by the tests' real
     gloo runs (real tensors), so both are measured alike. The peak counts everything created from the build on.
     With ZeRO-Offload the fp32 masters, their gradients and the Adam moments live in CPU memory: they are
-    labelled optimizer state and left out of the device peak (reported as host_bytes)."""
+    labelled optimizer state and left out of the device peak (reported as host_bytes).
+    The step is measured as every step after the first: torch's AdamW creates its moments in the first
+    optimizer step, after that step's backward, so they are created before it (ensure_adam_state, as a checkpoint
+    load does); step 0 alone would leave 8 bytes per owned parameter out of the backward peak (megatron-8.3b,
+    ZeRO-0: 8.3 GB). ZeRO-3's owned gradients, created by the step's reductions, are labelled as they appear."""
     with MemoryTracker(exclude_optimizer=offload) as mem:
         trainer = build()
         zero = trainer.zero
         masters = [p for g in zero.optimizer.param_groups for p in g["params"]]
-        host = masters + [p.grad for p in masters if p.grad is not None] if offload else masters
+        ensure_adam_state(zero.optimizer, masters)
+        moments = [v for state in zero.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        host = masters + moments + ([p.grad for p in masters if p.grad is not None] if offload else [])
         params = [p for chunk in trainer.chunks for p in chunk.parameters()]
         full_grads = [p.grad for p in params if p.grad is not None]  # stage 0/1: views of the flat buckets
-        mem.label(params=params, grads=full_grads + ([] if offload else zero.gradients()), optimizer=host)
+        mem.label(params=params, grads=full_grads + ([] if offload else zero.gradients()), optimizer=host,
+                  later_grads=None if offload else zero.gradients)
         with StepRecorder(placeholders=placeholders) as rec, flop_counter() as flops:
             trainer.train_step(0)
         peak = mem.peak()
@@ -160,6 +198,7 @@ def run_role(res: Resolved, role: Role) -> RoleResult:
 
     par = res.recipe.parallel
     start = time.perf_counter()
+    res, _ = gpu_kernels(res)  # the kernels that keep what the GPU's keep
     with fake_process_group(role.rank, par.dp * par.tp * par.pp):
         topo = Topology.build(par.dp, par.tp, par.pp, device="cpu")
         with fake_tensors():

@@ -5,11 +5,13 @@
 Planner columns, per role's pipeline stage: model states from parallel/zero/planner.py (ZeRO paper, Table 1) on
 the stage's exact parameter count (recipes/plan.py), activations from recipes/activations.py, buffers from the
 planner's buffer_memory (recipes/fit.py's arithmetic, for this stage rather than the fullest). The activation
-formula is taken for the attention kernel the dry run executes (the CPU's: SDPA with dropout stores the
-probabilities, without dropout it does not). Communication: the collectives on the dp group ("mesh_dp") in ring
-bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter / all-gather (N-1)/N of the tensor) beside the paper's
-per-step volume. FLOPs: FlopCounterMode's count beside 6 x matmul parameters x tokens + attention (recipes/
-flops.py's convention) for this stage's share, plus the forward recomputed under activation checkpointing.
+formula is taken for the attention kernel the dry run executes: no scores stored (the CPU's fused SDPA without
+dropout; with dropout the recomputing kernel dry_run.gpu_kernels runs in SDPA's place). Communication: the
+collectives on the dp group ("mesh_dp") in ring bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter /
+all-gather (N-1)/N of the tensor) beside the paper's per-step volume. FLOPs: FlopCounterMode's count beside
+6 x matmul parameters x tokens + attention (recipes/flops.py's convention) for this stage's share, plus the
+forward recomputed under activation checkpointing and the attention core's forward recomputed by
+kernels.attention = "recompute".
 Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the planner's convention).
 """
 
@@ -21,11 +23,10 @@ import time
 from pathlib import Path
 
 from megazoo.models.layout import parameter_layout
-from megazoo.parallel.zero.planner import (GB, BufferConfig, buffer_memory, communication_volume,
-                                           model_state_memory)
-from megazoo.recipes.activations import ActivationSpec, stage_activations
-from megazoo.recipes.dry_run import RoleResult, dry_run, load, stated_gpu
-from megazoo.recipes.fit import PRECISION_BYTES, parse_gpu, recipe_layout
+from megazoo.parallel.zero.planner import GB, BufferConfig, buffer_memory, communication_volume
+from megazoo.recipes.activations import stage_activations
+from megazoo.recipes.dry_run import RoleResult, attention_recomputed, dry_run, gpu_kernels, load, stated_gpu
+from megazoo.recipes.fit import PRECISION_BYTES, activation_spec, parse_gpu, recipe_layout, state_memory
 from megazoo.recipes.plan import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
@@ -38,20 +39,22 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     """The planner's bytes for one pipeline stage's device: params, grads, optimizer (0 when offloaded),
     activations, buffers, total; and its dp communication per step (paper, ring bytes sent)."""
     cfg, layout = res.model, recipe_layout(res)
-    no_scores = layout.flash_attention and res.model.attn_dropout == 0.0  # what the CPU's SDPA keeps
-    state, elem = PRECISION_BYTES[layout.precision]
+    # What the attention the dry run runs keeps: no scores with the CPU's fused SDPA (no dropout) or with the
+    # recomputing kernel (under dropout it runs in SDPA's place: dry_run.gpu_kernels), as FlashAttention on a GPU.
+    no_scores = layout.flash_attention and res.model.attn_dropout == 0.0 or attention_recomputed(res)
+    state = PRECISION_BYTES[layout.precision][0]  # the paper's bytes: its buffers and communication volume
     shard = shard_parameters(cfg, layout.tp, layout.pp, layout.stage_layers)
     acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
-                             spec=ActivationSpec.for_model(cfg, elem, 1, no_scores), cp=layout.cp)
+                             spec=activation_spec(cfg, layout, 1, no_scores), cp=layout.cp)
     st = shard.stages[pp_stage]
-    mem = model_state_memory(st.numel, layout.dp, layout.zero, state, offload=layout.offload)
+    mem = state_memory(st.numel, layout)  # megazoo's optimizers' bytes, as `megazoo plan` counts them
     buffers = BufferConfig(layout.bucket, layout.bucket)
     buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
                         persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
     comm = communication_volume(st.numel, layout.dp, layout.zero, state, grad_accum=layout.grad_accum)
-    out = {"params": mem.params_bytes, "grads": mem.grads_bytes,
+    out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].total_bytes,
            "buffers": buf, "dp_comm_bytes": comm.bytes if layout.dp > 1 else 0.0, "psi": st.numel}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
@@ -74,6 +77,8 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     last_mm = sum(p.local_numel(par.tp) for p in params if p.name.endswith("mlp.c_proj.weight"))
     again = blocks - (last_mm if cfg.dropout == 0.0 else 0)
     recompute = (2.0 * again + attention / 3) if t.activation_checkpointing else 0.0
+    if attention_recomputed(res):  # kernels.attention = "recompute": the attention core's forward in backward
+        recompute += attention / 3
     return tokens * (6.0 * (blocks + head) + attention + recompute)
 
 
@@ -110,7 +115,7 @@ def report(res: Resolved, results: list[RoleResult], capacity_gb: float, seconds
     fits = all(row["measured_peak_bytes"] <= capacity_gb * GB for row in rows)
     par = res.recipe.parallel
     return {"world_size": par.dp * par.tp * par.pp, "fits": fits, "gpu_memory_gb": capacity_gb, "roles": rows,
-            "seconds": seconds}
+            "seconds": seconds, "notes": gpu_kernels(res)[1]}
 
 
 def _gb(x: float) -> str:
@@ -128,7 +133,7 @@ def to_text(res: Resolved, rep: dict) -> str:
              f"{t.precision}, micro-batch {t.micro_batch} x grad_accum {t.grad_accum}, seq {t.seq_len}: one "
              f"training step per role on fake tensors and a fake process group ({rep['seconds']:.1f} s)",
              "  data: zero token batches of the recipe's shape (no corpus read); device: CPU kernels "
-             "(GB = 1e9 bytes)"]
+             "(GB = 1e9 bytes)"] + [f"  note: {note}" for note in rep.get("notes", [])]
     for row in rep["roles"]:
         c, p = row["by_category"], row["planned_by_category"]
         n = len(row["ranks"])

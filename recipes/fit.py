@@ -148,6 +148,15 @@ def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelState
     return megazoo_state_memory(psi, n, layout.zero, MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
 
 
+def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
+                    flash_attention: bool | None = None) -> ActivationSpec:
+    """How `layout` stores activations. ZeRO-0 keeps fp32 parameters and runs bf16/fp16 as torch autocast
+    (recipes/model_setup.parameter_dtype): a fp32 residual stream and 16-bit weight casts (recipes/activations.py)."""
+    flash = layout.flash_attention if flash_attention is None else flash_attention
+    return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
+                                    autocast_fp32_params=layout.zero == 0)
+
+
 def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1,
                   paper: bool = False) -> DeviceMemory:
     """Per-device memory of `cfg` trained under `layout`, on its fullest pipeline stage; model states as
@@ -156,9 +165,9 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
         raise PlanError(f"precision {layout.precision!r} is invalid; valid: {', '.join(PRECISION_BYTES)}")
     if layout.zero == 3 and layout.pp > 1:
         raise PlanError("zero stage 3 with pp > 1 is not supported by megazoo; valid with pp > 1: 0, 1, 2")
-    state, elem = PRECISION_BYTES[layout.precision]
+    state = PRECISION_BYTES[layout.precision][0]
     shard = _shard(cfg, layout.tp, layout.pp, layout.stage_layers)
-    spec = ActivationSpec.for_model(cfg, elem, mask_bytes, layout.flash_attention)
+    spec = activation_spec(cfg, layout, mask_bytes)
     acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,

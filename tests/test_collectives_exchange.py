@@ -9,11 +9,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_distributed
-from test_train_parity import assert_same_training
-from test_zero import _zero_run, reference  # noqa: F401 (the fixture)
+from recipe_helpers import tiny_resolved
+from test_train_parity import _train, assert_same_training
+from test_zero import _zero_run
 
 from megazoo.parallel import collectives
 from megazoo.parallel.collectives import CommLedger, Exchange, all_gather_flat, reduce_scatter_flat
+from megazoo.parallel.topology import Topology
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train(tiny_resolved(train={"micro_batch": 8}), Topology.solo())
 
 
 def _both_ways(n: int):
@@ -66,7 +73,7 @@ def test_exchange_equals_gloo_collectives(size):
     (2, {"dp": 2, "tp": 2}, {"micro_batch": 4}),
     (3, {"dp": 2}, {"micro_batch": 4}),
 ])
-def test_zero_through_exchanges_equals_reference(reference, stage, parallel, train):  # noqa: F811
+def test_zero_through_exchanges_equals_reference(reference, stage, parallel, train):
     with mock.patch.object(collectives, "P2P_MIN_BYTES", 0):  # the forked ranks inherit it: every message
         for got in _zero_run(parallel, train, {"stage": stage}):
             assert_same_training(got, reference)
