@@ -213,7 +213,7 @@ def recipe_layout(resolved) -> Layout:
     return Layout(par.dp, par.tp, par.pp, zero.stage, train.micro_batch, train.grad_accum, train.seq_len,
                   train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
                   tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
-                  r.kernels.attention in ("", "torch"),  # torch's SDPA (the default) stores no scores
+                  r.kernels.attention in ("", "torch", "recompute"),  # SDPA and "recompute": no scores kept
                   cp=par.cp)
 
 

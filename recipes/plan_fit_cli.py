@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     print("  activations: Korthikanti et al. 2022 per layer (recipes/activations.py): s b h (10 + 24/t) bytes "
           "+ 5 a s^2 b / t for stored attention scores" + (" (none here: fused SDPA attention)"
                                                             if layout.flash_attention else "")
-          + "; checkpointing keeps 2 s b h per layer + one layer recomputed; 1F1B: stage i holds pp - i")
+          + ("; checkpointing keeps r s b h per layer (r: the residual stream's bytes, 4 under ZeRO-0's autocast "
+             "of fp32 parameters) + one layer recomputed" if layout.checkpointing else "")
+          + "; 1F1B: stage i holds pp - i")
     return EXIT_FITS if mem.fits else EXIT_DOES_NOT_FIT
 
 
