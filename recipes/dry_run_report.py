@@ -2,9 +2,11 @@
 
     megazoo plan --recipe recipes/tnlg-17b.toml --dry-run [--gpu-memory GB | --gpu NAME] [--json OUT]
 
-Planner columns, per role's pipeline stage: model states from parallel/zero/planner.py (ZeRO paper, Table 1) on
-the stage's exact parameter count (recipes/plan.py), activations from recipes/activations.py, buffers from the
-planner's buffer_memory (recipes/fit.py's arithmetic, for this stage rather than the fullest). The activation
+Planner columns, per role's pipeline stage: model states as `megazoo plan` counts them, the bytes megazoo's ZeRO
+optimizers hold (recipes/fit.state_memory: parallel/zero/planner.py's megazoo_state_memory, not the ZeRO paper's
+Table 1) on the stage's exact parameter count (recipes/plan.py), activations from recipes/activations.py (with
+fit.activation_spec: a fp32 residual stream under ZeRO-0's autocast), buffers from the planner's buffer_memory
+(recipes/fit.py's arithmetic, for this stage rather than the fullest). The activation
 formula is taken for the attention kernel the dry run executes: no scores stored (the CPU's fused SDPA without
 dropout; with dropout the recomputing kernel dry_run.gpu_kernels runs in SDPA's place). Communication: the
 collectives on the dp group ("mesh_dp") in ring bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter /
