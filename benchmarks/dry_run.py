@@ -1,11 +1,17 @@
 """Dry runs of the shipped recipes at their full world size: measured peak per role beside the planner, the GPU's
 memory, dp communication per step beside the ZeRO paper's volume, FLOPs beside the formula, seconds.
 
-    python benchmarks/dry_run.py [--recipes tnlg-17b gpt-1t] [--json out.json] [--set k=v ...]
+    python benchmarks/dry_run.py [--recipes tnlg-17b gpt-1t] [--json out.json] [--set k=v ...] [--whole]
 
 Each recipe runs `megazoo plan --recipe R --dry-run`'s code (recipes/dry_run.py) in this process, one role
 after another, and prints one markdown table (the README's "Dry run at the real size" table is this output for
-tnlg-17b and gpt-1t). GB = 1e9 bytes.
+tnlg-17b and gpt-1t). GB = 1e9 bytes. `python benchmarks/dry_run.py --json benchmarks/dry_run_results.json`
+records what `megazoo reproduce claims` shows as measured.
+
+The two pipeline recipes run fewer micro-batches per step than they train with (FEWER_MICRO_BATCHES; --whole:
+all of them): gpt-1t's 1,536 and gpt3-175b's 128 micro-batches take hours here, and 1F1B's peak is reached once
+pp micro-batches are in flight on the first stage (tests/test_dry_run.py checks that a stage's peak does not grow
+with the micro-batches of a step). ZeRO's dp traffic is per step; p2p bytes and FLOPs scale with the count.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from megazoo.recipes.dry_run_report import report  # noqa: E402
 from megazoo.recipes.fit import parse_gpu  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+FEWER_MICRO_BATCHES = {"gpt-1t": ["train.grad_accum=25", "train.global_batch=50"],  # pp = 25
+                       "gpt3-175b": ["train.grad_accum=16", "train.global_batch=192"]}  # pp = 16
 SHIPPED = ("gpt2-117m", "gpt2-345m", "gpt2-774m", "gpt2-1.5b", "megatron-8.3b", "tnlg-17b", "gpt-100b",
            "gpt3-175b", "gpt-1t")
 
@@ -64,10 +72,11 @@ def main(argv=None) -> int:
     parser.add_argument("--recipes", nargs="+", default=list(SHIPPED), help="recipe names under recipes/")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--json", default=None, help="also write the reports here")
+    parser.add_argument("--whole", action="store_true", help="every micro-batch of gpt-1t's and gpt3-175b's step")
     args = parser.parse_args(argv)
     reports = []
     for name in args.recipes:
-        reports.append(measure(name, args.set))
+        reports.append(measure(name, ([] if args.whole else FEWER_MICRO_BATCHES.get(name, [])) + args.set))
         print(f"{name}: {reports[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     print(table(reports))
     if args.json:

@@ -7,7 +7,7 @@ where they change a verdict; recipes/plan.py: per-shard parameter counts) and th
 recipes where one exists (recipes/tnlg-17b.toml, gpt-100b.toml, gpt-1t.toml, read as `megazoo plan --recipe`
 reads them). Published figures are quoted with their source; where our reading of a source is from memory it says
 so. Nothing here runs a model: the numbers are exact for the planner's formulas. Where a dry run of the recipe
-has been recorded (`python benchmarks/dry_run.py --recipes tnlg-17b gpt-100b gpt-1t --json runs/dry_run.json`:
+has been recorded (`python benchmarks/dry_run.py --json benchmarks/dry_run_results.json`, kept in the repository:
 the real training step at the full world size on fake tensors, recipes/dry_run.py), its measured peak, dp bytes
 and FLOPs per role are shown beside the planner's, each column saying whether it is measured or computed.
 """
@@ -26,7 +26,7 @@ from megazoo.recipes.flops import model_flops_per_token
 from megazoo.recipes.plan_fit_cli import _from_recipe
 from megazoo.recipes.reproduce_common import REPO, Report, figure, table
 
-DRY_RUN_JSON = REPO / "runs" / "dry_run.json"  # benchmarks/dry_run.py --json (measured, not computed)
+DRY_RUN_JSON = REPO / "benchmarks" / "dry_run_results.json"  # benchmarks/dry_run.py --json (measured)
 V100 = GPUS["v100-32gb"]  # 32 GB, 125 TFLOP/s fp16, DGX-2: 16 per node on NVSwitch
 SRC_TNLG = ("Microsoft Research blog, \"Turing-NLG: A 17-billion-parameter language model by Microsoft\" (Rosset, "
             "Feb. 2020): with ZeRO, model parallelism 16 -> 4 and 4x the batch size per node")
@@ -187,7 +187,7 @@ def dry_run_section(rep: Report) -> None:
     import json
     if not DRY_RUN_JSON.is_file():
         rep.add("## Measured by the dry run", f"Not recorded: every figure above is computed. Record with `python "
-                f"benchmarks/dry_run.py --recipes tnlg-17b gpt-100b gpt-1t --json {DRY_RUN_JSON.relative_to(REPO)}`.")
+                f"benchmarks/dry_run.py --json {DRY_RUN_JSON.relative_to(REPO)}`.")
         return
     rows = []
     for r in json.loads(DRY_RUN_JSON.read_text()):

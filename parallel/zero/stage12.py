@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
-from megazoo.parallel.fake_world import same_memory
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
@@ -164,12 +163,11 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
         """AdamW on the owned chunks, then all-gather every bucket's parameters over dp (all launched, then
         waited: the gathers queue back to back; in place when the master aliases the bucket's chunk)."""
         self._wait_gathers()
-        updated = self.update_owned(lr)
+        self.update_owned(lr)
         for i in reversed(range(len(self.buckets))):  # buckets are in backward order: the forward needs the last first
-            b, owned = self.buckets[i], updated[i]
+            b = self.buckets[i]
             mine = b.flat_params[b.owned]
-            if not same_memory(owned, mine):
-                mine.copy_(owned)
+            self.write_owned(i, mine)
             if self.group is not None:
                 self._gathers[i] = all_gather_flat(b.flat_params, mine, self.group, async_op=True, ledger=self.comm)
         if not self._prefetch:

@@ -35,7 +35,6 @@ import torch
 import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
-from megazoo.parallel.fake_world import same_memory
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, build_buckets
@@ -293,12 +292,10 @@ class ZeroStage3(PartitionedOptimizer):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        owned = iter(self.update_owned(lr))
-        for unit in self.units:
-            for shard in unit.shards:
-                new = next(owned)
-                if not same_memory(new, shard):  # fp32 training: the master is the shard itself
-                    shard.copy_(new)
+        self.update_owned(lr)
+        shards = [shard for unit in self.units for shard in unit.shards]  # the masters' order
+        for k, shard in enumerate(shards):
+            self.write_owned(k, shard)
         self._check_order = False
 
     @contextlib.contextmanager
