@@ -8,10 +8,9 @@ after another, and prints one markdown table (the README's "Dry run at the real 
 tnlg-17b and gpt-1t). GB = 1e9 bytes. `python benchmarks/dry_run.py --json benchmarks/dry_run_results.json`
 records what `megazoo reproduce claims` shows as measured.
 
-The two pipeline recipes run fewer micro-batches per step than they train with (FEWER_MICRO_BATCHES; --whole:
-all of them): gpt-1t's 1,536 and gpt3-175b's 128 micro-batches take hours here, and 1F1B's peak is reached once
-pp micro-batches are in flight on the first stage (tests/test_dry_run.py checks that a stage's peak does not grow
-with the micro-batches of a step). ZeRO's dp traffic is per step; p2p bytes and FLOPs scale with the count.
+The two pipeline recipes run pp micro-batches per step instead of all they train with
+(recipes/dry_run.pipeline_depth_overrides; --whole: all of them): gpt-1t's 1,536 and gpt3-175b's 128 take hours
+here, and the peak is reached with pp.
 """
 
 from __future__ import annotations
@@ -25,20 +24,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazoo.parallel.zero.planner import GB  # noqa: E402
-from megazoo.recipes.dry_run import dry_run, load, stated_gpu  # noqa: E402
+from megazoo.recipes.dry_run import dry_run, load, pipeline_depth_overrides, stated_gpu  # noqa: E402
 from megazoo.recipes.dry_run_report import report  # noqa: E402
 from megazoo.recipes.fit import parse_gpu  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-FEWER_MICRO_BATCHES = {"gpt-1t": ["train.grad_accum=25", "train.global_batch=50"],  # pp = 25
-                       "gpt3-175b": ["train.grad_accum=16", "train.global_batch=192"]}  # pp = 16
 SHIPPED = ("gpt2-117m", "gpt2-345m", "gpt2-774m", "gpt2-1.5b", "megatron-8.3b", "tnlg-17b", "gpt-100b",
            "gpt3-175b", "gpt-1t")
 
 
-def measure(name: str, overrides=()) -> dict:
+def measure(name: str, overrides=(), whole: bool = False) -> dict:
     path = RECIPES / f"{name}.toml"
     res = load(path, overrides)
+    fewer = [] if whole else pipeline_depth_overrides(res)
+    if fewer:
+        res = load(path, fewer + list(overrides))
     gpu = stated_gpu(path) or "32"
     start = time.perf_counter()
     results = dry_run(res)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     reports = []
     for name in args.recipes:
-        reports.append(measure(name, ([] if args.whole else FEWER_MICRO_BATCHES.get(name, [])) + args.set))
+        reports.append(measure(name, args.set, args.whole))
         print(f"{name}: {reports[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     print(table(reports))
     if args.json:

@@ -109,16 +109,12 @@ def _exchange_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> Excha
     ops = [dist.P2POp(dist.isend, pieces[i], ranks[i], group) for i in others]
     ops += [dist.P2POp(dist.irecv, buf, ranks[i], group) for i, buf in zip(others, received)]
     works = dist.batch_isend_irecv(ops)
+    in_rank_order = [t for _, t in sorted([(me, pieces[me]), *zip(others, received)], key=lambda pair: pair[0])]
 
     def finish():
-        parts = [pieces[me]] + received
-        order = sorted(range(len(parts)), key=lambda k: ([me] + others)[k])  # rank order
-        if len(others) == 1:
-            torch.add(parts[order[0]], parts[order[1]], out=out)  # out is one of them: add is elementwise
-        else:
-            out.copy_(parts[order[0]])
-            for k in order[1:]:
-                out.add_(parts[k])
+        torch.add(in_rank_order[0], in_rank_order[1], out=out)  # 2 ranks: out is one of them (elementwise add)
+        for part in in_rank_order[2:]:
+            out.add_(part)
     return Exchange(works, finish)
 
 
@@ -128,7 +124,10 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = 
     _record(ledger, kind, out, group)
     if _exchanges(out, group):
         work = _exchange_all_gather(out, x, group)
-        return work if async_op else work.wait() and None
+        if not async_op:
+            work.wait()
+            return None
+        return work
     return _all_gather_single(out, x, group=group, async_op=async_op)
 
 
@@ -145,7 +144,10 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, op=dist.Reduc
     _record(ledger, "reduce_scatter", x, group)
     if op == dist.ReduceOp.SUM and _exchanges(x, group):
         work = _exchange_reduce_scatter(out, x, group)
-        return work if async_op else work.wait() and None
+        if not async_op:
+            work.wait()
+            return None
+        return work
     return _reduce_scatter_single(out, x, op=op, group=group, async_op=async_op)
 
 

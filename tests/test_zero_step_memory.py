@@ -8,37 +8,12 @@ import weakref
 
 import pytest
 import torch
+from test_dry_run import _recipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megazoo.parallel.fake_world import fake_process_group
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.dry_run import load, shaped_data
-
-RECIPE = """
-[model]
-preset = "gpt2-tiny"
-n_layer = 4
-vocab_size = 300
-[parallel]
-dp = 2
-[zero]
-stage = {stage}
-reduce_bucket_size = 20000
-[train]
-steps = 1
-micro_batch = 2
-seq_len = 32
-precision = "bf16"
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[logging]
-progress = false
-[sample]
-tokens = 0
-[run]
-dir = "{run_dir}"
-"""
 
 
 class NewBytes(TorchDispatchMode):
@@ -67,9 +42,7 @@ class NewBytes(TorchDispatchMode):
 def test_masters_go_back_one_bucket_at_a_time(tmp_path, stage):
     from megazoo.recipes.trainer import Trainer
 
-    path = tmp_path / "r.toml"
-    path.write_text(RECIPE.format(stage=stage, run_dir=tmp_path / "run"))
-    res = load(path)
+    res = load(_recipe(tmp_path, dp=2, stage=stage, precision="bf16"))
     with fake_process_group(0, 2):  # rank 0 of 2; collectives return at once, the tensors are real
         trainer = Trainer(res, Topology.build(2, 1, 1, device="cpu"), shaped_data(res))
         zero = trainer.zero
