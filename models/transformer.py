@@ -136,7 +136,8 @@ class GPT(nn.Module):
         self.vocab_padded = cfg.padded_vocab(topo.tp)
         if with_embedding or with_head:  # the head reuses wte (tied)
             self.wte = VocabParallelEmbedding(self.vocab_padded, cfg.d_model, topo.tp_group,
-                                              init_std=cfg.init_std, device=device, dtype=dtype)
+                                              init_std=cfg.init_std, device=device, dtype=dtype,
+                                              tied_head=with_embedding and with_head)
         if with_embedding:
             self.wpe = nn.Embedding(cfg.n_positions, cfg.d_model, device=device, dtype=dtype)
             self.drop = nn.Dropout(cfg.dropout)
@@ -170,8 +171,7 @@ class GPT(nn.Module):
         if not self.with_head:
             return x
         x = self.ln_f(x)
-        # Tied head: logits for this rank's vocab shard. dx is summed over tp in backward (copy_to_tp_region).
-        return F.linear(copy_to_tp_region(x, self.topo.tp_group), self.wte.weight)  # (b, s, V/tp)
+        return self.wte.head(x)  # tied head: logits for this rank's vocab shard (b, s, V/tp)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits.

@@ -89,11 +89,21 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids in its range [start, end) and writes zeros for the rest; the all-reduce in
     forward (identity in backward) assembles full embeddings. `num_embeddings` must already be padded to a
     multiple of tp (we pad to 128 * tp).
+
+    `tied_head=True`: the same weight is also the output head (`head`), used after the lookup in the same forward.
+    Autograd would then hold two dense vocabulary x dim gradients for it at once at the end of backward (the
+    head's, waiting for the lookup's, which is zero except for the looked-up rows) and add them (at d = 1280 with
+    GPT-2's vocabulary, 257 MB each: where ZeRO-3's peak was). Instead the head's backward keeps its weight
+    gradient aside and the lookup's backward adds its rows into it in place (Megatron's gradient-accumulation
+    fusion, for this one weight): one dense gradient reaches the weight. Not under autocast, where the head reads a
+    16-bit cast of the weight and its gradient must flow back through that cast.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, *, init_std: float = 0.02,
-                 device=None, dtype=None):
+                 device=None, dtype=None, tied_head: bool = False):
         super().__init__()
+        self.tied_head = tied_head
+        self._shared: _TiedGradient | None = None  # this forward's lookup -> its head
         tp, rank = group_size(group), group_rank(group)
         local = _divide(num_embeddings, tp, "padded vocabulary size")
         self.group, self.init_std = group, init_std
@@ -102,10 +112,73 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, 1, rank, tp)}
         self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.tied_head and torch.is_grad_enabled() and self.weight.requires_grad \
+            and not torch.is_autocast_enabled(x.device.type)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        self._shared = None
+        if not self._fused(self.weight):
+            return F.embedding(ids, self.weight)
+        self._shared = _TiedGradient()
+        return _RowsLookup.apply(ids, self.weight, self._shared)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (b, s) -> (b, s, h)
         if self.group is None:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)  # row 0 gets zero rows in backward
+        out = self._lookup(local_ids).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp_region(out, self.group)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> this rank's vocabulary shard (b, s, V/tp)
+        """The tied output head, logits = x W^T. Collectives: none in forward; dx is summed over tp in backward
+        (copy_to_tp_region)."""
+        x = copy_to_tp_region(x, self.group)
+        shared, self._shared = self._shared, None
+        if shared is None or not self._fused(x):
+            return F.linear(x, self.weight)
+        return _HeadKeepingGradient.apply(x, self.weight, shared)
+
+
+class _TiedGradient:
+    """The tied weight's gradient between the head's backward and the lookup's (one per forward)."""
+
+    grad: torch.Tensor | None = None
+
+
+class _HeadKeepingGradient(torch.autograd.Function):
+    """F.linear(x, W); backward returns dx and leaves dW (a fresh contiguous tensor) to the lookup's backward,
+    which runs after it (the lookup's output is the head's input, through the blocks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, shared: _TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.shared = shared
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            ctx.shared.grad = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return (grad.matmul(weight) if ctx.needs_input_grad[0] else None), None, None
+
+
+class _RowsLookup(torch.autograd.Function):
+    """F.embedding(ids, W); backward adds the looked-up rows' gradients into the head's dW in place."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, shared: _TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.shared, ctx.weight_shape = shared, weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, rows: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        grad, ctx.shared.grad = ctx.shared.grad, None
+        if grad is None:  # the head's backward did not run (or its weight gradient was not asked for)
+            grad = rows.new_zeros(ctx.weight_shape)
+        grad.index_add_(0, ids.reshape(-1), rows.reshape(-1, rows.shape[-1]).to(grad.dtype))
+        return None, grad, None
