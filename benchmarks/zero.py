@@ -51,7 +51,7 @@ IMPLS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")
 # 10% apart where stage 0 and stage 3 end on this machine, so the ratio of the two is not the ladder's step.
 LADDER = [(12, 768, 12), (12, 1024, 16), (14, 1024, 16), (16, 1024, 16), (18, 1024, 16), (20, 1024, 16),
           (24, 1024, 16), (16, 1280, 20), (20, 1280, 20), (24, 1280, 20), (28, 1280, 20), (32, 1280, 20),
-          (36, 1280, 20), (40, 1280, 20), (44, 1280, 20), (28, 1600, 25),
+          (36, 1280, 20), (40, 1280, 20), (42, 1280, 20), (44, 1280, 20), (46, 1280, 20), (48, 1280, 20), (28, 1600, 25),
           (32, 1600, 25), (36, 1600, 25), (40, 1600, 25), (48, 1600, 25), (40, 1920, 30), (48, 1920, 30),
           (48, 2048, 32), (44, 2304, 36)]
 
@@ -232,22 +232,23 @@ def _combine(mine: list[dict], runs: dict[str, list[dict]]) -> dict:
 def estimate_rank_bytes(stage: int, n_params: int, cfg: ModelConfig, world: int) -> float:
     """Per-rank peak of one attempt, to choose where the search starts (the run itself decides). fp32 model
     states: stage 0 holds 4 (params) + 4 (grads) + 8 (Adam moments) bytes per parameter; stages 1 / 2 / 3
-    partition the 8 / 12 / 16 of them (the owned fp32 chunk is its own master). Transients: the embedding's dense gradients (from the lookup and
-    the tied head), its gradient bucket and reduce-scatter buffers (stage 3: ~4 root units; stage 0: ~2), and
-    a few gathered blocks with their gradients."""
+    partition the 8 / 12 / 16 of them (the owned fp32 chunk is its own master). Transients: the tied embedding's
+    one dense gradient and its reduce-scatter output (stage 3: ~2 root units), and a few gathered blocks with
+    their gradients."""
     root = cfg.padded_vocab(1) * cfg.d_model * 4
     block = (n_params - cfg.padded_vocab(1) * cfg.d_model) / cfg.n_layer * 4
     base = 0.4 * GiB  # forked rank with torch and a process group (~0.2 GB measured) + activations at seq <= 64
     if stage < 3:
         return {0: 16, 1: 8 + 8 / world, 2: 4 + 12 / world}[stage] * n_params + 2 * root + base
-    return 16 * n_params / world + 4 * root + 6 * block + base
+    return 16 * n_params / world + 2 * root + 4 * block + base
 
 
 def run_largest(args) -> dict:
     world, seq = 4, args.largest_seq
     budget = mem_available() - args.reserve_gib * GiB  # what the attempt's 4 ranks may use in all
     out = {"world": world, "seq": seq, "budget_bytes": budget, "attempts": [], "largest": {}}
-    ladder = [(shape, model_config(shape).num_parameters()) for shape in LADDER]
+    # Ordered by parameter count: moving up a rung always means a larger model.
+    ladder = sorted(((shape, model_config(shape).num_parameters()) for shape in LADDER), key=lambda r: r[1])
     for stage in args.largest_stages:
         fits = [i for i, (s, n) in enumerate(ladder) if world * estimate_rank_bytes(stage, n, model_config(s),
                                                                                     world) <= budget]
