@@ -91,9 +91,10 @@ class VocabParallelEmbedding(nn.Module):
     multiple of tp (we pad to 128 * tp).
 
     `tied_head=True`: the same weight is also the output head (`head`), used after the lookup in the same forward.
-    Autograd would then hold two dense vocabulary x dim gradients for it at once at the end of backward (the
-    head's, waiting for the lookup's, which is zero except for the looked-up rows) and add them (at d = 1280 with
-    GPT-2's vocabulary, 257 MB each: where ZeRO-3's peak was). Instead the head's backward keeps its weight
+    Autograd would then hold three dense vocabulary x dim tensors for it at the end of backward: the head's
+    gradient (waiting through the whole backward for the lookup's), the lookup's (zero except for the looked-up
+    rows) and their sum (at d = 1280 with GPT-2's vocabulary, 257 MB each: where ZeRO-3's peak was; measured,
+    and autograd does not add a sparse lookup gradient in place either). Instead the head's backward keeps its weight
     gradient aside and the lookup's backward adds its rows into it in place (Megatron's gradient-accumulation
     fusion, for this one weight): one dense gradient reaches the weight. Not under autocast, where the head reads a
     16-bit cast of the weight and its gradient must flow back through that cast.
