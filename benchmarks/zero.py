@@ -47,13 +47,14 @@ from megazoo.parallel.zero.api import ZeroEngine
 PHASES = ("forward", "backward", "reduce wait", "grad norm", "optimizer", "all-gather wait")
 MEMORY_BOUND = ("gpt-8x1024", dict(n_layer=8, d_model=1024, n_head=16, vocab_size=8192, n_positions=128))
 IMPLS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")
-# (n_layer, d_model, n_head), ascending parameters: GPT-2 shapes and rungs between them, 64-wide heads; about
-# 10% apart where stage 0 and stage 3 end on this machine, so the ratio of the two is not the ladder's step.
+# (n_layer, d_model, n_head): GPT-2 shapes and rungs between them, 64-wide heads (run_largest sorts them by
+# parameter count); about 4-10% apart where stage 0 and stage 3 end on this machine, so the ratio of the two is
+# not the ladder's step.
 LADDER = [(12, 768, 12), (12, 1024, 16), (14, 1024, 16), (16, 1024, 16), (18, 1024, 16), (20, 1024, 16),
           (24, 1024, 16), (16, 1280, 20), (20, 1280, 20), (24, 1280, 20), (28, 1280, 20), (32, 1280, 20),
-          (36, 1280, 20), (40, 1280, 20), (42, 1280, 20), (44, 1280, 20), (46, 1280, 20), (48, 1280, 20), (28, 1600, 25),
-          (32, 1600, 25), (36, 1600, 25), (40, 1600, 25), (48, 1600, 25), (40, 1920, 30), (48, 1920, 30),
-          (48, 2048, 32), (44, 2304, 36)]
+          (36, 1280, 20), (40, 1280, 20), (42, 1280, 20), (44, 1280, 20), (46, 1280, 20), (48, 1280, 20),
+          (28, 1600, 25), (32, 1600, 25), (36, 1600, 25), (40, 1600, 25), (48, 1600, 25), (40, 1920, 30),
+          (48, 1920, 30), (48, 2048, 32), (44, 2304, 36)]
 
 
 # ---- one training configuration ------------------------------------------------------------------------------

@@ -113,13 +113,13 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, 1, rank, tp)}
         self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
 
-    def _fused(self, x: torch.Tensor) -> bool:
+    def _fused(self) -> bool:
         return self.tied_head and torch.is_grad_enabled() and self.weight.requires_grad \
-            and not torch.is_autocast_enabled(x.device.type)
+            and not torch.is_autocast_enabled(self.weight.device.type)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         self._shared = None
-        if not self._fused(self.weight):
+        if not self._fused():
             return F.embedding(ids, self.weight)
         self._shared = _TiedGradient()
         return _RowsLookup.apply(ids, self.weight, self._shared)
@@ -137,7 +137,7 @@ class VocabParallelEmbedding(nn.Module):
         (copy_to_tp_region)."""
         x = copy_to_tp_region(x, self.group)
         shared, self._shared = self._shared, None
-        if shared is None or not self._fused(x):
+        if shared is None or not self._fused():
             return F.linear(x, self.weight)
         return _HeadKeepingGradient.apply(x, self.weight, shared)
 

@@ -293,8 +293,7 @@ class ZeroStage3(PartitionedOptimizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.update_owned(lr)
-        shards = [shard for unit in self.units for shard in unit.shards]  # the masters' order
-        for k, shard in enumerate(shards):
+        for k, shard in enumerate(self.shards):  # every unit's shards, in the masters' order
             self.write_owned(k, shard)
         self._check_order = False
 
