@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megazoo.parallel import collectives
 from megazoo.parallel.collectives import all_gather_flat, all_reduce, reduce_scatter_flat
-from megazoo.parallel.local_launch import run_distributed
+from megazoo.workers.local import run_distributed
 
 
 def _time(fn, repeat: int) -> float:

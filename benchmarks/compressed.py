@@ -49,9 +49,9 @@ def _demo_rank(steps: int, run_dir: str, names: tuple[str, ...]) -> dict:
 
     from megazoo.parallel.topology import Topology
     from megazoo.recipes.config import load_recipe
-    from megazoo.recipes.data_setup import load_data
+    from megazoo.recipes.training.data_setup import load_data
     from megazoo.recipes.resolve import resolve
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     warmup = 20
     sets = ["zero.stage=0", f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.eval_every=0",
@@ -75,7 +75,7 @@ def _demo_rank(steps: int, run_dir: str, names: tuple[str, ...]) -> dict:
 
 def part_demo(steps: int, names: tuple[str, ...] = OPTIMIZERS, baseline: dict | None = None) -> dict:
     """`baseline`: an earlier run's AdamW row (from --json) instead of training AdamW again."""
-    from megazoo.parallel.local_launch import run_distributed
+    from megazoo.workers.local import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="megazoo-compressed-") as run_dir:
         result = run_distributed(_demo_rank, 2, steps, run_dir, names, timeout_s=7200)[0]
@@ -137,11 +137,11 @@ def _network_worker(rank: int, optimizer: str, warm: int, timed: int, port: int)
     """One rank inside its namespace: the communication-bound GPT, `warm` untimed steps, then `timed` steps."""
     import torch
 
-    from megazoo.parallel.local_launch import finish_worker
+    from megazoo.workers.local import finish_worker
     from megazoo.parallel.topology import Topology, init_distributed
     from megazoo.recipes.config import Recipe, from_dict
     from megazoo.recipes.resolve import resolve
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=VETH[rank])

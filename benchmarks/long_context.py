@@ -32,7 +32,7 @@ from megazoo.models.config import get_preset  # noqa: E402
 from megazoo.models.transformer import GPT  # noqa: E402
 from megazoo.models.weights import init_weights  # noqa: E402
 from megazoo.parallel.context import split_sequence  # noqa: E402
-from megazoo.parallel.local_launch import run_distributed  # noqa: E402
+from megazoo.workers.local import run_distributed  # noqa: E402
 from megazoo.parallel.topology import Topology  # noqa: E402
 
 MB = 2 ** 20

@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megazoo.parallel.local_launch import run_distributed  # noqa: E402
+from megazoo.workers.local import run_distributed  # noqa: E402
 from megazoo.parallel.topology import Topology  # noqa: E402
 from megazoo.recipes.config import Recipe, from_dict  # noqa: E402
 from megazoo.recipes.resolve import resolve  # noqa: E402
-from megazoo.recipes.trainer import Trainer  # noqa: E402
+from megazoo.recipes.training.trainer import Trainer  # noqa: E402
 
 
 def _measure(table: dict, warmup: int):

@@ -90,7 +90,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from megazoo.parallel.launcher import launch_local
+    from megazoo.workers.supervisor import launch_local
     from megazoo.parallel.topology import Topology
 
     try:
@@ -149,7 +149,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point (`python -m megazoo.eval.cli TASK ...`): reads the launcher's RANK/WORLD_SIZE."""
-    from megazoo.parallel.local_launch import tp_worker
+    from megazoo.workers.local import tp_worker
 
     parser = argparse.ArgumentParser(prog="megazoo eval")
     subparsers = parser.add_subparsers(dest="command", required=True)

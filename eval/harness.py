@@ -103,7 +103,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megazoo.parallel.launcher import launch_local
+    from megazoo.workers.supervisor import launch_local
     from megazoo.parallel.topology import Topology
 
     try:
@@ -143,7 +143,7 @@ def register(tasks_subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point: reads the launcher's RANK / WORLD_SIZE."""
-    from megazoo.parallel.local_launch import tp_worker
+    from megazoo.workers.local import tp_worker
 
     parser = argparse.ArgumentParser(prog="megazoo eval harness")
     add_arguments(parser)

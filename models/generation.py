@@ -4,7 +4,7 @@ The prompt is run once, filling the cache (models/kv_cache.py); each new token i
 position. The vocabulary-sharded logits of the last position are all-gathered over tp (one row, small), and the
 draw uses a generator seeded identically on every rank, so all tp ranks pick the same token and their caches
 (each holding its own heads) stay in step. Used by `megazoo generate`, the trainer's closing sample
-(recipes/generate.py) and lm-eval's generate_until (eval/harness_model.py).
+(recipes/training/sample.py) and lm-eval's generate_until (eval/harness_model.py).
 
 Past the model's context (n_positions) the window slides: the cache is dropped and the last n_positions tokens
 are recomputed at every step, exactly what a cache-less loop over `ids[-n_positions:]` computes.

@@ -1,6 +1,6 @@
 """A rank of a world that is not there: torch's fake process group and fake tensors, and what a step does in it.
 
-The dry run (recipes/dry_run.py) runs the real training step as rank r of a recipe's full world size on one
+The dry run (recipes/planner/dry_run.py) runs the real training step as rank r of a recipe's full world size on one
 CPU: collectives and point-to-point ops of the fake process group return at once, and fake tensors carry shape,
 dtype and device but no storage, so a 1T-parameter stage costs no memory. Every torch-internal import the dry
 run needs lives in this file (a torch upgrade touches only it):

@@ -24,16 +24,16 @@ from megazoo.data.preprocess import register as register_preprocess
 from megazoo.data.tokenizer_cli import register as register_tokenizer
 from megazoo.eval.cli import register as register_eval
 from megazoo.models.gpt2.convert_cli import register as register_convert
-from megazoo.parallel.launcher import launch_local
+from megazoo.workers.supervisor import launch_local
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.generate_cli import register as register_generate
-from megazoo.recipes.launch_cli import register as register_launch
-from megazoo.recipes.plan_cli import register as register_plan
-from megazoo.recipes.plot_cli import register as register_plot
-from megazoo.recipes.reproduce_cli import register as register_reproduce
+from megazoo.recipes.launch.cli import register as register_launch
+from megazoo.recipes.planner.cli import register as register_plan
+from megazoo.recipes.training.plot import register as register_plot
+from megazoo.recipes.reproduce.cli import register as register_reproduce
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
+from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megazoo.parallel.launcher import launch_local
+    from megazoo.workers.supervisor import launch_local
     from megazoo.parallel.topology import Topology
 
     try:
@@ -100,7 +100,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun worker entry point: every rank decodes, rank 0 prints."""
-    from megazoo.parallel.local_launch import tp_worker
+    from megazoo.workers.local import tp_worker
 
     parser = argparse.ArgumentParser(prog="megazoo generate")
     add_arguments(parser)

@@ -1,7 +1,7 @@
 """The training entry point: `python -m megazoo.recipes.train RECIPE.toml [--set k=v ...]`, one process per rank.
 
 `megazoo train` checks the recipe and launches this under torchrun (or runs it in place for one process); the
-loop itself is recipes/trainer.py. This module reads the launcher's RANK / WORLD_SIZE, builds the Topology,
+loop itself is recipes/training/trainer.py. This module reads the launcher's RANK / WORLD_SIZE, builds the Topology,
 restores a checkpoint when asked, handles SIGTERM / SIGINT (preemption: finish the step, save, stop; exit status
 128 + signal), holds run.dir's lock when no `megazoo train` launcher does, and prints the run's summary on rank 0.
 """
@@ -16,19 +16,19 @@ import sys
 from pathlib import Path
 
 from megazoo.parallel.checkpoint.io import CheckpointError
-from megazoo.parallel.launcher import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
-from megazoo.parallel.local_launch import finish_worker
+from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
+from megazoo.workers.local import finish_worker
 from megazoo.parallel.topology import Topology, init_distributed, local_device
-from megazoo.recipes import checkpointing
+from megazoo.recipes.training import checkpointing
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
-from megazoo.recipes.metrics import MetricsLog
-from megazoo.recipes.plot_cli import plot_runs, read_metrics
-from megazoo.recipes.progress import Progress, is_collective_timeout
+from megazoo.recipes.training.metrics import MetricsLog
+from megazoo.recipes.training.plot import plot_runs, read_metrics
+from megazoo.recipes.training.progress import Progress, is_collective_timeout
 from megazoo.recipes.resolve import Resolved, resolve
 from megazoo.recipes.resolved_toml import resolved_toml
-from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, write_resolved_recipe
-from megazoo.recipes.trainer import Trainer, TrainResult
+from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, write_resolved_recipe
+from megazoo.recipes.training.trainer import Trainer, TrainResult
 
 
 def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> TrainResult:

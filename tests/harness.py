@@ -1,5 +1,5 @@
-"""Tests use the library's local launcher (parallel/local_launch.py): N forked gloo ranks on this machine."""
+"""Tests use the library's local launcher (workers/local.py): N forked gloo ranks on this machine."""
 
-from megazoo.parallel.local_launch import run_distributed
+from megazoo.workers.local import run_distributed
 
 __all__ = ["run_distributed"]

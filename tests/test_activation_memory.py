@@ -1,4 +1,4 @@
-"""The activation formula (recipes/activations.py, Korthikanti et al. 2022) against what autograd really keeps.
+"""The activation formula (recipes/planner/activations.py, Korthikanti et al. 2022) against what autograd really keeps.
 
 A small GPT (fp32, CPU) runs forward + backward; torch.autograd.graph.saved_tensors_hooks sees every tensor
 saved for backward, and the bytes of their distinct storages (parameters excluded) are the activation memory.
@@ -18,7 +18,7 @@ from megazoo.kernels.dispatch import KernelChoice
 from megazoo.models.config import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.activations import (ActivationSpec, checkpoint_bytes, in_flight, korthikanti, layer_bytes,
+from megazoo.recipes.planner.activations import (ActivationSpec, checkpoint_bytes, in_flight, korthikanti, layer_bytes,
                                          stage_activations)
 
 TOLERANCE = 0.03  # relative

@@ -9,10 +9,10 @@ import pytest
 import torch
 from recipe_helpers import tiny_resolved
 
-import megazoo.recipes.trainer as trainer_module
+import megazoo.recipes.training.trainer as trainer_module
 from megazoo.parallel.checkpoint.views import optimizer_steps
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 
 class ApexLikeFusedAdam(torch.optim.Optimizer):

@@ -15,7 +15,7 @@ from test_train_parity import assert_same_training
 from megazoo.parallel.checkpoint.consolidate import read_full_state
 from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, verify_checkpoint
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 STEPS, SAVE_AT = 6, 3
 

@@ -18,7 +18,7 @@ from megazoo.parallel.compressed.schedule import CompressionSettings, Schedule
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 # 0/1 Adam's whole policy in 10 steps: warm-up (0-2), a compressed-gradient step (3), a variance step (4), then

@@ -77,8 +77,8 @@ def test_ring_refuses_indivisible_sequence_but_any_heads():
 
 def test_planner_counts_activations_per_cp_rank():
     from megazoo.models.config import get_preset
-    from megazoo.recipes.activations import ActivationSpec, layer_bytes, stage_activations
-    from megazoo.recipes.fit import recipe_layout
+    from megazoo.recipes.planner.activations import ActivationSpec, layer_bytes, stage_activations
+    from megazoo.recipes.planner.fit import recipe_layout
 
     cfg = get_preset("gpt2-117m")
     flash = ActivationSpec.for_model(cfg, flash_attention=True)
@@ -103,7 +103,7 @@ def test_long_context_recipe_resolves_and_fits(tmp_path):
     from test_recipes import _stand_ins
 
     from megazoo.recipes.config import load_recipe
-    from megazoo.recipes.fit import GPUS, device_memory, recipe_layout
+    from megazoo.recipes.planner.fit import GPUS, device_memory, recipe_layout
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "long-context.toml"
     res = resolve(load_recipe(path, _stand_ins(path, tmp_path)), world_size=8)

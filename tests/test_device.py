@@ -67,7 +67,7 @@ def test_gloo_topology_uses_the_cpu_when_cuda_exists():
 def test_one_process_training_takes_the_local_gpu(monkeypatch, tmp_path):
     """`megazoo train` with one process used to train on the CPU even on a GPU machine."""
     from megazoo.recipes import train
-    from megazoo.recipes.trainer import TrainResult
+    from megazoo.recipes.training.trainer import TrainResult
 
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[model]\npreset = "gpt2-tiny"\n[data]\nsource = "synthetic"\n[run]\ndir = "{tmp_path / "run"}"\n')

@@ -1,4 +1,4 @@
-"""The dry run (recipes/dry_run.py): the real training step on fake tensors and a fake process group.
+"""The dry run (recipes/planner/dry_run.py): the real training step on fake tensors and a fake process group.
 
 Proof that it measures the truth: at small scale the same recipe runs for real (gloo, forked ranks) under the
 same measurement (measure_step), and the dry run's peak bytes per rank agree within 10% and its collective
@@ -17,9 +17,9 @@ import torch
 
 from megazoo.parallel.fake_world import MemoryTracker, fake_process_group, fake_tensors, flop_counter
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.dry_run import load, measure_step, pipeline_depth_overrides, roles, run_role, shaped_data
-from megazoo.recipes.dry_run_report import report
-from megazoo.recipes.plan_cli import main as plan_main
+from megazoo.recipes.planner.dry_run import load, measure_step, pipeline_depth_overrides, roles, run_role, shaped_data
+from megazoo.recipes.planner.dry_run_report import report
+from megazoo.recipes.planner.cli import main as plan_main
 from tests.harness import run_distributed
 
 TINY = """
@@ -63,7 +63,7 @@ def _recipe(tmp_path, *, dp=2, tp=1, pp=1, stage=0, extra="", precision="fp32", 
 
 
 def _real_step(path, offload):
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     res = load(path)
     par = res.recipe.parallel
@@ -87,7 +87,7 @@ def _compare(path, offload=False):
                 (rank, fake.peak, want["peak"])
         # Host reads only where the report names them: the step's metrics, the fp16 overflow verdict, and
         # ZeRO-3's first-step check that every dp rank gathers the same unit.
-        assert all(s.split(" ")[0].rsplit(":", 1)[0] in ("recipes/trainer.py", "zero/loss_scaler.py",
+        assert all(s.split(" ")[0].rsplit(":", 1)[0] in ("recipes/training/trainer.py", "zero/loss_scaler.py",
                                                           "zero/stage3.py") for s in fake.host_reads)
         assert fake.flops > 0
 
@@ -192,7 +192,7 @@ def test_roles_of_the_3d_recipes_cover_every_rank():
 
 def _real_peak_of_one_rank(path, count_flops: bool) -> int:
     """Peak bytes of a real (not fake) one-rank step, with or without the FLOP counter running beside it."""
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     res = load(path)
     with fake_process_group(0, 1):  # a world of one: every collective is the identity, the tensors are real
@@ -241,7 +241,7 @@ def test_a_pipeline_stage_holds_no_activation_past_its_backward(tmp_path):
         trackers, enter = [], MemoryTracker.__enter__
 
         def build():
-            from megazoo.recipes.trainer import Trainer
+            from megazoo.recipes.training.trainer import Trainer
 
             trainer = Trainer(res, topo, shaped_data(res))
             loss = trainer.engine.loss_fn

@@ -19,11 +19,11 @@ import pytest
 
 from megazoo.parallel.fake_world import fake_process_group, fake_tensors
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.activations import layer_bytes
-from megazoo.recipes.dry_run import load, measure_step, roles, run_role, shaped_data
-from megazoo.recipes.dry_run_report import report
-from megazoo.recipes.fit import activation_spec, recipe_layout, state_memory
-from megazoo.recipes.plan import shard_parameters
+from megazoo.recipes.planner.activations import layer_bytes
+from megazoo.recipes.planner.dry_run import load, measure_step, roles, run_role, shaped_data
+from megazoo.recipes.planner.dry_run_report import report
+from megazoo.recipes.planner.fit import activation_spec, recipe_layout, state_memory
+from megazoo.recipes.planner.shards import shard_parameters
 from tests.test_dry_run import _recipe
 
 
@@ -76,7 +76,7 @@ def test_zero3_owned_gradients_are_counted_as_gradients(tmp_path):
     kept = []
 
     def build():
-        from megazoo.recipes.trainer import Trainer
+        from megazoo.recipes.training.trainer import Trainer
 
         kept.append(Trainer(res, topo, shaped_data(res)))
         return kept[0]

@@ -22,7 +22,7 @@ from megazoo.models.gpt2.hf import config_from_hf, gpt_from_full_state, hf_to_me
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import Recipe, from_dict
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 FINETUNE_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.toml"
 

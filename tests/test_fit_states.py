@@ -1,4 +1,4 @@
-"""The fit verdict's model states (recipes/fit.py) are what megazoo's ZeRO optimizers hold: planner.py's
+"""The fit verdict's model states (recipes/planner/fit.py) are what megazoo's ZeRO optimizers hold: planner.py's
 megazoo_state_memory, which tests/test_planner_megazoo.py proves equal to the optimizers' memory_bytes(). The ZeRO
 paper's bytes (model_state_memory) stay reachable with `paper=True` / `megazoo plan --recipe ... --paper`, and
 they differ where megazoo keeps the owned gradient shard in fp32 (ZeRO 1-3)."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from megazoo.models.config import get_preset
-from megazoo.parallel.zero.planner import (GB, MIXED_ADAM, PlanError, megazoo_state_memory,
+from megazoo.recipes.planner.zero import (GB, MIXED_ADAM, PlanError, megazoo_state_memory,
                                            model_state_memory)
-from megazoo.recipes import plan_cli
-from megazoo.recipes.cost_model import CostModel, search
-from megazoo.recipes.fit import GPUS, Layout, device_memory, state_memory
-from megazoo.recipes.plan import shard_parameters
+from megazoo.recipes.planner import cli as plan_cli
+from megazoo.recipes.planner.cost_model import CostModel, search
+from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, state_memory
+from megazoo.recipes.planner.shards import shard_parameters
 
 CFG = get_preset("gpt2-345m")
 # bytes per parameter at dp x cp = 4, bf16/fp16: megazoo (planner docstring) and the ZeRO paper's Table 1

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megazoo.models.config import get_preset
-from megazoo.recipes.flops import model_flops_per_token, peak_flops
-from megazoo.recipes.model_setup import configure_matmuls
+from megazoo.recipes.planner.flops import model_flops_per_token, peak_flops
+from megazoo.recipes.training.model_setup import configure_matmuls
 
 
 @pytest.mark.parametrize("preset, seq", [("gpt2-117m", 1024), ("gpt2-1.5b", 1024), ("tnlg-17b", 1024),

@@ -2,7 +2,7 @@
 
 - KV-cache logits (prompt, then one position at a time, then a 3-position chunk) == full-sequence logits;
 - greedy decode == the argmax loop over the full sequence without a cache (also past the context, where the
-  window slides), and the trainer's closing sample (recipes/generate.py) is that same decode;
+  window slides), and the trainer's closing sample (recipes/training/sample.py) is that same decode;
 - sampling settings: top-k / top-p restrict the draw; bad values are refused;
 - tp = 2 gives the same logits and the same tokens as tp = 1.
 """
@@ -17,7 +17,7 @@ from megazoo.models.kv_cache import KVCache
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.generate import generate
+from megazoo.recipes.training.sample import generate
 
 CFG = get_preset("gpt2-tiny").replace(vocab_size=97, dropout=0.0, attn_dropout=0.0, n_layer=2, n_positions=24)
 SEQ = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))

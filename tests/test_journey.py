@@ -96,7 +96,7 @@ def test_your_own_corpus_end_to_end(tmp_path, data_dir):
 
 
 def test_workers_get_omp_threads_unless_the_user_set_them(monkeypatch):
-    from megazoo.parallel.launcher import worker_threads
+    from megazoo.workers.supervisor import worker_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))

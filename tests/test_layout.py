@@ -22,9 +22,9 @@ from megazoo.models.transformer import GPT
 from megazoo.models.weights import named_shards
 from megazoo.parallel.pipeline.partition import uniform_stage_layers
 from megazoo.parallel.topology import Topology
-from megazoo.parallel.zero.planner import PlanError
+from megazoo.recipes.planner.zero import PlanError
 from megazoo.recipes.config import RecipeError
-from megazoo.recipes.plan import shard_parameters
+from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import resolve
 
 

@@ -1,4 +1,4 @@
-"""parallel/launcher.py, the one local launcher (the torchrun command, the restart loop), and
+"""workers/supervisor.py, the one local launcher (the torchrun command, the restart loop), and
 local_launch.finish_worker (the deterministic end of a worker). `megazoo train` and `megazoo eval --tp N` run
 through it end to end in test_cli.py, test_fault_tolerance.py and test_eval_cli.py."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megazoo.parallel import launcher
-from megazoo.parallel.launcher import launch_local, torchrun_command
+from megazoo.workers import supervisor as launcher
+from megazoo.workers.supervisor import launch_local, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_launch_local_without_restarts_returns_the_first_exit_code(monkeypatch):
 WORKER = """
 import os, sys
 import torch.distributed as dist
-from megazoo.parallel.local_launch import finish_worker
+from megazoo.workers.local import finish_worker
 if sys.argv[1] == "group":
     store = dist.FileStore(sys.argv[2], 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

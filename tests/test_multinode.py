@@ -21,7 +21,7 @@ import pytest
 from jobs import end_processes, write_recipe
 from test_recipes import _stand_ins
 
-from megazoo.recipes import launch_cli
+from megazoo.recipes.launch import cli as launch_cli
 from megazoo.recipes.config import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_two_torchrun_nodes_on_one_machine_train_the_single_node_function(tmp_pa
 
 def test_megazoo_launch_runs_one_node_each_and_matches_the_single_node_run(tmp_path, single_node):
     recipe, port = _recipe(tmp_path), _free_port()
-    nodes = [_start("-m", "megazoo.recipes.launch_cli", str(recipe), "--nnodes", "2", "--node-rank", str(rank),
+    nodes = [_start("-m", "megazoo.recipes.launch.cli", str(recipe), "--nnodes", "2", "--node-rank", str(rank),
                     "--master", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}") for rank in (1, 0)]
     results = _finish(nodes)
     assert [code for code, _ in results] == [0, 0], "\n".join(e[-2000:] for _, e in results)
@@ -113,7 +113,7 @@ def test_megazoo_launch_runs_one_node_each_and_matches_the_single_node_run(tmp_p
 def test_sigterm_stops_every_node_with_a_checkpoint_and_exit_143(tmp_path):
     recipe, port = _recipe(tmp_path, steps=100_000), _free_port()
     run_dir = tmp_path / "run"
-    nodes = [_start("-m", "megazoo.recipes.launch_cli", str(recipe), "--nnodes", "2", "--node-rank", str(rank),
+    nodes = [_start("-m", "megazoo.recipes.launch.cli", str(recipe), "--nnodes", "2", "--node-rank", str(rank),
                     "--master", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}") for rank in (0, 1)]
     try:
         while len(_losses(run_dir)) < 2 and all(node.poll() is None for node in nodes):

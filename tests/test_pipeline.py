@@ -13,7 +13,7 @@ from test_train_parity import _train, assert_same_training
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 TRAIN = {"micro_batch": 2, "grad_accum": 4}  # 4 pipeline micro-batches of 2 sequences: global batch 8
 

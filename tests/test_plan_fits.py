@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megazoo.models.config import get_preset
-from megazoo.recipes import plan_cli
-from megazoo.recipes.cost_model import CostModel, search, step_time
-from megazoo.recipes.fit import GPUS, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner import cli as plan_cli
+from megazoo.recipes.planner.cost_model import CostModel, search, step_time
+from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, max_micro_batch
 
 DEMO = "recipes/demo.toml"
 

@@ -1,4 +1,4 @@
-"""The ZeRO planner (parallel/zero/planner.py, recipes/plan.py) and `megazoo plan` (recipes/plan_cli.py).
+"""The ZeRO planner (recipes/planner/zero.py, recipes/planner/shards.py) and `megazoo plan` (recipes/planner/cli.py).
 
 The paper's Table 1 row is checked through the command line, the per-shard Psi against the parameters a
 meta-device model really allocates (solo, pipeline stages, and tp=2 on two gloo ranks), the formulas against
@@ -15,10 +15,10 @@ import pytest
 
 from megazoo.models.config import ModelConfig, get_preset, presets
 from megazoo.parallel.pipeline.partition import uniform_stage_layers
-from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes, buffer_memory,
+from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes, buffer_memory,
                                            communication_volume, format_sig, model_state_memory, plan)
-from megazoo.recipes import plan_cli
-from megazoo.recipes.plan import plan_model, shard_parameters
+from megazoo.recipes.planner import cli as plan_cli
+from megazoo.recipes.planner.shards import plan_model, shard_parameters
 
 TABLE1 = ["120", "31.4", "16.6", "1.88"]  # ZeRO paper, Table 1: Psi = 7.5B, N = 64, K = 12, GB per device
 

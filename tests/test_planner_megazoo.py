@@ -11,9 +11,9 @@ from harness import run_distributed
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.parallel.zero.planner import GB, megazoo_state_memory
-from megazoo.recipes import plan_cli
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.planner.zero import GB, megazoo_state_memory
+from megazoo.recipes.planner import cli as plan_cli
+from megazoo.recipes.training.trainer import Trainer
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

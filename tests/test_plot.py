@@ -8,7 +8,7 @@ import pytest
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.plot_cli import main, read_metrics
+from megazoo.recipes.training.plot import main, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ from megazoo.recipes.cli import main as cli_main
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.resolved_toml import resolved_toml
-from megazoo.recipes.run_dir import write_resolved_recipe
+from megazoo.recipes.training.run_dir import write_resolved_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,8 +20,8 @@ from megazoo.parallel.checkpoint.consolidate import read_full_state
 from megazoo.parallel.checkpoint.io import (CheckpointError, CheckpointSaveError, latest_good_checkpoint,
                                             verify_checkpoint)
 from megazoo.parallel.topology import Topology
-from megazoo.recipes import checkpointing
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training import checkpointing
+from megazoo.recipes.training.trainer import Trainer
 
 MARKER_CODE = "open({!r}, 'w').write('pwned')"
 
@@ -252,8 +252,8 @@ def test_random_streams_saved_on_another_device_type_are_not_restored(tmp_path):
     from recipe_helpers import tiny_resolved
 
     from megazoo.parallel.topology import Topology
-    from megazoo.recipes import checkpointing
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training import checkpointing
+    from megazoo.recipes.training.trainer import Trainer
 
     trainer = Trainer(tiny_resolved(run={"dir": str(tmp_path)}), Topology.solo())
     rng = checkpointing._rng_state(trainer)

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import megazoo.data.indexed_dataset as indexed
-import megazoo.parallel.launcher as launcher
+import megazoo.workers.supervisor as launcher
 from megazoo.data.gpt2_bpe import GPT2BPETokenizer
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, check_indexed, data_paths
 from megazoo.data.preprocess import main as preprocess_main

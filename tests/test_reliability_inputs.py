@@ -14,7 +14,7 @@ from recipe_helpers import tiny_recipe, tiny_resolved
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import Recipe, RecipeError, from_dict, load_recipe
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 BAD = [
     ("train", {"lr": float("nan")}, "train.lr = nan"),

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from jobs import end_processes, processes, wait_gone, write_recipe
 
-from megazoo.recipes.metrics import MetricsLog
-from megazoo.recipes.run_dir import RunDirLock
+from megazoo.recipes.training.metrics import MetricsLog
+from megazoo.recipes.training.run_dir import RunDirLock
 
 REPO = Path(__file__).resolve().parents[1]
 

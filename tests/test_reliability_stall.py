@@ -1,12 +1,12 @@
 """A stalled rank ends the job with a message naming the operation and the ranks that did not arrive (issue 11,
-item 11): every rank records where it is (recipes/progress.py); the rank whose collective times out explains."""
+item 11): every rank records where it is (recipes/training/progress.py); the rank whose collective times out explains."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from jobs import write_recipe
 
-from megazoo.recipes.progress import Progress, is_collective_timeout
+from megazoo.recipes.training.progress import Progress, is_collective_timeout
 
 
 def test_the_timed_out_rank_names_the_operation_and_the_missing_ranks(tmp_path):
@@ -47,7 +47,8 @@ def test_which_errors_are_collective_timeouts():
 # backward, whose reduce-scatter waits for rank 1 until parallel.timeout_s.
 STALL_WORKER = """
 import os, sys, time
-from megazoo.recipes import train, trainer
+from megazoo.recipes import train
+from megazoo.recipes.training import trainer
 
 original = trainer.Trainer._batches
 def stalling(self, samples, micro):

@@ -9,7 +9,7 @@ import json
 import pytest
 from test_hf_interop import tiny_hf_model
 
-from megazoo.recipes.reproduce_cli import main
+from megazoo.recipes.reproduce.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

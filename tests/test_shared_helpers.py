@@ -88,7 +88,7 @@ def test_every_tokenizer_module_imports_first(first):
 
 
 def test_importing_one_zero_piece_does_not_load_the_engine():
-    loaded = _fresh("import sys, megazoo.parallel.zero.stage12, megazoo.parallel.zero.planner\n"
+    loaded = _fresh("import sys, megazoo.parallel.zero.stage12, megazoo.recipes.planner.zero\n"
                     "print('megazoo.parallel.zero.api' in sys.modules)")
     assert loaded == "False"
     assert _fresh("from megazoo.parallel.zero import ZeroEngine, default_units\n"

@@ -17,19 +17,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("data", "eval", "kernels", "models", "parallel", "recipes")
+PACKAGES = ("data", "eval", "kernels", "models", "parallel", "recipes", "workers")
 SOURCE_DIRS = PACKAGES + ("benchmarks", "tests")
 MAX_LINES = 400
 
 # Which top-level megazoo packages (or sub-modules) each package may import. The order of the layers, lowest
-# first: data, parallel, kernels, models, eval, recipes.
+# first: data, parallel, kernels, models, workers, eval, recipes.
 ALLOWED = {
     "data": ("data",),
     "parallel": ("parallel", "data.fileio"),  # data/fileio.py: stdlib-only atomic writes and sha256
     "kernels": ("kernels", "parallel.tensor", "parallel.topology", "parallel.collectives"),
     "models": ("models", "kernels", "data", "parallel.tensor", "parallel.topology", "parallel.checkpoint",
                "parallel.context"),
-    "eval": ("eval", "models", "kernels", "data", "parallel"),
+    "workers": ("workers", "parallel.topology", "data.fileio"),  # process supervision: no model, no recipe
+    "eval": ("eval", "models", "kernels", "data", "parallel", "workers"),
     "recipes": PACKAGES,
 }
 

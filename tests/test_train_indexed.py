@@ -15,7 +15,7 @@ from megazoo.data.preprocess import preprocess
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import Recipe, from_dict
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.train import run
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 
 def _losses(**train):

@@ -1,6 +1,6 @@
 """The core promise: every (dp, tp) layout trains the same function as the single-process reference.
 
-Each layout runs the real Trainer (recipes/trainer.py) for 10 steps with clipping and warmup active and returns
+Each layout runs the real Trainer (recipes/training/trainer.py) for 10 steps with clipping and warmup active and returns
 its per-step losses, grad norms and full parameters; all must equal the reference's within reduction-order
 rounding. The recipes run in fp64 (tests/recipe_helpers.py), so that rounding is ~1e-15 and the tolerances 1e-10.
 """
@@ -13,7 +13,7 @@ from harness import run_distributed
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 LOSS_RTOL = 1e-10
 PARAM_ATOL = 1e-10

@@ -9,10 +9,10 @@ from recipe_helpers import tiny_recipe, tiny_resolved
 from test_train_parity import _train, assert_same_training
 
 from megazoo.parallel.topology import Topology
-from megazoo.parallel.zero.planner import FP32_ADAM, model_state_memory
+from megazoo.recipes.planner.zero import FP32_ADAM, model_state_memory
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

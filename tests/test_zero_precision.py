@@ -12,8 +12,8 @@ from test_train_parity import _train, assert_same_training
 
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
-from megazoo.parallel.zero.planner import communication_volume
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.planner.zero import communication_volume
+from megazoo.recipes.training.trainer import Trainer
 
 
 def test_loss_scaler_hysteresis_backoff_and_growth():

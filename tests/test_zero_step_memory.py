@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megazoo.parallel.fake_world import fake_process_group
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.dry_run import load, shaped_data
+from megazoo.recipes.planner.dry_run import load, shaped_data
 
 
 class NewBytes(TorchDispatchMode):
@@ -40,7 +40,7 @@ class NewBytes(TorchDispatchMode):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_masters_go_back_one_bucket_at_a_time(tmp_path, stage):
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     res = load(_recipe(tmp_path, dp=2, stage=stage, precision="bf16"))
     with fake_process_group(0, 2):  # rank 0 of 2; collectives return at once, the tensors are real

@@ -1,7 +1,7 @@
 """The zoo's recipes at their published setups: each resolves at its real size and fits its target GPU.
 
 Every recipe is named here with its published layout (tests/test_recipes.py resolves every recipes/*.toml too);
-the planner (recipes/fit.py) must say it fits the GPU of its header, and `megazoo plan --recipe ... --gpu-memory`
+the planner (recipes/planner/fit.py) must say it fits the GPU of its header, and `megazoo plan --recipe ... --gpu-memory`
 must print `fits: yes` and exit 0. The trillion-parameter claim is checked both ways: without offload the
 800-GPU layout does not fit 32 GB (exit 3), with it it does.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from test_recipes import _stand_ins
 
-from megazoo.recipes import plan_cli
+from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.config import load_recipe
-from megazoo.recipes.fit import GPUS, device_memory, recipe_layout
+from megazoo.recipes.planner.fit import GPUS, device_memory, recipe_layout
 from megazoo.recipes.resolve import resolve
 
 FOLDER = Path(__file__).resolve().parents[1] / "recipes"

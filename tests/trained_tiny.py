@@ -12,7 +12,7 @@ from recipe_helpers import TINY
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import Recipe, from_dict
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 VOCAB = 4096
 

@@ -10,7 +10,7 @@ A training loop holds one `ZeroOptimizer` and never asks which stage it is:
                     then frees it again; a no-op below stage 3).
 
 `optimizer_step` is the only place where unscale / clip / step / zero-grad happen: the Trainer
-(recipes/trainer.py) and ZeroEngine (api.py) both call it.
+(recipes/training/trainer.py) and ZeroEngine (api.py) both call it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""N ranks on this machine's GPUs, one GPU each, through NCCL: parallel/local_launch.py's harness, spawned.
+"""N ranks on this machine's GPUs, one GPU each, through NCCL: workers/local.py's harness, spawned.
 
     results = run_on_gpus(fn, 2, *args, timeout_s=300, **kwargs)   # [fn's return value on rank 0, rank 1]
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from megazoo.parallel.local_launch import DEFAULT_TIMEOUT_S, run_distributed
+from megazoo.workers.local import DEFAULT_TIMEOUT_S, run_distributed
 
 
 def run_on_gpus(fn: Callable, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:

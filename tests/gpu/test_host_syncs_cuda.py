@@ -2,7 +2,7 @@
 the metrics'). torch's sync debug mode warns at every operation that makes the host wait for the GPU (.item(),
 device-to-host copies, nonzero, boolean-mask indexing, ...); one warmed-up `Trainer.train_step` runs under it.
 
-The budget, counted from recipes/trainer.py `train_step` (dp = pp = 1, no fp16 scaler, no offload):
+The budget, counted from recipes/training/trainer.py `train_step` (dp = pp = 1, no fp16 scaler, no offload):
   1. `_host_values(...)` -> `packed.tolist()`   the step's loss, grad norm and agreed stop, read together
 Nothing else reads a device value on the host: the batches go up with non_blocking copies, clipping multiplies by
 a device tensor, AdamW (torch fused) keeps its step counts on the GPU, peak memory is the allocator's counter.
@@ -20,7 +20,7 @@ import torch
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 

@@ -15,7 +15,7 @@ from nccl_harness import run_on_gpus
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 pytestmark = pytest.mark.cuda_multi
 

@@ -13,7 +13,7 @@ from recipe_helpers import tiny_resolved
 
 from megazoo.kernels import KernelChoice, KernelError, implementations, resolve_kernels
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 

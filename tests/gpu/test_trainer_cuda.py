@@ -9,8 +9,8 @@ import torch
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.model_setup import parameter_dtype
-from megazoo.recipes.trainer import Trainer
+from megazoo.recipes.training.model_setup import parameter_dtype
+from megazoo.recipes.training.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 

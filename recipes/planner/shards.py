@@ -1,11 +1,11 @@
 """Psi of one device for a GPT preset under (tp, pp), and the ZeRO plan that follows from it.
 
 The GPT-specific half of the planner. The ZeRO formulas (memory per stage, communication volume, buffers) take
-only a parameter count and live, model-agnostic, in parallel/zero/planner.py. Counting a preset's parameters per
+only a parameter count and live, model-agnostic, in recipes/planner/zero.py. Counting a preset's parameters per
 tensor/pipeline shard needs three things: the model's parameter layout (models/layout.py), the uniform pipeline
 split (parallel/pipeline/partition.py) and those formulas. recipes/ is the layer that may combine models/ and
 parallel/ (parallel/ never imports models/; models/ does not import parallel's pipeline or ZeRO code), so this is
-its home, beside its command line (recipes/plan_cli.py).
+its home, beside its command line (recipes/planner/cli.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from megazoo.models.config import ModelConfig
 from megazoo.models.layout import check_parallel_compat, parameter_layout
 from megazoo.parallel.pipeline.partition import uniform_stage_layers
-from megazoo.parallel.zero.planner import STAGES, Plan, PlanError, plan
+from megazoo.recipes.planner.zero import STAGES, Plan, PlanError, plan
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class ModelShard:
         return self.peak.numel
 
     def persistent_elements(self, threshold: int) -> int:
-        """The peak stage's elements in tensors below `threshold` (parallel/zero/planner.py's ShardCounts)."""
+        """The peak stage's elements in tensors below `threshold` (recipes/planner/zero.py's ShardCounts)."""
         return self.peak.persistent_elements(threshold)
 
     def unit_elements(self) -> tuple[int, int]:

@@ -29,14 +29,14 @@ from megazoo.parallel.pipeline.schedules import forward_only, schedule, warmup_f
 from megazoo.parallel.tensor.random import seed_default_stream
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.interface import optimizer_step
-from megazoo.recipes import checkpointing
-from megazoo.recipes.data_setup import Samples, TrainData, load_data
-from megazoo.recipes.generate import generate
-from megazoo.recipes.metrics import MetricsLog, peak_memory_bytes
-from megazoo.recipes.flops import model_flops_per_token, peak_flops
-from megazoo.recipes.model_setup import Precision, build_model, build_optimizer, configure_matmuls, run_kernels
-from megazoo.recipes.optim import lr_at
-from megazoo.recipes.progress import Progress
+from megazoo.recipes.training import checkpointing
+from megazoo.recipes.training.data_setup import Samples, TrainData, load_data
+from megazoo.recipes.training.sample import generate
+from megazoo.recipes.training.metrics import MetricsLog, peak_memory_bytes
+from megazoo.recipes.planner.flops import model_flops_per_token, peak_flops
+from megazoo.recipes.training.model_setup import Precision, build_model, build_optimizer, configure_matmuls, run_kernels
+from megazoo.recipes.training.optim import lr_at
+from megazoo.recipes.training.progress import Progress
 from megazoo.recipes.resolve import Resolved
 
 

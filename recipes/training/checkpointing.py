@@ -27,7 +27,7 @@ from megazoo.parallel.checkpoint.views import StateView, optimizer_steps, set_op
 from megazoo.recipes.resolve import Resolved
 
 if TYPE_CHECKING:
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
 def layout(res: Resolved) -> dict:
     """The parallel layout a checkpoint was written in (loading into another one reshards)."""

@@ -1,4 +1,4 @@
-"""N ranks of a function on this machine, and the clean end of any worker (parallel/launcher.py starts jobs).
+"""N ranks of a function on this machine, and the clean end of any worker (workers/supervisor.py starts jobs).
 
 - `run_distributed(fn, N, ...)` (tests and benchmarks): run a function on N ranks on this machine. Each rank is
   a forked process (fast on CPU; `start_method="spawn"` for GPU tests) with one intra-op thread. It initialises

@@ -3,15 +3,15 @@
     megazoo plan --recipe recipes/tnlg-17b.toml --dry-run [--gpu-memory GB | --gpu NAME] [--json OUT]
 
 Planner columns, per role's pipeline stage: model states as `megazoo plan` counts them, the bytes megazoo's ZeRO
-optimizers hold (recipes/fit.state_memory: parallel/zero/planner.py's megazoo_state_memory, not the ZeRO paper's
-Table 1) on the stage's exact parameter count (recipes/plan.py), activations from recipes/activations.py (with
+optimizers hold (recipes/fit.state_memory: recipes/planner/zero.py's megazoo_state_memory, not the ZeRO paper's
+Table 1) on the stage's exact parameter count (recipes/planner/shards.py), activations from recipes/planner/activations.py (with
 fit.activation_spec: a fp32 residual stream under ZeRO-0's autocast), buffers from the planner's buffer_memory
-(recipes/fit.py's arithmetic, for this stage rather than the fullest). The activation
+(recipes/planner/fit.py's arithmetic, for this stage rather than the fullest). The activation
 formula is taken for the attention kernel the dry run executes: no scores stored (the CPU's fused SDPA without
 dropout; with dropout the recomputing kernel dry_run.gpu_kernels runs in SDPA's place). Communication: the
 collectives on the dp group ("mesh_dp") in ring bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter /
 all-gather (N-1)/N of the tensor) beside the paper's per-step volume. FLOPs: FlopCounterMode's count beside
-6 x matmul parameters x tokens + attention (recipes/flops.py's convention) for this stage's share, plus the
+6 x matmul parameters x tokens + attention (recipes/planner/flops.py's convention) for this stage's share, plus the
 forward recomputed under activation checkpointing and the attention core's forward recomputed by
 kernels.attention = "recompute".
 Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the planner's convention).
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 from megazoo.models.layout import parameter_layout
-from megazoo.parallel.zero.planner import GB, BufferConfig, buffer_memory, communication_volume
-from megazoo.recipes.activations import stage_activations
-from megazoo.recipes.dry_run import RoleResult, attention_recomputed, dry_run, gpu_kernels, load, stated_gpu
-from megazoo.recipes.fit import PRECISION_BYTES, activation_spec, parse_gpu, recipe_layout, state_memory
-from megazoo.recipes.plan import shard_parameters
+from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
+from megazoo.recipes.planner.activations import stage_activations
+from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, dry_run, gpu_kernels, load, stated_gpu
+from megazoo.recipes.planner.fit import PRECISION_BYTES, activation_spec, parse_gpu, recipe_layout, state_memory
+from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 3, 2
@@ -65,7 +65,7 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
 
 def formula_flops(res: Resolved, pp_stage: int) -> float:
     """6 x this tp rank's matmul parameters of the stage x its tokens + 12 L s d / tp attention per token
-    (recipes/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
+    (recipes/planner/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
     layers = [i for v in range(pp_stage, len(res.stage_layers), par.pp) for i in res.stage_layers[v]]
     last = pp_stage == par.pp - 1

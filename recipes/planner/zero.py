@@ -2,7 +2,7 @@
 
 Pure arithmetic (no torch, no torch.distributed), so a 100B-class layout can be planned on a laptop and the
 training code can test what it *measures* against what this file *claims* (DESIGN.md principle 6). Model-agnostic:
-it takes a parameter count; counting a GPT preset's parameters per tp/pp shard is recipes/plan.py's job.
+it takes a parameter count; counting a GPT preset's parameters per tp/pp shard is recipes/planner/shards.py's job.
 
 Memory (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 5
 and Table 1). Psi is the parameter count one device holds before ZeRO (for a model split by tensor and pipeline
@@ -280,7 +280,7 @@ class StagePlan:
 
 
 class ShardCounts(Protocol):
-    """What a model-specific count of one device's parameters tells the formulas (recipes/plan.py's ModelShard
+    """What a model-specific count of one device's parameters tells the formulas (recipes/planner/shards.py's ModelShard
     for the GPT presets): the tensor sizes matter only for stage 3's persistent (never partitioned) tensors."""
 
     @property

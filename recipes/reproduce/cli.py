@@ -8,8 +8,8 @@
 
 Each writes DIR/NAME.md (the tables, with the source of every published number), DIR/NAME.png (matplotlib,
 headless) and DIR/NAME.json (the numbers). Exit 0; 2 on bad input (a message naming it). The modules:
-recipes/reproduce_zero.py, reproduce_claims.py, reproduce_eval.py (eval, pipeline-bubble). recipes/cli.py wires
-`register(subparsers)` in; `main(argv)` runs it alone (`python -m megazoo.recipes.reproduce_cli`).
+recipes/reproduce/zero.py, reproduce_claims.py, reproduce_eval.py (eval, pipeline-bubble). recipes/cli.py wires
+`register(subparsers)` in; `main(argv)` runs it alone (`python -m megazoo.recipes.reproduce.cli`).
 """
 
 from __future__ import annotations
@@ -20,31 +20,31 @@ import os
 import sys
 from pathlib import Path
 
-from megazoo.recipes.reproduce_common import Report, ReproduceError, save_figure
+from megazoo.recipes.reproduce.common import Report, ReproduceError, save_figure
 
 
 def _zero_memory(args) -> Report:
-    from megazoo.recipes.reproduce_zero import zero_memory
+    from megazoo.recipes.reproduce.zero import zero_memory
     return zero_memory(args)
 
 
 def _zero_scale(args) -> Report:
-    from megazoo.recipes.reproduce_zero import zero_scale
+    from megazoo.recipes.reproduce.zero import zero_scale
     return zero_scale(args)
 
 
 def _claims(args) -> Report:
-    from megazoo.recipes.reproduce_claims import claims
+    from megazoo.recipes.reproduce.claims import claims
     return claims(args)
 
 
 def _eval(args) -> Report:
-    from megazoo.recipes.reproduce_eval import eval_table
+    from megazoo.recipes.reproduce.eval_tables import eval_table
     return eval_table(args)
 
 
 def _pipeline(args) -> Report:
-    from megazoo.recipes.reproduce_eval import pipeline_bubble
+    from megazoo.recipes.reproduce.eval_tables import pipeline_bubble
     return pipeline_bubble(args)
 
 

@@ -2,7 +2,7 @@
 on one CPU with a fake process group and fake tensors (parallel/fake_world.py).
 
 The job is set up exactly as `megazoo train` sets it up: the same Topology (over the fake group), the same
-Trainer (recipes/trainer.py: build_model, build_optimizer, the PipelineEngine and its schedule, the precision
+Trainer (recipes/training/trainer.py: build_model, build_optimizer, the PipelineEngine and its schedule, the precision
 and loss scaler), and one whole `Trainer.train_step`: every micro-batch through the schedule, the reductions,
 `optimizer_step` and the parameter gathers. Nothing is modelled a second time; what differs from training:
 - the data: fake token batches of the recipe's shape (micro_batch x seq_len + 1), not the corpus;
@@ -18,7 +18,7 @@ One rank per role (`roles`): every pipeline stage that can differ (first, one mi
 and tp rank 0. dp ranks hold equal partitions (every ZeRO bucket is padded to a multiple of dp) and tp ranks
 equal shards (the vocabulary is padded to 128 x tp), so one rank stands for its whole stage. Measurement per
 role: peak bytes by category (MemoryTracker), each collective summed per (op, group size) (StepRecorder) and the
-step's FLOPs (FlopCounterMode); recipes/dry_run_report.py puts the planner's numbers beside them.
+step's FLOPs (FlopCounterMode); recipes/planner/dry_run_report.py puts the planner's numbers beside them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from megazoo.parallel.fake_world import (MemoryTracker, StepRecorder, fake_proce
                                          flop_counter)
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import load_recipe
-from megazoo.recipes.data_setup import TrainData
+from megazoo.recipes.training.data_setup import TrainData
 from megazoo.recipes.resolve import Resolved, model_config, resolve
 
 
@@ -133,11 +133,11 @@ def attention_recomputed(res: Resolved) -> bool:
 
 
 def stated_gpu(path: str | Path) -> str | None:
-    """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/fit.py's key;
+    """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/planner/fit.py's key;
     `path` may also be a shipped recipe's name."""
     path = Path(path)
     if not path.is_file():
-        path = Path(__file__).resolve().parent / f"{path.name}.toml"
+        path = Path(__file__).resolve().parents[1] / f"{path.name}.toml"  # the shipped recipes sit in recipes/
         if not path.is_file():
             return None
     for line in path.read_text().splitlines():
@@ -205,7 +205,7 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
 
 def run_role(res: Resolved, role: Role) -> RoleResult:
     """One role's whole training step in a fake world of the recipe's size."""
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     par = res.recipe.parallel
     start = time.perf_counter()

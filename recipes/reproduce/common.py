@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]  # recipes/ sits at the top of a megazoo checkout
+REPO = Path(__file__).resolve().parents[2]  # recipes/reproduce/ sits two folders below a megazoo checkout
 
 
 class ReproduceError(Exception):

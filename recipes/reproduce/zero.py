@@ -1,7 +1,7 @@
 """`megazoo reproduce zero-memory` and `zero-scale`: the ZeRO paper's memory table and its scale claims.
 
 zero-memory  the paper's Table 1 (per-device model-state GB for Psi = 7.5B / 128B / 1T over N = 1..1024, K = 12)
-             from the planner (parallel/zero/planner.py), beside the model-state bytes each ZeRO stage really holds
+             from the planner (recipes/planner/zero.py), beside the model-state bytes each ZeRO stage really holds
              on this machine: a tiny GPT trained 2 steps by the Trainer on dp = 2 and 4 gloo ranks, then each
              rank's `memory_bytes()` (as tests/test_zero.py measures it), against the planner's fp32 bytes.
 zero-scale   the largest GPT (benchmarks/zero.py's depth/width ladder, its forked 4-rank launcher with a memory
@@ -15,9 +15,9 @@ from __future__ import annotations
 import tempfile
 import time
 
-from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, STAGE_NAMES, StateBytes, format_sig,
+from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, STAGE_NAMES, StateBytes, format_sig,
                                            model_state_memory)
-from megazoo.recipes.reproduce_common import Report, benchmark, figure, table
+from megazoo.recipes.reproduce.common import Report, benchmark, figure, table
 
 FP32 = FP32_ADAM  # the planner's `--precision fp32`: 4 + 4 bytes of params and grads, K = 8 (Adam's two moments)
 
@@ -38,7 +38,7 @@ def _measure_worker(table_: dict) -> dict:
     from megazoo.parallel.topology import Topology
     from megazoo.recipes.config import Recipe, from_dict
     from megazoo.recipes.resolve import resolve
-    from megazoo.recipes.trainer import Trainer
+    from megazoo.recipes.training.trainer import Trainer
 
     res = resolve(from_dict(Recipe, table_))
     trainer = Trainer(res, Topology.build(res.recipe.parallel.dp))
@@ -55,7 +55,7 @@ def tiny_table(dp: int, stage: int, run_dir: str) -> dict:
 
 
 def measure_states(dps=(2, 4)) -> list[dict]:
-    from megazoo.parallel.local_launch import run_distributed
+    from megazoo.workers.local import run_distributed
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="megazoo-reproduce-") as run_dir:
@@ -75,7 +75,7 @@ def zero_memory(args) -> Report:
     rep = Report("ZeRO model-state memory per device: the paper's Table 1 (planner) and this machine (measured)")
     rep.add(f"Source: {PAPER}, Table 1 and figure 1: per-device model-state memory (2 + 2 + K bytes per "
             "parameter, mixed-precision Adam K = 12) of stage P_os (optimizer states partitioned over N_d), P_os+g "
-            "(+ gradients) and P_os+g+p (+ parameters). Computed by `megazoo plan` (parallel/zero/planner.py); GB = "
+            "(+ gradients) and P_os+g+p (+ parameters). Computed by `megazoo plan` (recipes/planner/zero.py); GB = "
             "1e9 bytes.")
     head = ["Psi", "N_d", "baseline GB", "P_os GB", "P_os+g GB", "P_os+g+p GB", "paper (Table 1)"]
     rows, data = [], []

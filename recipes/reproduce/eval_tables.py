@@ -18,7 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from megazoo.recipes.reproduce_common import Report, ReproduceError, benchmark, figure, table
+from megazoo.recipes.reproduce.common import Report, ReproduceError, benchmark, figure, table
 
 SRC_GPT2 = "Radford et al. 2019, \"Language Models are Unsupervised Multitask Learners\", Table 3"
 SRC_MEGATRON = "Shoeybi et al. 2019, \"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model " \

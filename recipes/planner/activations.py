@@ -18,7 +18,7 @@ At r = e = 2, m = 1 this is exactly the paper's 34 and 5. CUDA's fused dropout k
 torch keeps the mask in the dtype of the dropout's input (m = r). Without dropout (p = 0) there is no mask and no
 dropout output.
 
-torch AMP (megazoo's ZeRO-0 in bf16/fp16: fp32 parameters under autocast, recipes/model_setup.py) differs from
+torch AMP (megazoo's ZeRO-0 in bf16/fp16: fp32 parameters under autocast, recipes/training/model_setup.py) differs from
 the paper's 16-bit model: the embedding's output and every bias add are fp32, so the residual stream is fp32
 (r = 4): the LayerNorm inputs and the checkpoints of full recomputation are 4 bytes an element (measured with
 megatron-8.3b's width at tp = 8: 4 s b h per checkpointed block, not 2); the matmuls run on 16-bit casts of

@@ -2,18 +2,18 @@
 
     # on each of N nodes (node 0's address as the rendezvous endpoint, the same --rdzv-id everywhere):
     megazoo launch RECIPE --nnodes N --node-rank R --master HOST:PORT [--nproc-per-node G] [--set k=v ...]
-    # or let Slurm start them (recipes/slurm.py renders the script):
+    # or let Slurm start them (recipes/launch/slurm.py renders the script):
     megazoo launch --slurm RECIPE --nodes N --gpus-per-node G [--partition P --time HH:MM:SS --account A --out F]
 
 The recipe is checked on the launching machine before any process starts (exit 2 naming the values): it must
 resolve, and nnodes x nproc-per-node must equal dp x tp x pp. One node then runs
 `python -m torch.distributed.run --nnodes N --node-rank R --nproc-per-node G --rdzv-backend c10d
 --rdzv-endpoint HOST:PORT --rdzv-id ID -m megazoo.recipes.train RECIPE ...` (printed first; `--dry-run` prints
-it and exits) under parallel/launcher.py's Job, as `megazoo train` does: torchrun dies with this process, a
+it and exits) under workers/supervisor.py's Job, as `megazoo train` does: torchrun dies with this process, a
 SIGTERM / SIGINT is forwarded once to the node's workers (they finish the step, save and stop) and this process
 then exits 128 + signal (143 for SIGTERM). torchrun sets RANK / LOCAL_RANK / WORLD_SIZE; with c10d the global
 ranks follow the rendezvous order (torchrun ignores --node-rank), so --node-rank here names the node that owns
-run.dir: node 0's launcher takes run.dir's lock (recipes/run_dir.py) and refuses a fresh run into a used run.dir
+run.dir: node 0's launcher takes run.dir's lock (recipes/training/run_dir.py) and refuses a fresh run into a used run.dir
 (--resume continues it); every node's workers are told the lock is held. run.dir must be on storage every node
 shares: rank 0 (on whichever node) writes metrics.jsonl, and every rank writes its checkpoint shards there.
 """
@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from megazoo.parallel.launcher import Job
+from megazoo.workers.supervisor import Job
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import Recipe, RecipeError, load_recipe
 from megazoo.recipes.resolve import resolve
-from megazoo.recipes.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, previous_run
+from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, previous_run
 
 TRAIN_MODULE = "megazoo.recipes.train"
 DUPLICATE_SIGNAL_S = 10.0  # Slurm may deliver one stop twice (to the task directly, and through srun)
@@ -151,7 +151,7 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _slurm(args: argparse.Namespace) -> int:
-    from megazoo.recipes.slurm import SlurmOptions, render_sbatch
+    from megazoo.recipes.launch.slurm import SlurmOptions, render_sbatch
     try:
         if args.nnodes is None or args.nproc_per_node is None:
             raise RecipeError("--slurm needs --nodes N and --gpus-per-node G")

@@ -3,14 +3,14 @@
 Estimated step time = compute + pipeline bubble + tensor-, pipeline- and data-parallel communication, nothing
 overlapped (an upper bound on what overlap would give; the ranking, not the absolute time, is the point):
 
-    compute   model FLOPs per token (recipes/flops.py: 6 x matmul parameters + 12 L s h) x tokens per step,
+    compute   model FLOPs per token (recipes/planner/flops.py: 6 x matmul parameters + 12 L s h) x tokens per step,
               x 4/3 with activation checkpointing (the forward runs twice), / (GPUs x peak x MFU)
     bubble    compute x (pp - 1) / (micro-batches x virtual stages)           (1F1B, Narayanan et al. 2021)
     tp        per layer and micro-batch 4 all-reduces of s b h activations (2 forward, 2 backward; 6 with
               recomputation), ring: 2 (t-1)/t x bytes per rank, over the intra-node bandwidth (tp stays in a node)
     pp        per micro-batch one activation forward and one gradient backward across each stage boundary,
               over the inter-node bandwidth once tp x pp spans more than a node
-    dp        parallel/zero/planner.py's communication volume of the stage's Psi (stage 2 / 3: per micro-batch),
+    dp        recipes/planner/zero.py's communication volume of the stage's Psi (stage 2 / 3: per micro-batch),
               over the inter-node bandwidth when the job spans nodes, else intra-node
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.layout import divisors
-from megazoo.parallel.zero.planner import PlanError, communication_volume
-from megazoo.recipes.fit import GPU, PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
-from megazoo.recipes.flops import model_flops_per_token
+from megazoo.recipes.planner.zero import PlanError, communication_volume
+from megazoo.recipes.planner.fit import GPU, PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.flops import model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, gl
            zero_stages=(0, 1, 2, 3), paper: bool = False) -> list[Candidate]:
     """Every (dp, tp, pp, zero, checkpointing) on `gpus` GPUs with the largest micro-batch that fits (a divisor
     of global_batch / dp), ranked by estimated step time (fastest first). `paper`: model states by the ZeRO
-    paper's formulas instead of megazoo's optimizers' bytes (recipes/fit.py state_memory)."""
+    paper's formulas instead of megazoo's optimizers' bytes (recipes/planner/fit.py state_memory)."""
     if gpus < 1 or global_batch < 1:
         raise PlanError(f"--gpus {gpus} / global batch {global_batch} must be >= 1")
     found = []

@@ -1,12 +1,12 @@
 """Does a layout fit a GPU? Model states + activations + buffers per device, against the GPU's memory.
 
-    model states  what megazoo's ZeRO optimizers hold (parallel/zero/planner.py's megazoo_state_memory, tested
+    model states  what megazoo's ZeRO optimizers hold (recipes/planner/zero.py's megazoo_state_memory, tested
                   equal to their memory_bytes()): bf16/fp16 stage 0 16 B/param (fp32 storage under autocast),
                   stage 1 2 + 2 + 16/N, stage 2 2 + 16/N, stage 3 18/N (the owned gradient is fp32: 4/N where the
                   paper counts 2/N); with `paper=True` (`megazoo plan --paper`) the ZeRO paper's Table 1 instead
                   (model_state_memory: 16, 4 + 12/N, 2 + 14/N, 16/N). Each pipeline stage's exact parameter count
-                  on one tp rank (recipes/plan.py's shard_parameters); N = dp x cp.
-    activations   recipes/activations.py (Korthikanti et al. 2022), the schedule's in-flight micro-batches
+                  on one tp rank (recipes/planner/shards.py's shard_parameters); N = dp x cp.
+    activations   recipes/planner/activations.py (Korthikanti et al. 2022), the schedule's in-flight micro-batches
     buffers       gradient reduce bucket (+ the all-gather bucket at ZeRO 1-2; stage-3 prefetch and persistent
                   parameters) at the recipe's zero.reduce_bucket_size, planner's buffer_memory
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from megazoo.models.config import ModelConfig
-from megazoo.parallel.zero.planner import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
+from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
                                            StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
-from megazoo.recipes.activations import ActivationSpec, StageActivations, stage_activations
-from megazoo.recipes.plan import shard_parameters
+from megazoo.recipes.planner.activations import ActivationSpec, StageActivations, stage_activations
+from megazoo.recipes.planner.shards import shard_parameters
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ GPUS = {g.name: g for g in (
 # The paper's bytes per parameter (--paper) and the activation element size, by recipe precision.
 PRECISION_BYTES = {"fp16": (MIXED_ADAM, 2), "bf16": (MIXED_ADAM, 2), "auto": (MIXED_ADAM, 2),
                    "fp32": (FP32_ADAM, 4), "fp64": (StateBytes(8, 8, 16), 8)}
-# megazoo_state_memory's precision: "auto" trains in bf16 on CUDA (recipes/model_setup.py), and a fit is for a GPU.
+# megazoo_state_memory's precision: "auto" trains in bf16 on CUDA (recipes/training/model_setup.py), and a fit is for a GPU.
 MEGAZOO_PRECISION = {"fp16": "fp16", "bf16": "bf16", "auto": "bf16", "fp32": "fp32", "fp64": "fp64"}
 DEFAULT_BUCKET = 1 << 24  # recipes' zero.reduce_bucket_size default (elements)
 _shard = lru_cache(maxsize=512)(shard_parameters)  # the search asks for the same (cfg, tp, pp) many times
@@ -151,7 +151,7 @@ def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelState
 def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
                     flash_attention: bool | None = None) -> ActivationSpec:
     """How `layout` stores activations. ZeRO-0 keeps fp32 parameters and runs bf16/fp16 as torch autocast
-    (recipes/model_setup.parameter_dtype): a fp32 residual stream and 16-bit weight casts (recipes/activations.py)."""
+    (recipes/model_setup.parameter_dtype): a fp32 residual stream and 16-bit weight casts (recipes/planner/activations.py)."""
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
                                     autocast_fp32_params=layout.zero == 0)

@@ -5,9 +5,9 @@
     megazoo plan --model tnlg-17b --dp 64 --tp 4 --zero 1 --micro-batch 8 --activation-checkpointing --gpu-memory 32
     megazoo plan --search --model tnlg-17b --gpus 256 --gpu v100-32gb [--global-batch 512] [--mfu 0.4]
 
-Memory: recipes/fit.py (model states as megazoo's optimizers hold them, or with --paper by the ZeRO paper's
-formulas; recipes/activations.py; buffers). Ranking: recipes/cost_model.py; the
-assumptions it uses are printed with the list. recipes/plan_cli.py owns the flags and calls `run` here.
+Memory: recipes/planner/fit.py (model states as megazoo's optimizers hold them, or with --paper by the ZeRO paper's
+formulas; recipes/planner/activations.py; buffers). Ranking: recipes/planner/cost_model.py; the
+assumptions it uses are printed with the list. recipes/planner/cli.py owns the flags and calls `run` here.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from megazoo.parallel.zero.planner import GB, PlanError
-from megazoo.recipes.cost_model import CostModel, search
-from megazoo.recipes.fit import GPUS, Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
+from megazoo.recipes.planner.zero import GB, PlanError
+from megazoo.recipes.planner.cost_model import CostModel, search
+from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     for line in mem.lines():
         print(line)
     print(f"  largest micro-batch that fits this layout: {best}" + (" (none: not even 1)" if not best else ""))
-    print("  activations: Korthikanti et al. 2022 per layer (recipes/activations.py): s b h (10 + 24/t) bytes "
+    print("  activations: Korthikanti et al. 2022 per layer (recipes/planner/activations.py): s b h (10 + 24/t) bytes "
           "+ 5 a s^2 b / t for stored attention scores" + (" (none here: fused SDPA attention)"
                                                             if layout.flash_attention else "")
           + ("; checkpointing keeps r s b h per layer (r: the residual stream's bytes, 4 under ZeRO-0's autocast "

@@ -4,7 +4,7 @@ Four panels per step, every run overlaid (one colour per run): training loss wit
 markers, learning rate, tokens/s, and peak memory per rank (GB; GPU: the caching allocator's peak reserved
 bytes, CPU: peak RSS). matplotlib, headless (Agg), no display needed. A run directory that does not exist or
 holds no metrics.jsonl lines ends the command with exit 2 naming it, before anything is drawn.
-recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (`python -m megazoo.recipes.plot_cli`).
+recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (`python -m megazoo.recipes.training.plot`).
 """
 
 from __future__ import annotations

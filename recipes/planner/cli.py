@@ -1,4 +1,4 @@
-"""`megazoo plan`: the ZeRO planner (parallel/zero/planner.py, recipes/plan.py) on the command line.
+"""`megazoo plan`: the ZeRO planner (recipes/planner/zero.py, recipes/planner/shards.py) on the command line.
 
     megazoo plan --model tnlg-17b --dp 64 --tp 4 --pp 1 --zero 3 [--offload] [--json]
     megazoo plan --params 7.5e9 --dp 64            # the ZeRO paper's Table 1 row: 120, 31.4, 16.6, 1.88 GB
@@ -7,7 +7,7 @@
 
 Without --zero every stage 0-3 is printed. Output: a markdown table per device (GB = 1e9 bytes), how Psi was
 derived, and the buffer line (kept apart from the paper's model-state numbers); --json prints the same data.
-recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (tests, `python -m megazoo.recipes.plan_cli`).
+recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (tests, `python -m megazoo.recipes.planner.cli`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import json
 import sys
 from decimal import Decimal, InvalidOperation
 
-from megazoo.parallel.zero.planner import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
+from megazoo.recipes.planner.zero import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
                                            StateBytes, format_gb, format_sig, plan)
-from megazoo.recipes import plan_fit_cli
-from megazoo.recipes.plan import plan_model
+from megazoo.recipes.planner import fit_cli as plan_fit_cli
+from megazoo.recipes.planner.shards import plan_model
 
 # --paper: the ZeRO paper's bytes per parameter (bf16/fp16/mixed: 2 + 2 + K=12; fp32: 4 + 4 + 8). Without it,
 # megazoo's own accounting in that precision (planner.megazoo_state_memory); "mixed" is bf16 there.
@@ -153,7 +153,7 @@ def to_markdown(p: Plan) -> str:
         lines = [f"ZeRO plan (what megazoo's optimizers hold, {p.precision} training): {where}dp (N) = {p.dp}"
                  f"{extras}; bytes per parameter: stage 0 4 + 4 + 8 (fp32 storage, autocast); with ZeRO the "
                  f"params and grads in {p.precision}, an fp32 owned gradient, fp32 master (aliased to the owned "
-                 "chunk in fp32) and Adam moments (parallel/zero/planner.py megazoo_state_memory; the ZeRO "
+                 "chunk in fp32) and Adam moments (recipes/planner/zero.py megazoo_state_memory; the ZeRO "
                  "paper's figures: --paper)", "", p.derivation, ""]
     head = ["stage", "params GB", "grads GB", "optimizer GB", "total GB"]
     if p.offload:
@@ -212,9 +212,9 @@ def _megazoo_buffer_lines(p: Plan) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags. With a GPU (--gpu-memory,
-    --gpu), a recipe or --search: the fit verdict / the layouts that fit (recipes/plan_fit_cli.py; 0 fits, 3 not)."""
-    if args.dry_run:  # the real training step on a fake world of the recipe's size (recipes/dry_run.py)
-        from megazoo.recipes import dry_run_report
+    --gpu), a recipe or --search: the fit verdict / the layouts that fit (recipes/planner/fit_cli.py; 0 fits, 3 not)."""
+    if args.dry_run:  # the real training step on a fake world of the recipe's size (recipes/planner/dry_run.py)
+        from megazoo.recipes.planner import dry_run_report
         return dry_run_report.run(args)
     if plan_fit_cli.wanted(args):
         try:
@@ -242,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
                         help="training precision (default bf16; mixed = bf16). megazoo's bytes per parameter: see "
-                             "parallel/zero/planner.py megazoo_state_memory; with --paper: 2+2+12, fp32 4+4+8")
+                             "recipes/planner/zero.py megazoo_state_memory; with --paper: 2+2+12, fp32 4+4+8")
     parser.add_argument("--paper", action="store_true",
                         help="the ZeRO paper's formulas (2 + 2 + K bytes per parameter, Table 1) and DeepSpeed's "
                              "buffer defaults instead of the bytes megazoo's optimizers hold (bf16/fp16: stage 0 16, "

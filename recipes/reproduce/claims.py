@@ -1,14 +1,14 @@
 """`megazoo reproduce claims`: the system claims of the ZeRO / DeepSpeed / Turing-NLG announcements, recomputed.
 
-Every recomputed figure comes from the planner (recipes/fit.py: model states as megazoo's ZeRO optimizers hold
+Every recomputed figure comes from the planner (recipes/planner/fit.py: model states as megazoo's ZeRO optimizers hold
 them + activations + buffers per device against the GPU's memory, the ZeRO paper's model-state bytes shown beside
-where they change a verdict; recipes/plan.py: per-shard parameter counts) and the stated cost model
-(recipes/cost_model.py: model FLOPs at an MFU + un-overlapped communication over stated bandwidths), on the repo's
+where they change a verdict; recipes/planner/shards.py: per-shard parameter counts) and the stated cost model
+(recipes/planner/cost_model.py: model FLOPs at an MFU + un-overlapped communication over stated bandwidths), on the repo's
 recipes where one exists (recipes/tnlg-17b.toml, gpt-100b.toml, gpt-1t.toml, read as `megazoo plan --recipe`
 reads them). Published figures are quoted with their source; where our reading of a source is from memory it says
 so. Nothing here runs a model: the numbers are exact for the planner's formulas. Where a dry run of the recipe
 has been recorded (`python benchmarks/dry_run.py --json benchmarks/dry_run_results.json`, kept in the repository:
-the real training step at the full world size on fake tensors, recipes/dry_run.py), its measured peak, dp bytes
+the real training step at the full world size on fake tensors, recipes/planner/dry_run.py), its measured peak, dp bytes
 and FLOPs per role are shown beside the planner's, each column saying whether it is measured or computed.
 """
 
@@ -19,12 +19,12 @@ from types import SimpleNamespace
 
 from megazoo.models.config import presets
 from megazoo.models.layout import divisors
-from megazoo.parallel.zero.planner import GB
-from megazoo.recipes.cost_model import CostModel, step_time
-from megazoo.recipes.fit import GPUS, Layout, device_memory, max_micro_batch
-from megazoo.recipes.flops import model_flops_per_token
-from megazoo.recipes.plan_fit_cli import _from_recipe
-from megazoo.recipes.reproduce_common import REPO, Report, figure, table
+from megazoo.recipes.planner.zero import GB
+from megazoo.recipes.planner.cost_model import CostModel, step_time
+from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.flops import model_flops_per_token
+from megazoo.recipes.planner.fit_cli import _from_recipe
+from megazoo.recipes.reproduce.common import REPO, Report, figure, table
 
 DRY_RUN_JSON = REPO / "benchmarks" / "dry_run_results.json"  # benchmarks/dry_run.py --json (measured)
 V100 = GPUS["v100-32gb"]  # 32 GB, 125 TFLOP/s fp16, DGX-2: 16 per node on NVSwitch
@@ -89,7 +89,7 @@ def gpt100b(rep: Report) -> list[list]:
                   [[z, f"{m.model_states / GB:.1f}", f"{m.activations / GB:.1f}", f"{m.buffers / GB:.1f}",
                     f"{m.total / GB:.1f}", "yes" if m.fits else "no", f"{paper[z].model_states / GB:.1f}",
                     f"{paper[z].total / GB:.1f}"] for z, m in mems.items()]),
-            "Model states are what megazoo's optimizers hold (parallel/zero/planner.py megazoo_state_memory, equal "
+            "Model states are what megazoo's optimizers hold (recipes/planner/zero.py megazoo_state_memory, equal "
             "to their memory_bytes()): each rank keeps the gradient of the shard it owns in fp32, 4/N bytes per "
             "parameter, at ZeRO-1 beside the full fp16 gradient buffer (the paper: none) and at ZeRO-2 / 3 where the "
             "paper (2 + 2 + K = 12) counts an fp16 2/N; so +4/N, +2/N, +2/N bytes per parameter at stages 1, 2, 3.",
@@ -206,9 +206,9 @@ def dry_run_section(rep: Report) -> None:
 
 def claims(args) -> Report:
     rep = Report("System claims of the ZeRO / DeepSpeed / Turing-NLG announcements, recomputed")
-    rep.add("Recomputed by megazoo's planner (recipes/fit.py: model states as megazoo's ZeRO optimizers hold them + "
+    rep.add("Recomputed by megazoo's planner (recipes/planner/fit.py: model states as megazoo's ZeRO optimizers hold them + "
             "Korthikanti activations + buckets per device; GB = 1e9 bytes, a V100-32GB holds 32 GB) and cost model "
-            "(recipes/cost_model.py). The summary first, then each claim's detail.")
+            "(recipes/planner/cost_model.py). The summary first, then each claim's detail.")
     summary = tnlg(rep) + gpt100b(rep) + gpt1t(rep) + low_bandwidth(rep)
     dry_run_section(rep)
     rep.sections.insert(1, table(["claim", "published", "source", "recomputed", "how"], summary, "lllll"))
