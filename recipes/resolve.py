@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megazoo.data.indexed_dataset import check_indexed
+from megazoo.data.indexed_formats import check_indexed
 from megazoo.data.tokenizer_loading import check_tokenizer_spec, tokenizer_vocab_size
 from megazoo.models.config import ModelConfig, get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout

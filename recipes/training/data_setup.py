@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megazoo.data import TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.token_dataset import TokenSamples, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.tokenizer import Tokenizer
 from megazoo.data.blending import BlendedDataset, blend_counts
 from megazoo.data.gpt_dataset import GPTDataset
-from megazoo.data.indexed_dataset import IndexedDataset
+from megazoo.data.indexed_formats import open_indexed
 from megazoo.data.preprocess import load_tokenizer
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
@@ -42,10 +43,10 @@ def _rank0_first(topo: Topology, build):
 def _indexed_samples(prefixes, weights, seq: int, seed: int, num_samples: int, cache: Path):
     """GPT samples from one indexed dataset, or an exact, deterministic blend of several."""
     if len(prefixes) == 1:
-        return GPTDataset(IndexedDataset(prefixes[0]), seq, seed, num_samples=num_samples, cache_dir=cache)
+        return GPTDataset(open_indexed(prefixes[0]), seq, seed, num_samples=num_samples, cache_dir=cache)
     weights = list(weights) or [1.0] * len(prefixes)
     counts = blend_counts(weights, num_samples)
-    parts = [GPTDataset(IndexedDataset(p), seq, seed, num_samples=max(1, n), cache_dir=cache)
+    parts = [GPTDataset(open_indexed(p), seq, seed, num_samples=max(1, n), cache_dir=cache)
              for p, n in zip(prefixes, counts)]
     return BlendedDataset(parts, weights, num_samples, seed, cache_dir=cache)
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megazoo.data import GlobalBatchSampler
+from megazoo.data.batches import GlobalBatchSampler
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
@@ -101,7 +101,9 @@ class Trainer:
                  else torch.zeros((), dtype=f64, device=device))
         norm = norm.to(device, f64) if norm is not None and self.topo.rank == 0 else torch.zeros((), dtype=f64,
                                                                                                 device=device)
-        packed = torch.stack([share, torch.tensor(float(stop), dtype=f64, device=device), norm])
+        # torch.full, not torch.tensor: a tensor built from a Python number on CUDA is a blocking host-to-device copy
+        # (measured on an H100 by tests/gpu/test_host_syncs_cuda.py: two syncs per step instead of one).
+        packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
         if self.topo.world_size > 1:
             dist.all_reduce(packed)
         loss, stops, grad_norm = packed.tolist()
