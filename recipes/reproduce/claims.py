@@ -20,7 +20,8 @@ from megazoo.models.config import presets
 from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import GB
 from megazoo.recipes.planner.cost_model import CostModel, step_time
-from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.gpus import GPUS
 from megazoo.recipes.planner.flops import model_flops_per_token
 from megazoo.recipes.planner.fit_cli import planned_recipe
 from megazoo.recipes.reproduce.common import REPO, Report, figure, table

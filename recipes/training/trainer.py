@@ -39,6 +39,9 @@ from megazoo.recipes.training.optim import lr_at
 from megazoo.recipes.training.progress import Progress
 from megazoo.recipes.resolve import Resolved
 
+# recipes/planner/gpus.py states peaks by these names
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
 
 @dataclass
 class TrainResult:
@@ -61,7 +64,8 @@ class Trainer:
         configure_matmuls(topo.device, t.tf32)
         # MFU: this rank's share of the model FLOPs of a step over the GPU's spec peak (none on CPU).
         self.flops_per_token = model_flops_per_token(res.model, t.seq_len, res.padded_vocab)
-        self.peak_flops = peak_flops(topo.device, precision.compute)
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else None,
+                                     DTYPE_NAMES.get(precision.compute, ""))
         self.kernels = run_kernels(res, topo.device, precision)  # run() prints the choice as the log's first lines
         self.chunks = build_model(res, topo, device="meta" if res.recipe.zero.stage == 3 else None,
                                   dtype=precision.params, kernels=self.kernels)
