@@ -20,6 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
+from megazoo.data.fetch_cli import register as register_data
 from megazoo.data.preprocess import register as register_preprocess
 from megazoo.data.tokenizer_cli import register as register_tokenizer
 from megazoo.eval.cli import register as register_eval
@@ -39,7 +40,9 @@ from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLo
 def _train(args: argparse.Namespace) -> int:
     try:
         args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
-        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir)
+        from megazoo.data.catalog import default_folders  # catalog names: $MEGAZOO_DATA_DIR, then the cache
+        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
         par = recipe.parallel
         nproc = args.nproc if args.nproc is not None else par.dp * par.tp * par.pp * par.cp
         if nproc < 1:
@@ -149,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_launch(sub)
     register_reproduce(sub)
     register_plot(sub)
+    register_data(sub)
     return parser
 
 

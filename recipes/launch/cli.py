@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from megazoo.data.catalog import default_folders
 from megazoo.workers.supervisor import Job
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import Recipe, RecipeError, load_recipe
@@ -108,7 +109,8 @@ def _node(args: argparse.Namespace) -> int:
     lock = None
     try:
         args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
-        recipe = load_recipe(args.recipe, overrides, data_dir=args.data_dir)
+        recipe = load_recipe(args.recipe, overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
         nproc = check_layout(recipe, args.nnodes, args.nproc_per_node)
         if not 0 <= args.node_rank < args.nnodes:
             raise RecipeError(f"--node-rank {args.node_rank} is invalid: with --nnodes {args.nnodes} it must be "
@@ -156,7 +158,8 @@ def _slurm(args: argparse.Namespace) -> int:
         if args.nnodes is None or args.nproc_per_node is None:
             raise RecipeError("--slurm needs --nodes N and --gpus-per-node G")
         args.recipe = str(find_recipe(args.recipe))
-        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir)
+        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
         check_layout(recipe, args.nnodes, args.nproc_per_node)
         resolve(recipe, world_size=args.nnodes * args.nproc_per_node)
         options = SlurmOptions(nodes=args.nnodes, gpus_per_node=args.nproc_per_node, partition=args.partition,
