@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-import torch
+from megazoo.workers.tp_command import run_here_or_relaunch
+
 
 EXTRA_HINT = "megazoo eval harness needs lm-eval: pip install 'megazoo[eval]' (or pip install lm-eval)"
 
@@ -102,20 +103,14 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _run(args: argparse.Namespace) -> int:
-    from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+def _pin_checkpoint(args: argparse.Namespace) -> None:
+    """Check everything but the weights here; every worker then reads the checkpoint resolved here."""
+    opened, _, _ = check(args)
+    args.checkpoint = str(opened.path)
 
-    try:
-        if args.tp > 1:
-            opened, _, _ = check(args)  # bad input fails here, before any worker starts
-            args.checkpoint = str(opened.path)
-            return launch_local(args.tp, "megazoo.eval.harness", _forwarded_argv(args))
-        run(args, Topology.solo("cuda" if torch.cuda.is_available() else "cpu"))
-    except (FileNotFoundError, ValueError, ConnectionError) as error:
-        print(f"megazoo: error: {error}", file=sys.stderr)
-        return 2
-    return 0
+
+def _run(args: argparse.Namespace) -> int:
+    return run_here_or_relaunch(args, "megazoo.eval.harness", _pin_checkpoint, _forwarded_argv, run)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
+from megazoo.workers.tp_command import run_here_or_relaunch
+
 
 
 def _check(args: argparse.Namespace):
@@ -57,22 +58,20 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--tokenizer", str(args.tokenizer)] if args.tokenizer else [])
 
 
-def _run(args: argparse.Namespace) -> int:
-    from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+def _pin_checkpoint(args: argparse.Namespace) -> None:
+    """Check the input here; every worker then decodes the checkpoint resolved (and, under tp, verified) here."""
+    args.checkpoint = str(_check(args).path)
 
-    try:
-        ckpt = _check(args)  # bad input fails here, before any worker starts
-        if args.tp > 1:
-            args.checkpoint = str(ckpt.path)  # every worker decodes the checkpoint resolved here
-            return launch_local(args.tp, "megazoo.recipes.generate_cli", _forwarded_argv(args))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        text = continuation(args, Topology.solo(device))
-    except (FileNotFoundError, ValueError, ConnectionError) as error:
-        print(f"megazoo: error: {error}", file=sys.stderr)
-        return 2
-    print(text, flush=True)
-    return 0
+
+def _decode_and_print(args: argparse.Namespace, topo) -> None:
+    text = continuation(args, topo)
+    if topo.tp_rank == 0:
+        print(text, flush=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_here_or_relaunch(args, "megazoo.recipes.generate_cli", _pin_checkpoint, _forwarded_argv,
+                                _decode_and_print)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    def decode_and_print(args: argparse.Namespace, topo) -> None:
-        text = continuation(args, topo)
-        if topo.tp_rank == 0:
-            print(text, flush=True)
-
-    return tp_worker(args, _run, decode_and_print)
+    return tp_worker(args, _run, _decode_and_print)
 
 
 if __name__ == "__main__":
