@@ -22,7 +22,7 @@ import sys
 
 from megazoo.eval.harness import register as register_harness
 from megazoo.eval.inputs import DEFAULT_STRIDE, PROTOCOLS, ModelSource, check_inputs
-from megazoo.workers.tp_command import run_here_or_relaunch
+from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
 
 TASKS = ("wikitext103", "lambada")
 
@@ -68,6 +68,8 @@ def evaluate(args: argparse.Namespace, topo) -> dict:
     result.update(protocol=protocol, backend=args.backend, tp=topo.tp, limit=args.limit)
     if source.checkpoint is not None:  # which checkpoint was evaluated, exactly
         result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
+        if source.skipped:  # the latest did not verify: the JSON says so, beside the one evaluated
+            result.update(checkpoints_skipped=list(source.skipped))
     if lead:
         print(line, flush=True)
         if args.json:
@@ -93,6 +95,7 @@ def _pin_checkpoint(args: argparse.Namespace) -> None:
     """Check the input here; every worker then evaluates the checkpoint resolved (and, under tp, verified) here."""
     source = check_inputs(args)
     if source.checkpoint is not None:
+        verify_before_workers(args, source.checkpoint)
         args.checkpoint = str(source.checkpoint)
 
 

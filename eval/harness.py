@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from megazoo.workers.tp_command import run_here_or_relaunch
+from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
 
 
 EXTRA_HINT = "megazoo eval harness needs lm-eval: pip install 'megazoo[eval]' (or pip install lm-eval)"
@@ -58,7 +58,9 @@ def check(args: argparse.Namespace, with_tasks: bool = True):
         raise ValueError(f"--bootstrap-iters {args.bootstrap_iters} is invalid: use 0 (no stderr) or more")
     if args.include_path is not None and not os.path.isdir(args.include_path):
         raise FileNotFoundError(f"--include-path {args.include_path}: directory not found")
-    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+    from megazoo.workers.tp_command import say
+
+    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
     if args.tp < 1 or opened.cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {opened.cfg.n_head}")
     return opened, tasks, task_manager(args.include_path, tasks) if with_tasks else None
@@ -106,6 +108,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 def _pin_checkpoint(args: argparse.Namespace) -> None:
     """Check everything but the weights here; every worker then reads the checkpoint resolved here."""
     opened, _, _ = check(args)
+    verify_before_workers(args, opened.path)
     args.checkpoint = str(opened.path)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megazoo.workers.tp_command import run_here_or_relaunch
+from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
 
 
 
@@ -25,7 +25,9 @@ def _check(args: argparse.Namespace):
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} is invalid: use 0 or more")
     check_sampling(args.temperature, args.top_k, args.top_p)
-    ckpt = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+    from megazoo.workers.tp_command import say
+
+    ckpt = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
     if args.tp < 1 or ckpt.cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {ckpt.cfg.n_head}")
     if not ckpt.tokenizer.encode(args.prompt):
@@ -60,7 +62,9 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 def _pin_checkpoint(args: argparse.Namespace) -> None:
     """Check the input here; every worker then decodes the checkpoint resolved (and, under tp, verified) here."""
-    args.checkpoint = str(_check(args).path)
+    step_dir = _check(args).path
+    verify_before_workers(args, step_dir)
+    args.checkpoint = str(step_dir)
 
 
 def _decode_and_print(args: argparse.Namespace, topo) -> None:

@@ -24,6 +24,14 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def verify_before_workers(args: Any, step_dir) -> None:
+    """Under --tp N > 1, check every file of the checkpoint the workers will read (sizes and sha256) here, once:
+    a missing or damaged shard exits 2 before any worker starts. With --tp 1 the load itself checks what it reads."""
+    if args.tp > 1:
+        from megazoo.parallel.checkpoint.io import verify_checkpoint
+        verify_checkpoint(step_dir)
+
+
 def run_here_or_relaunch(args: Any, module: str, check: Callable[[Any], None],
                          forwarded_argv: Callable[[Any], Sequence[str]], work: Callable[[Any, Any], None]) -> int:
     """`check(args)` (it may pin args to what it resolved, e.g. the checkpoint's step directory, so that every
