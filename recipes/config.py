@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -310,6 +311,27 @@ def _rebase_data_paths(table: dict, recipe_dir: Path, data_dir: Path | None, fol
             data[key] = rebase(key, data[key])
 
 
+def _defined_twice(text: str) -> str | None:
+    """The first key or [table] a recipe's text defines twice ("train.lr is set twice (lines 5 and 9)"), or None.
+    A line scan of `[table]` headers and `key = value` lines; consulted only once tomllib has refused the file."""
+    seen: dict[str, int] = {}
+    table = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = re.match(r"\s*\[([^\[\]]+)\]\s*(#.*)?$", line)
+        assignment = re.match(r"\s*([A-Za-z0-9_-]+)\s*=", line)
+        if header:
+            table = header.group(1).strip()
+            name, what = f"[{table}]", "is defined"
+        elif assignment:
+            name, what = (f"{table}." if table else "") + assignment.group(1), "is set"
+        else:
+            continue
+        if name in seen:
+            return f"{name} {what} twice (lines {seen[name]} and {number})"
+        seen[name] = number
+    return None
+
+
 def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *, data_dir: str | Path | None = None,
                 catalog_dirs: typing.Sequence[str | Path] = ()) -> Recipe:
     """Parse `path`, look its relative data paths up in `data_dir` or the file's folder (DATA_PATH_KEYS), then
@@ -322,6 +344,9 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *, data_
     except UnicodeDecodeError as err:
         raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
     except tomllib.TOMLDecodeError as err:
+        twice = _defined_twice(path.read_text(encoding="utf-8"))
+        if twice:  # tomllib says only "Cannot overwrite a value": name the key and both lines
+            raise RecipeError(f"recipe file {path}: {twice}; keep one") from None
         raise RecipeError(f"recipe file {path} is not valid TOML: {err}") from None
     if not table:
         raise RecipeError(f"recipe file {path} is empty: a recipe needs at least a [model] or [data] section "
