@@ -47,13 +47,16 @@ def _train(args: argparse.Namespace) -> int:
     with lock:
         run_dir, resuming = Path(recipe.run.dir), args.resume or recipe.checkpoint.resume
         previous = previous_run(run_dir)
+        start_over = args.overwrite or recipe.run.existing == "start_over"
         if previous and (args.overwrite or not resuming):
-            if not args.overwrite:
+            if not start_over:
                 print(f"megazoo: error: run.dir {run_dir} already holds a run ({', '.join(previous)}): continue "
                       f"it with --resume, or start over with --overwrite (moves the old files to "
                       f"{run_dir.name}.old-<time>/ beside it)", file=sys.stderr)
                 return 2
-            print(f"megazoo: moved the previous run in {run_dir} to {move_aside(run_dir)}", file=sys.stderr)
+            why = "--overwrite" if args.overwrite else "run.existing = 'start_over'"
+            print(f"megazoo: starting over ({why}): moved the previous run in {run_dir} to {move_aside(run_dir)}",
+                  file=sys.stderr)
         overrides = list(args.overrides)
         if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
             overrides.append("checkpoint.resume=true")

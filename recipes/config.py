@@ -171,6 +171,9 @@ class DataSection:
 @dataclass(frozen=True)
 class RunSection:
     dir: str = "runs/default"
+    # A fresh `megazoo train` into a run.dir that holds a run: "refuse" (exit 2: --resume or --overwrite) or
+    # "start_over" (its files move to RUN_DIR.old-<time>/ beside it, as --overwrite does: nothing is lost).
+    existing: str = "refuse"
 
 
 @dataclass(frozen=True)

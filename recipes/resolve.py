@@ -23,6 +23,7 @@ from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoin
 from megazoo.recipes.config import Recipe, RecipeError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
+RUN_EXISTING = ("refuse", "start_over")  # run.existing
 DATA_SOURCES = ("stdlib", "indexed", "synthetic")
 WANDB_MODES = ("off", "offline", "online")
 
@@ -71,6 +72,7 @@ def _check_run_and_sample(recipe: Recipe, global_batch: int) -> None:
     run_dir = Path(recipe.run.dir)
     if not recipe.run.dir.strip():
         raise RecipeError("run.dir is empty: give the folder the run writes to (e.g. runs/my-run)")
+    _choice("run.existing", recipe.run.existing, RUN_EXISTING)
     if run_dir.exists() and not run_dir.is_dir():
         raise RecipeError(f"run.dir = {recipe.run.dir!r} is an existing file, not a folder: choose another path")
     sample = recipe.sample

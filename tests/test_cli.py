@@ -109,3 +109,23 @@ def test_a_command_runs_after_lazy_loading(capsys):
 
     assert main(["plan", "--params", "7.5e9", "--dp", "64", "--paper"]) == 0
     assert "Psi = 7,500,000,000 parameters" in capsys.readouterr().out
+
+
+def test_the_demo_runs_again_without_flags_and_keeps_the_earlier_run(tmp_path):
+    """`make demo` twice: the demo recipe starts over (run.existing = 'start_over'), saying so, and the earlier run
+    moves beside it, nothing lost. A recipe without that key still refuses (exit 2, --resume or --overwrite)."""
+    run_dir = tmp_path / "demo"
+    sets = ["--set", "train.steps=2", "--set", f"run.dir={run_dir}", "--set", "parallel.dp=1",
+            "--set", "data.max_bytes=150000", "--set", "sample.tokens=0", "--set", "train.eval_every=0",
+            "--set", "train.seq_len=16", "--set", "data.vocab_size=512"]
+    first = megazoo("train", "demo", *sets)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = megazoo("train", "demo", *sets)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "starting over (run.existing = 'start_over')" in again.stderr
+    (old,) = tmp_path.glob("demo.old-*")
+    assert (old / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file()
+    refused = megazoo("train", "demo", *sets, "--set", "run.existing=refuse")
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr
+    bad = megazoo("train", "demo", *sets, "--set", "run.existing=replace")
+    assert bad.returncode == 2 and "run.existing = 'replace' is invalid" in bad.stderr
