@@ -85,10 +85,13 @@ def _restarts(text: str) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from megazoo.models.config import presets
-    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'parameters':>18}")
+    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'vocab':>8}{'parameters':>18}")
     for name, cfg in presets().items():
-        print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}"
+        print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}{cfg.vocab_size:>8,}"
               f"{cfg.num_parameters():>18,}")
+    print("\nparameters at each preset's own vocabulary (the embedding is vocab x hidden); a recipe that sets "
+          "another one\n(model.vocab_size, or a tokenizer trained on its corpus, as the demo's) trains a different "
+          "count, which\n`megazoo train` prints with the vocabulary it assumes")
     return 0
 
 
@@ -225,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     command = _command_in(argv)
     args = build_parser(command if command in COMMANDS or command in ("train", "presets", "recipes") else
                         "").parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `megazoo presets | head`: the reader left early, which is not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 141  # 128 + SIGPIPE, as a shell pipeline reports it
 
 
 if __name__ == "__main__":

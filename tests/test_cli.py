@@ -62,6 +62,9 @@ def test_unknown_override_key_fails():
 def test_presets_lists_exact_counts():
     out = megazoo("presets", timeout=60)
     assert out.returncode == 0 and "17,176,845,728" in out.stdout and "1,557,611,200" in out.stdout
+    # which vocabulary each count assumes: the demo trains gpt2-tiny at its own 8,192-token BPE, not GPT-2's 50,257
+    assert "   vocab " in out.stdout.splitlines()[0] and "50,257" in out.stdout
+    assert "parameters at each preset's own vocabulary" in out.stdout
 
 
 def test_version():
