@@ -81,20 +81,9 @@ class IndexedDataset:
 
     Opening checks magic, version, sizes and the index checksum, so a damaged index or a truncated .bin
     fails here with the path named; `verify_data()` additionally hashes the .bin (slow for a big corpus).
-    A Megatron-LM / GPT-NeoX index (magic MMIDIDX) opens as data/megatron_indexed.py's MegatronIndexedDataset.
+    A Megatron-LM / GPT-NeoX index (magic MMIDIDX) is data/megatron_indexed.py's MegatronIndexedDataset;
+    data/indexed_formats.py's open_indexed opens either by the index's magic.
     """
-
-    def __new__(cls, prefix: str | Path):
-        if cls is IndexedDataset:
-            from megazoo.data.megatron_indexed import MEGATRON_MAGIC, MegatronIndexedDataset
-            try:
-                with open(data_paths(prefix)[1], "rb") as f:
-                    head = f.read(len(MEGATRON_MAGIC))
-            except OSError:
-                head = b""
-            if head == MEGATRON_MAGIC:
-                return super().__new__(MegatronIndexedDataset)
-        return super().__new__(cls)
 
     def __init__(self, prefix: str | Path) -> None:
         self.prefix = str(prefix)
@@ -108,7 +97,8 @@ class IndexedDataset:
             head = f.read(HEADER.size)
         if head[:len(MAGIC)] != MAGIC:
             raise ValueError(f"{self.idx_path} is not a megazoo indexed dataset index: wrong magic bytes "
-                             f"{head[:len(MAGIC)]!r} (expected {MAGIC!r}, or Megatron-LM's b'MMIDIDX\\x00\\x00')")
+                             f"{head[:len(MAGIC)]!r} (expected {MAGIC!r}; a Megatron-LM index, b'MMIDIDX\\x00\\x00', opens with "
+                             "data/indexed_formats.py's open_indexed)")
         if len(head) < HEADER.size:
             raise ValueError(f"{self.idx_path} is truncated: {idx_size} bytes, shorter than the header")
         _, version, dtype_code, len_code, count, bin_bytes, bin_sha = HEADER.unpack(head)
@@ -232,19 +222,6 @@ class IndexedDataset:
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, documents={len(self)}, tokens={self.num_tokens}, dtype={self.dtype})"
-
-
-def check_indexed(prefix: str | Path, vocab_size: int | None = None, *, verify: bool = True) -> IndexedDataset:
-    """The pre-start check of a dataset prefix (the recipe resolver calls it before any process starts): both
-    files exist; the index's magic, version, sizes and checksum; the .bin's size and (with `verify`) its SHA-256,
-    cached in PREFIX.bin.verified; and (with `vocab_size`) every token id < vocab_size. Raises FileNotFoundError
-    or ValueError naming the file."""
-    dataset = IndexedDataset(prefix)
-    if verify:
-        dataset.verify_data()
-    if vocab_size is not None:
-        dataset.check_tokens(vocab_size)
-    return dataset
 
 
 class IndexedDatasetWriter:

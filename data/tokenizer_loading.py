@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from megazoo.data.catalog import CATALOG, missing_hint
 from megazoo.data.gpt2_bpe import GPT2BPETokenizer, check_merges_file, find_bpe_files
 from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from megazoo.data.tokenizer import HF_PREFIX, BPETokenizer, HFTokenizer, Tokenizer
@@ -83,6 +84,8 @@ def check_tokenizer_spec(spec: str | Path) -> None:
     if path.is_dir():  # GPT-2 BPE files, with at least one merge
         check_merges_file(find_bpe_files(path)[1])
         return
+    if text in CATALOG:  # a data catalog name the recipe loader found in no data folder
+        raise FileNotFoundError(missing_hint(text))
     if not path.exists():
         looks_like_name = not path.suffix and not text.startswith((".", "/", "~"))
         hint = f" (for the Hugging Face tokenizer {text!r} write {HF_PREFIX}{text})" if looks_like_name else ""

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 
 from megazoo.eval.harness import register as register_harness
 from megazoo.eval.inputs import DEFAULT_STRIDE, PROTOCOLS, ModelSource, check_inputs
+from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
 
 TASKS = ("wikitext103", "lambada")
 
@@ -68,6 +68,8 @@ def evaluate(args: argparse.Namespace, topo) -> dict:
     result.update(protocol=protocol, backend=args.backend, tp=topo.tp, limit=args.limit)
     if source.checkpoint is not None:  # which checkpoint was evaluated, exactly
         result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
+        if source.skipped:  # the latest did not verify: the JSON says so, beside the one evaluated
+            result.update(checkpoints_skipped=list(source.skipped))
     if lead:
         print(line, flush=True)
         if args.json:
@@ -89,22 +91,16 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _run_eval(args: argparse.Namespace) -> int:
-    from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+def _pin_checkpoint(args: argparse.Namespace) -> None:
+    """Check the input here; every worker then evaluates the checkpoint resolved (and, under tp, verified) here."""
+    source = check_inputs(args)
+    if source.checkpoint is not None:
+        verify_before_workers(args, source.checkpoint)
+        args.checkpoint = str(source.checkpoint)
 
-    try:
-        if args.tp > 1:
-            source = check_inputs(args)  # in this process: bad input fails before any worker starts
-            if source.checkpoint is not None:  # every worker evaluates the checkpoint resolved here
-                args.checkpoint = str(source.checkpoint)
-            return launch_local(args.tp, "megazoo.eval.cli", _forwarded_argv(args))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        evaluate(args, Topology.solo(device))
-    except (FileNotFoundError, ValueError, ConnectionError) as error:
-        print(f"megazoo: error: {error}", file=sys.stderr)
-        return 2
-    return 0
+
+def _run_eval(args: argparse.Namespace) -> int:
+    return run_here_or_relaunch(args, "megazoo.eval.cli", _pin_checkpoint, _forwarded_argv, evaluate)
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser) -> None:

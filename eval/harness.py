@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-import torch
+from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
+
 
 EXTRA_HINT = "megazoo eval harness needs lm-eval: pip install 'megazoo[eval]' (or pip install lm-eval)"
 
@@ -57,7 +58,9 @@ def check(args: argparse.Namespace, with_tasks: bool = True):
         raise ValueError(f"--bootstrap-iters {args.bootstrap_iters} is invalid: use 0 (no stderr) or more")
     if args.include_path is not None and not os.path.isdir(args.include_path):
         raise FileNotFoundError(f"--include-path {args.include_path}: directory not found")
-    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+    from megazoo.workers.tp_command import say
+
+    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
     if args.tp < 1 or opened.cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {opened.cfg.n_head}")
     return opened, tasks, task_manager(args.include_path, tasks) if with_tasks else None
@@ -102,20 +105,15 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _run(args: argparse.Namespace) -> int:
-    from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+def _pin_checkpoint(args: argparse.Namespace) -> None:
+    """Check everything but the weights here; every worker then reads the checkpoint resolved here."""
+    opened, _, _ = check(args)
+    verify_before_workers(args, opened.path)
+    args.checkpoint = str(opened.path)
 
-    try:
-        if args.tp > 1:
-            opened, _, _ = check(args)  # bad input fails here, before any worker starts
-            args.checkpoint = str(opened.path)
-            return launch_local(args.tp, "megazoo.eval.harness", _forwarded_argv(args))
-        run(args, Topology.solo("cuda" if torch.cuda.is_available() else "cpu"))
-    except (FileNotFoundError, ValueError, ConnectionError) as error:
-        print(f"megazoo: error: {error}", file=sys.stderr)
-        return 2
-    return 0
+
+def _run(args: argparse.Namespace) -> int:
+    return run_here_or_relaunch(args, "megazoo.eval.harness", _pin_checkpoint, _forwarded_argv, run)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ class ModelSource:
     tokenizer: object  # a data.tokenizer.Tokenizer
     checkpoint: Path | None = None  # --checkpoint: the step directory it resolved to (recorded in the JSON)
     step: int | None = None  # that checkpoint's training step
+    skipped: tuple[str, ...] = ()  # newer checkpoints that did not verify (recorded in the JSON)
 
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
@@ -33,6 +34,7 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     if protocol not in PROTOCOLS:
         raise ValueError(f"--protocol {protocol!r} is invalid: use one of {', '.join(PROTOCOLS)}")
     checkpoint = step = None
+    skipped: tuple[str, ...] = ()
     if args.hf is not None:
         from megazoo.models.gpt2.hf import read_hf_config
 
@@ -50,9 +52,12 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     else:
         from megazoo.models.loading import open_checkpoint
 
-        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+        from megazoo.workers.tp_command import say
+
+        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
         model_dir, tokenizer_dir = opened.path, args.tokenizer or f"recorded in {opened.path}"
         cfg, tokenizer, checkpoint, step = opened.cfg, opened.tokenizer, opened.path, opened.step
+        skipped = opened.skipped
     stride = getattr(args, "stride", None)
     if stride is not None and protocol == "lm-eval":
         raise ValueError(f"--stride {stride} applies to --protocol megatron only: lm-eval's WikiText protocol scores "
@@ -74,7 +79,7 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: file not found")
     check_data(args.task, args.data)
-    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step)
+    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step, skipped)
 
 
 def _first_line_is_json_object(text: str) -> bool:

@@ -19,7 +19,7 @@ from megazoo.data.tokenizer import Tokenizer
 from megazoo.models.config import ModelConfig
 from megazoo.models.transformer import GPT
 from megazoo.parallel.checkpoint.consolidate import resolve_checkpoint
-from megazoo.parallel.checkpoint.io import CheckpointError, read_common
+from megazoo.parallel.checkpoint.io import CheckpointError, read_common, verify_checkpoint
 from megazoo.parallel.checkpoint.load import load_views
 from megazoo.parallel.checkpoint.views import whole_param_views
 from megazoo.parallel.tensor import named_shards
@@ -32,6 +32,7 @@ class OpenCheckpoint:
     step: int
     cfg: ModelConfig
     tokenizer: Tokenizer | None  # None: neither given nor recorded
+    skipped: tuple[str, ...] = ()  # newer checkpoints that did not verify, each with the reason
 
 
 def model_config(common: dict, path: Path) -> ModelConfig:
@@ -42,12 +43,21 @@ def model_config(common: dict, path: Path) -> ModelConfig:
 
 
 def open_checkpoint(path: str | Path, tokenizer: str | Path | None = None, *, need_tokenizer: bool = True,
-                    report=print) -> OpenCheckpoint:
-    """Resolve `path`, read its config and tokenizer; refuse a tokenizer whose vocabulary the model lacks."""
+                    report=print, verify: bool = False) -> OpenCheckpoint:
+    """Resolve `path`, read its config and tokenizer; refuse a tokenizer whose vocabulary the model lacks.
+
+    A run's checkpoints folder resolves to its newest checkpoint that verifies; when a newer one is damaged, that
+    is never silent: `report` hears each one skipped and which checkpoint is used, and `skipped` records them.
+    `verify`: also check every file of a step directory named directly (sizes and sha256)."""
     from megazoo.data.tokenizer_loading import load_tokenizer
     from megazoo.data.tokenizer_store import checkpoint_tokenizer
 
-    step_dir = resolve_checkpoint(path, report=report).resolve()
+    problems: list[str] = []
+    step_dir = resolve_checkpoint(path, report=report, problems=problems).resolve()
+    if problems:
+        report(f"megazoo: using checkpoint {step_dir}: the newest that verifies ({len(problems)} newer skipped)")
+    elif verify:
+        verify_checkpoint(step_dir)
     common = read_common(step_dir)
     cfg = model_config(common, step_dir)
     tok = load_tokenizer(tokenizer) if tokenizer else checkpoint_tokenizer(common, step_dir)
@@ -59,7 +69,7 @@ def open_checkpoint(path: str | Path, tokenizer: str | Path | None = None, *, ne
         where = tokenizer if tokenizer else f"recorded in {step_dir}"
         raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {step_dir}) does not match the tokenizer "
                          f"{where} ({tok.vocab_size} ids): pass the model's own --tokenizer")
-    return OpenCheckpoint(step_dir, common["step"], cfg, tok)
+    return OpenCheckpoint(step_dir, common["step"], cfg, tok, tuple(problems))
 
 
 def load_gpt(ckpt: OpenCheckpoint, topology: Topology, dtype: torch.dtype = torch.float32) -> GPT:

@@ -20,30 +20,25 @@ import socket
 import sys
 from pathlib import Path
 
-from megazoo.data.preprocess import register as register_preprocess
-from megazoo.data.tokenizer_cli import register as register_tokenizer
-from megazoo.eval.cli import register as register_eval
-from megazoo.models.gpt2.convert_cli import register as register_convert
-from megazoo.workers.supervisor import launch_local
+# Light imports only (no torch): `megazoo --help` and every `megazoo CMD --help` must answer at once. A command's
+# own module is imported when that command runs (COMMANDS below); train's checks import torch inside _train.
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
-from megazoo.recipes.generate_cli import register as register_generate
-from megazoo.recipes.launch.cli import register as register_launch
-from megazoo.recipes.planner.cli import register as register_plan
-from megazoo.recipes.training.plot import register as register_plot
-from megazoo.recipes.reproduce.cli import register as register_reproduce
-from megazoo.recipes.resolve import resolve
 from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
+from megazoo.workers.supervisor import launch_local
 
 
 def _train(args: argparse.Namespace) -> int:
     try:
         args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
-        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir)
+        from megazoo.data.catalog import default_folders  # catalog names: $MEGAZOO_DATA_DIR, then the cache
+        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
         par = recipe.parallel
         nproc = args.nproc if args.nproc is not None else par.dp * par.tp * par.pp * par.cp
         if nproc < 1:
             raise RecipeError(f"--nproc {nproc} is invalid: it must be a positive integer")
+        from megazoo.recipes.resolve import resolve  # torch: imported once a command runs, not for --help
         resolve(recipe, world_size=nproc)
         lock = RunDirLock.acquire(recipe.run.dir)  # one job per run.dir, held until this process ends
     except (RecipeError, RunDirBusy) as err:
@@ -52,13 +47,16 @@ def _train(args: argparse.Namespace) -> int:
     with lock:
         run_dir, resuming = Path(recipe.run.dir), args.resume or recipe.checkpoint.resume
         previous = previous_run(run_dir)
+        start_over = args.overwrite or recipe.run.existing == "start_over"
         if previous and (args.overwrite or not resuming):
-            if not args.overwrite:
+            if not start_over:
                 print(f"megazoo: error: run.dir {run_dir} already holds a run ({', '.join(previous)}): continue "
                       f"it with --resume, or start over with --overwrite (moves the old files to "
                       f"{run_dir.name}.old-<time>/ beside it)", file=sys.stderr)
                 return 2
-            print(f"megazoo: moved the previous run in {run_dir} to {move_aside(run_dir)}", file=sys.stderr)
+            why = "--overwrite" if args.overwrite else "run.existing = 'start_over'"
+            print(f"megazoo: starting over ({why}): moved the previous run in {run_dir} to {move_aside(run_dir)}",
+                  file=sys.stderr)
         overrides = list(args.overrides)
         if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
             overrides.append("checkpoint.resume=true")
@@ -87,10 +85,13 @@ def _restarts(text: str) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from megazoo.models.config import presets
-    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'parameters':>18}")
+    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'vocab':>8}{'parameters':>18}")
     for name, cfg in presets().items():
-        print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}"
+        print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}{cfg.vocab_size:>8,}"
               f"{cfg.num_parameters():>18,}")
+    print("\nparameters at each preset's own vocabulary (the embedding is vocab x hidden); a recipe that sets "
+          "another one\n(model.vocab_size, or a tokenizer trained on its corpus, as the demo's) trains a different "
+          "count, which\n`megazoo train` prints with the vocabulary it assumes")
     return 0
 
 
@@ -113,7 +114,81 @@ def _version() -> str:
         return "(not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _plan(sub):
+    from megazoo.recipes.planner.cli import register
+    register(sub)
+
+
+def _eval(sub):
+    from megazoo.eval.cli import register
+    register(sub)
+
+
+def _generate(sub):
+    from megazoo.recipes.generate_cli import register
+    register(sub)
+
+
+def _convert(sub):
+    from megazoo.models.gpt2.convert_cli import register
+    register(sub)
+
+
+def _preprocess(sub):
+    from megazoo.data.preprocess import register
+    register(sub)
+
+
+def _tokenizer(sub):
+    from megazoo.data.tokenizer_cli import register
+    register(sub)
+
+
+def _launch(sub):
+    from megazoo.recipes.launch.cli import register
+    register(sub)
+
+
+def _reproduce(sub):
+    from megazoo.recipes.reproduce.cli import register
+    register(sub)
+
+
+def _plot(sub):
+    from megazoo.recipes.training.plot import register
+    register(sub)
+
+
+def _data(sub):
+    from megazoo.data.fetch_cli import register
+    register(sub)
+
+
+# The commands whose modules load on use: name -> (the line `megazoo --help` shows, which must be the help its
+# module registers: tests/test_cli.py holds them equal, and the function that registers it).
+COMMANDS = {
+    "plan": ("ZeRO memory and communication plan per device", _plan),
+    "eval": ("zero-shot WikiText-103 perplexity / LAMBADA accuracy; lm-eval tasks", _eval),
+    "generate": ("continue a prompt with a checkpoint's model (KV cache)", _generate),
+    "convert": ("convert checkpoints between Hugging Face GPT-2 and megazoo", _convert),
+    "preprocess": ("tokenize jsonl/txt/parquet/datasets inputs into an indexed dataset (PREFIX.bin + .idx)",
+                   _preprocess),
+    "tokenizer": ("train a tokenizer on your corpus (bpe or sentencepiece)", _tokenizer),
+    "launch": ("launch one node of a multi-node job (torchrun), or write a Slurm sbatch script (--slurm)", _launch),
+    "reproduce": ("regenerate a published table (markdown + plot)", _reproduce),
+    "plot": ("plot loss, lr, tokens/s and memory of runs (metrics.jsonl)", _plot),
+    "data": ("fetch the published evaluation data and GPT-2 vocabulary", _data),
+}
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand argv names (its first word that is not an option), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `megazoo` parser. With `command`, only that command's module is imported (the others are listed by
+    name and help); without one, every command's full parser is built."""
     parser = argparse.ArgumentParser(prog="megazoo", description="Giant GPT training recipes on PyTorch.")
     parser.add_argument("--version", action="version", version=f"megazoo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,21 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(func=_presets)
     shipped = sub.add_parser("recipes", help="list the shipped recipes (train one with `megazoo train NAME`)")
     shipped.set_defaults(func=_recipes)
-    register_plan(sub)
-    register_eval(sub)
-    register_generate(sub)
-    register_convert(sub)
-    register_preprocess(sub)
-    register_tokenizer(sub)
-    register_launch(sub)
-    register_reproduce(sub)
-    register_plot(sub)
+    for name, (text, register) in COMMANDS.items():
+        if command is None or name == command:  # the command that runs, or every one for an unknown name
+            register(sub)
+        else:  # listed by `megazoo --help`; its module (and torch) loads only when it runs
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_in(argv)
+    args = build_parser(command if command in COMMANDS or command in ("train", "presets", "recipes") else
+                        "").parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `megazoo presets | head`: the reader left early, which is not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 141  # 128 + SIGPIPE, as a shell pipeline reports it
 
 
 if __name__ == "__main__":

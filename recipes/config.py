@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megazoo.data.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
 
 
@@ -169,6 +171,9 @@ class DataSection:
 @dataclass(frozen=True)
 class RunSection:
     dir: str = "runs/default"
+    # A fresh `megazoo train` into a run.dir that holds a run: "refuse" (exit 2: --resume or --overwrite) or
+    # "start_over" (its files move to RUN_DIR.old-<time>/ beside it, as --overwrite does: nothing is lost).
+    existing: str = "refuse"
 
 
 @dataclass(frozen=True)
@@ -272,16 +277,28 @@ def parse_override(text: str) -> tuple[list[str], object]:
 # recipe beside its data works from any directory, and a shipped recipe takes its data from `--data-dir`.
 # `--set` values are used as typed (relative to the current directory, as the shell sees them); run.dir and
 # checkpoint.load name runs and stay relative to the current directory, where `megazoo train` writes runs.
+#
+# A tokenizer that names an item of the data catalog (data/catalog.py, e.g. "gpt2-bpe") is looked up in
+# `--data-dir`, then in `catalog_dirs` (the command line passes $MEGAZOO_DATA_DIR and the user cache folder), in a
+# recipe file and in `--set` alike; found nowhere, the name stays and the resolver says how to fetch it. (A
+# folder of your own that happens to be called "gpt2-bpe" is "./gpt2-bpe".)
 DATA_PATH_KEYS = ("paths", "valid_paths", "tokenizer")
 
 
-def _rebase_data_paths(table: dict, recipe_dir: Path, data_dir: Path | None) -> None:
+def _catalog_tokenizer(value: str, folders: typing.Sequence[Path]) -> str:
+    found = find_item(value, folders)
+    return str(found.resolve()) if found is not None else value
+
+
+def _rebase_data_paths(table: dict, recipe_dir: Path, data_dir: Path | None, folders: typing.Sequence[Path]) -> None:
     data = table.get("data")
     if not isinstance(data, dict):
         return
     bases = [data_dir] if data_dir is not None else [recipe_dir, Path.cwd()]
 
     def rebase(key: str, value):
+        if key == "tokenizer" and isinstance(value, str) and value in CATALOG:
+            return _catalog_tokenizer(value, folders)
         if not isinstance(value, str) or not value or value.startswith(("hf:", "~")) or Path(value).is_absolute():
             return value
         for base in bases:
@@ -297,10 +314,31 @@ def _rebase_data_paths(table: dict, recipe_dir: Path, data_dir: Path | None) -> 
             data[key] = rebase(key, data[key])
 
 
-def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *,
-                data_dir: str | Path | None = None) -> Recipe:
+def _defined_twice(text: str) -> str | None:
+    """The first key or [table] a recipe's text defines twice ("train.lr is set twice (lines 5 and 9)"), or None.
+    A line scan of `[table]` headers and `key = value` lines; consulted only once tomllib has refused the file."""
+    seen: dict[str, int] = {}
+    table = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = re.match(r"\s*\[([^\[\]]+)\]\s*(#.*)?$", line)
+        assignment = re.match(r"\s*([A-Za-z0-9_-]+)\s*=", line)
+        if header:
+            table = header.group(1).strip()
+            name, what = f"[{table}]", "is defined"
+        elif assignment:
+            name, what = (f"{table}." if table else "") + assignment.group(1), "is set"
+        else:
+            continue
+        if name in seen:
+            return f"{name} {what} twice (lines {seen[name]} and {number})"
+        seen[name] = number
+    return None
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *, data_dir: str | Path | None = None,
+                catalog_dirs: typing.Sequence[str | Path] = ()) -> Recipe:
     """Parse `path`, look its relative data paths up in `data_dir` or the file's folder (DATA_PATH_KEYS), then
-    apply the `--set` overrides."""
+    apply the `--set` overrides. A catalog tokenizer name is looked up in `data_dir`, then `catalog_dirs`."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
@@ -309,17 +347,22 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = (), *,
     except UnicodeDecodeError as err:
         raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
     except tomllib.TOMLDecodeError as err:
+        twice = _defined_twice(path.read_text(encoding="utf-8"))
+        if twice:  # tomllib says only "Cannot overwrite a value": name the key and both lines
+            raise RecipeError(f"recipe file {path}: {twice}; keep one") from None
         raise RecipeError(f"recipe file {path} is not valid TOML: {err}") from None
     if not table:
         raise RecipeError(f"recipe file {path} is empty: a recipe needs at least a [model] or [data] section "
                           "(see recipes/demo.toml)")
     if data_dir is not None and not Path(data_dir).is_dir():
         raise RecipeError(f"--data-dir {data_dir} is not a folder: give the folder the recipe's data paths are in")
-    _rebase_data_paths(table, path.parent, Path(data_dir) if data_dir is not None else None)
+    folders = [Path(d) for d in ([data_dir] if data_dir is not None else []) + list(catalog_dirs)]
+    _rebase_data_paths(table, path.parent, Path(data_dir) if data_dir is not None else None, folders)
     for text in overrides:
         (section, key), value = parse_override(text)
         target = table.setdefault(section, {})
         if not isinstance(target, dict):
             raise RecipeError(f"--set {text!r}: {section} is not a section")
-        target[key] = value
+        target[key] = _catalog_tokenizer(value, folders) if (section, key) == ("data", "tokenizer") and \
+            isinstance(value, str) and value in CATALOG else value
     return from_dict(Recipe, table)

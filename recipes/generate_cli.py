@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
+from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
+
 
 
 def _check(args: argparse.Namespace):
@@ -24,7 +25,9 @@ def _check(args: argparse.Namespace):
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} is invalid: use 0 or more")
     check_sampling(args.temperature, args.top_k, args.top_p)
-    ckpt = open_checkpoint(args.checkpoint, args.tokenizer, report=lambda message: None)
+    from megazoo.workers.tp_command import say
+
+    ckpt = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
     if args.tp < 1 or ckpt.cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {ckpt.cfg.n_head}")
     if not ckpt.tokenizer.encode(args.prompt):
@@ -57,22 +60,22 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--tokenizer", str(args.tokenizer)] if args.tokenizer else [])
 
 
-def _run(args: argparse.Namespace) -> int:
-    from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+def _pin_checkpoint(args: argparse.Namespace) -> None:
+    """Check the input here; every worker then decodes the checkpoint resolved (and, under tp, verified) here."""
+    step_dir = _check(args).path
+    verify_before_workers(args, step_dir)
+    args.checkpoint = str(step_dir)
 
-    try:
-        ckpt = _check(args)  # bad input fails here, before any worker starts
-        if args.tp > 1:
-            args.checkpoint = str(ckpt.path)  # every worker decodes the checkpoint resolved here
-            return launch_local(args.tp, "megazoo.recipes.generate_cli", _forwarded_argv(args))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        text = continuation(args, Topology.solo(device))
-    except (FileNotFoundError, ValueError, ConnectionError) as error:
-        print(f"megazoo: error: {error}", file=sys.stderr)
-        return 2
-    print(text, flush=True)
-    return 0
+
+def _decode_and_print(args: argparse.Namespace, topo) -> None:
+    text = continuation(args, topo)
+    if topo.tp_rank == 0:
+        print(text, flush=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_here_or_relaunch(args, "megazoo.recipes.generate_cli", _pin_checkpoint, _forwarded_argv,
+                                _decode_and_print)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    def decode_and_print(args: argparse.Namespace, topo) -> None:
-        text = continuation(args, topo)
-        if topo.tp_rank == 0:
-            print(text, flush=True)
-
-    return tp_worker(args, _run, decode_and_print)
+    return tp_worker(args, _run, _decode_and_print)
 
 
 if __name__ == "__main__":

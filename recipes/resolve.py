@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megazoo.data.indexed_dataset import check_indexed
+from megazoo.data.indexed_formats import check_indexed
 from megazoo.data.tokenizer_loading import check_tokenizer_spec, tokenizer_vocab_size
 from megazoo.models.config import ModelConfig, get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
@@ -23,6 +23,7 @@ from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoin
 from megazoo.recipes.config import Recipe, RecipeError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
+RUN_EXISTING = ("refuse", "start_over")  # run.existing
 DATA_SOURCES = ("stdlib", "indexed", "synthetic")
 WANDB_MODES = ("off", "offline", "online")
 
@@ -71,6 +72,7 @@ def _check_run_and_sample(recipe: Recipe, global_batch: int) -> None:
     run_dir = Path(recipe.run.dir)
     if not recipe.run.dir.strip():
         raise RecipeError("run.dir is empty: give the folder the run writes to (e.g. runs/my-run)")
+    _choice("run.existing", recipe.run.existing, RUN_EXISTING)
     if run_dir.exists() and not run_dir.is_dir():
         raise RecipeError(f"run.dir = {recipe.run.dir!r} is an existing file, not a folder: choose another path")
     sample = recipe.sample
@@ -218,8 +220,9 @@ def model_config(recipe: Recipe) -> ModelConfig:
         raise RecipeError(str(err)) from None
 
 
-def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
-    """Check the recipe against its own topology (and `world_size`, if known) and derive what follows."""
+def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig | None = None) -> Resolved:
+    """Check the recipe against its own topology (and `world_size`, if known) and derive what follows. `model`,
+    where given, is the architecture already worked out (resolve_for_planning's); else model_config(recipe)."""
     par, train, data = recipe.parallel, recipe.train, recipe.data
     for name in ("dp", "tp", "pp", "cp"):
         _positive(f"parallel.{name}", getattr(par, name))
@@ -227,7 +230,7 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     if par.timeout_s > MAX_TIMEOUT_S:
         raise RecipeError(f"parallel.timeout_s = {par.timeout_s} is invalid; valid: 0 < value <= {MAX_TIMEOUT_S:.0f} "
                           "(one week: a collective waiting longer is a hang)")
-    cfg = model_config(recipe)
+    cfg = model if model is not None else model_config(recipe)
 
     try:
         check_parallel_compat(cfg, par.tp, par.pp)
@@ -304,3 +307,18 @@ def resolve(recipe: Recipe, world_size: int | None = None) -> Resolved:
     _check_run_and_sample(recipe, global_batch)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
                     world_size=layout, stage_layers=stages)
+
+
+def resolve_for_planning(recipe: Recipe) -> Resolved:
+    """The recipe as planning reads it (`plan --recipe`, `plan --dry-run`, `reproduce claims`): only its architecture
+    and layout matter, so its corpus, tokenizer and checkpoint need not exist on this machine. The vocabulary is the
+    tokenizer's where that is a file at hand, else the preset's (or model.vocab_size): planning stays offline, so a
+    Hugging Face `hf:` tokenizer counts as not at hand. A checkpoint the model takes its architecture from
+    (model.from_checkpoint) must exist. The returned recipe reads synthetic data and loads no checkpoint."""
+    data = recipe.data
+    at_hand = bool(data.tokenizer) and not data.tokenizer.startswith("hf:") and Path(data.tokenizer).exists()
+    model = model_config(replace(recipe, data=replace(data, tokenizer=data.tokenizer if at_hand else "")))
+    bare_data = replace(data, source="synthetic", paths=(), valid_paths=(), tokenizer="")
+    keep_load = recipe.checkpoint.load if recipe.model.from_checkpoint else ""
+    bare = replace(recipe, data=bare_data, checkpoint=replace(recipe.checkpoint, load=keep_load))
+    return resolve(bare, model=model)

@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from megazoo.data.catalog import default_folders
 from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
 from megazoo.workers.local import finish_worker
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         print(f"megazoo: rank {rank}: torchrun is gone; not starting", file=sys.stderr)
         return 1
     try:
-        recipe = load_recipe(find_recipe(args.recipe), args.overrides, data_dir=args.data_dir)  # a file or a name
+        recipe = load_recipe(find_recipe(args.recipe), args.overrides, data_dir=args.data_dir,  # a file or a name
+                             catalog_dirs=default_folders(os.environ))  # catalog names: $MEGAZOO_DATA_DIR, cache
         res = resolve(recipe, world_size=world_size)
         own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
         lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends

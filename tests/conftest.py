@@ -20,21 +20,46 @@ if not GPU_SUITE:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from megazoo.data.catalog import CATALOG, DATA_DIR_ENV, cache_folder  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+REQUIRE_DATA_ENV = "MEGAZOO_REQUIRE_DATA"  # "1" (set by .ci/run): no data is a failure, never a skip
 
 
 def pytest_addoption(parser):
     parser.addoption("--data-dir", default=None,
-                     help="folder with the shared evaluation data (default: $MEGAZOO_DATA_DIR or ../shared/data)")
+                     help="folder with the evaluation data (wikitext103/, lambada/, gpt2_bpe/); default: the first of "
+                          "$MEGAZOO_DATA_DIR, ../shared/data and the cache (`megazoo data fetch all`) that holds it")
+
+
+def _missing(folder: Path) -> list[str]:
+    return [name for name, item in CATALOG.items() if item.found_in(folder) is None]
 
 
 @pytest.fixture(scope="session")
 def data_dir(request) -> Path:
-    """The shared data folder. A missing folder fails the test: it is never a skip."""
-    path = Path(request.config.getoption("--data-dir") or os.environ.get("MEGAZOO_DATA_DIR")
-                or REPO.parent / "shared" / "data")
-    assert path.is_dir(), f"data directory {path} not found: pass --data-dir or set MEGAZOO_DATA_DIR"
-    return path
+    """The evaluation data folder: --data-dir, else the first of $MEGAZOO_DATA_DIR, ../shared/data and the user
+    cache folder (where `megazoo data fetch` stores) that holds every catalog item (data/catalog.py). A given
+    --data-dir without them fails; none found skips the data tests with one line, or fails them when
+    MEGAZOO_REQUIRE_DATA=1 (CI)."""
+    explicit = request.config.getoption("--data-dir")
+    if explicit:
+        if missing := _missing(Path(explicit)):
+            pytest.fail(f"--data-dir {explicit} lacks {', '.join(missing)}: `megazoo data fetch all --dir "
+                        f"{explicit}`", pytrace=False)
+        return Path(explicit)
+    looked = [(f"${DATA_DIR_ENV}", Path(os.environ[DATA_DIR_ENV])) if os.environ.get(DATA_DIR_ENV) else None,
+              ("../shared/data", REPO.parent / "shared" / "data"), ("the cache", cache_folder(os.environ))]
+    for _, folder in filter(None, looked):
+        if not _missing(folder):
+            return folder
+    message = (f"no evaluation data in {', '.join(f'{label} ({folder})' for label, folder in filter(None, looked))}:"
+               f" run `megazoo data fetch all`, or pass --data-dir DIR")
+    if os.environ.get(REQUIRE_DATA_ENV) == "1":
+        pytest.fail(f"{message} ({REQUIRE_DATA_ENV}=1: missing data fails)", pytrace=False)
+    pytest.skip(message)
 
 
 def pytest_collection_modifyitems(config, items):

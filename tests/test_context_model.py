@@ -103,7 +103,8 @@ def test_long_context_recipe_resolves_and_fits(tmp_path):
     from test_recipes import _stand_ins
 
     from megazoo.recipes.config import load_recipe
-    from megazoo.recipes.planner.fit import GPUS, device_memory, recipe_layout
+    from megazoo.recipes.planner.fit import device_memory, recipe_layout
+    from megazoo.recipes.planner.gpus import GPUS
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "long-context.toml"
     res = resolve(load_recipe(path, _stand_ins(path, tmp_path)), world_size=8)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megazoo.data import GlobalBatchSampler
+from megazoo.data.batches import GlobalBatchSampler
 
 
 def flat_global_batch(step: int, num_samples: int, micro: int, accum: int, dp: int, seed: int = 0) -> list[int]:

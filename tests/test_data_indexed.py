@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazoo.data import GlobalBatchSampler
+from megazoo.data.batches import GlobalBatchSampler
 from megazoo.data.blending import BlendedDataset, blend_counts, blend_order
 from megazoo.data.gpt_dataset import GPTDataset
 from megazoo.data.indexed_dataset import HEADER, IndexedDataset, IndexedDatasetWriter, data_paths

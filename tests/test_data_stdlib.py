@@ -9,15 +9,9 @@ import pytest
 import torch
 
 import megazoo.data.token_dataset as token_dataset
-from megazoo.data import (
-    BPETokenizer,
-    TokenSamples,
-    Tokenizer,
-    build_stdlib_corpus,
-    split_train_val,
-    stdlib_documents,
-    synthetic_tokens,
-)
+from megazoo.data.stdlib_corpus import split_train_val, stdlib_documents
+from megazoo.data.token_dataset import TokenSamples, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.tokenizer import BPETokenizer, Tokenizer
 
 MAX_BYTES = 300_000
 VOCAB = 512

@@ -146,6 +146,19 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
     assert plan_main(["--recipe", str(tmp_path / "missing.toml"), "--dry-run", "--gpu", "v100-32gb"]) == 2
 
 
+def test_a_shipped_recipe_by_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`plan --recipe NAME --dry-run` takes a shipped recipe's name as `plan --recipe NAME` does (it said "recipe
+    file gpt2-117m does not exist"), from a folder where the recipe's corpus and tokenizer are not reachable:
+    planning needs only the architecture, and the vocabulary is the preset's."""
+    monkeypatch.chdir(tmp_path)
+    assert plan_main(["--recipe", "gpt2-117m", "--dry-run", "--set", "model.n_layer=1", "--json", "-"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["world_size"] == load("gpt2-117m").world_size and rep["roles"][0]["measured_peak_bytes"] > 0
+    assert load("gpt2-117m").model.vocab_size == 50257
+    assert plan_main(["--recipe", "no-such-recipe", "--dry-run", "--gpu-memory", "32"]) == 2
+    assert "shipped" in capsys.readouterr().err  # the error lists the shipped names
+
+
 # Real size: shipped recipes whole - full world size, depth, widths, batch shapes, ZeRO stage and precision - each
 # in well under a minute here. The pipeline recipes run pp micro-batches per step (pipeline_depth_overrides) and
 # gpt-100b 2 of its 4: 1F1B's peak is reached once pp micro-batches are in flight, ZeRO-2's once one micro-batch

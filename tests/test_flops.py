@@ -7,6 +7,7 @@ import torch
 
 from megazoo.models.config import get_preset
 from megazoo.recipes.planner.flops import model_flops_per_token, peak_flops
+from megazoo.recipes.planner.gpus import GPUS
 from megazoo.recipes.training.model_setup import configure_matmuls
 
 
@@ -21,17 +22,19 @@ def test_flops_per_token_is_megatrons_formula(preset, seq):
     assert model_flops_per_token(get_preset("gpt2-117m"), 1024) == 854_438_400
 
 
-def test_peak_flops_by_device_name(monkeypatch):
-    cuda = torch.device("cuda", 0)
-    for name, dtype, peak in [("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
-                              ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
-                              ("NVIDIA H200", torch.float32, 494e12), ("NVIDIA A100-SXM4-80GB", torch.float16, 312e12),
-                              ("Tesla V100-SXM2-32GB", torch.bfloat16, None), ("NVIDIA GeForce GTX 1080", torch.float32,
-                                                                               None)]:
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, n=name: n)
-        assert peak_flops(cuda, dtype) == peak, name
-    assert peak_flops(torch.device("cpu"), torch.float32) is None
+def test_peak_flops_by_device_name():
+    for name, dtype, peak in [("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 PCIe", "bf16", 756e12),
+                              ("NVIDIA H200", "fp32", 494e12), ("NVIDIA A100-SXM4-80GB", "fp16", 312e12),
+                              ("Tesla V100-SXM2-32GB", "bf16", None), ("NVIDIA GeForce GTX 1080", "fp32", None)]:
+        assert peak_flops(name, dtype) == peak, name
+    assert peak_flops(None, "fp32") is None  # the CPU
 
+
+def test_gpu_peaks_are_stated_once():
+    """The planner's 16-bit peak per named GPU is the MFU's peak for that part: one table (recipes/planner/gpus.py)."""
+    for gpu in GPUS.values():
+        assert gpu.peak_flops == max(peak_flops(f"NVIDIA {gpu.device_name}", d) or 0 for d in ("bf16", "fp16"))
+    assert GPUS["v100-32gb"].peak_flops == 125e12 and GPUS["h100-80gb"].peak_flops == 989e12
 
 def test_tf32_is_set_on_gpu_only():
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,41 @@ def test_bad_input_exits_2_with_one_line(ckpts, capsys, extra, message):
 def test_a_folder_without_checkpoints_is_refused(tmp_path, capsys):
     assert megazoo(["generate", str(tmp_path), "--prompt", "x", "--max-new-tokens", "1"]) == 2
     assert "not a megazoo checkpoint" in capsys.readouterr().err
+
+
+def _copy_with_a_damaged_newer(ckpts: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the run's checkpoints/ with a newer step directory (named by `latest`) whose weights are damaged."""
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(ckpts, root)
+    good = sorted(root.glob("step_*"))[-1]
+    newer = root / f"step_{int(good.name.split('_')[1]) + 1:08d}"
+    shutil.copytree(good, newer)
+    weights = next(p for p in sorted(newer.iterdir()) if p.name.startswith("rank"))
+    weights.write_bytes(weights.read_bytes()[:-7] + b"damaged")  # same size, other bytes: the sha256 differs
+    (root / "latest").write_text(newer.name)
+    return root, good
+
+
+def test_a_damaged_latest_checkpoint_is_never_used_silently(ckpts, tmp_path, capsys):
+    root, good = _copy_with_a_damaged_newer(ckpts, tmp_path)
+    assert megazoo(["generate", str(root), "--prompt", PROMPT, "--max-new-tokens", "6"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == _argmax_text(good, PROMPT, 6) + "\n"  # the older, good checkpoint decoded
+    assert "skipping checkpoint" in captured.err and "is corrupt" in captured.err
+    assert f"using checkpoint {good.resolve()}" in captured.err
+
+
+def test_tp2_refuses_a_checkpoint_missing_a_shard_before_any_worker_starts(ckpts, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    step = tmp_path / "step"
+    shutil.copytree(sorted(ckpts.glob("step_*"))[-1], step)
+    shard = next(p for p in sorted(step.iterdir()) if p.name.startswith("rank"))
+    shard.unlink()
+    import megazoo.workers.supervisor as supervisor
+    monkeypatch.setattr(supervisor, "launch_local", lambda *a, **k: pytest.fail("workers were started"))
+    assert megazoo(["generate", str(step), "--prompt", PROMPT, "--max-new-tokens", "3", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint file {shard} is missing" in err and err.count("\n") == 1

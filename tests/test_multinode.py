@@ -161,9 +161,13 @@ def _slurm(tmp_path: Path, *args: str) -> list[str]:
 
 
 def test_slurm_script_for_tnlg_17b_renders_and_fills_its_256_gpus(tmp_path, capsys):
-    out = tmp_path / "tnlg.sbatch"
+    # run.dir on a shared path (rendering writes nothing there): the recipe's own relative runs/ resolves against
+    # the working folder, which is node-local when the checkout lives under /tmp, and this test must not depend
+    # on where the checkout lives.
+    out, shared = tmp_path / "tnlg.sbatch", "/shared/megazoo-test/runs/tnlg-17b"
     code = launch_cli.main(_slurm(tmp_path, "--nodes", "32", "--gpus-per-node", "8", "--partition", "gpu",
-                                  "--time", "24:00:00", "--account", "proj", "--out", str(out)))
+                                  "--time", "24:00:00", "--account", "proj", "--out", str(out),
+                                  "--set", f"run.dir={shared}"))
     assert code == 0, capsys.readouterr().err
     script = out.read_text()
     flags = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", script, re.M))
@@ -177,6 +181,7 @@ def test_slurm_script_for_tnlg_17b_renders_and_fills_its_256_gpus(tmp_path, caps
     assert "shares" in script and "scontrol requeue" in script
     check = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stderr
+    assert shared in script and not Path("/shared/megazoo-test").exists()
 
 
 def test_slurm_refuses_a_wrong_layout_and_a_node_local_run_dir(tmp_path, capsys):

@@ -15,7 +15,8 @@ import torch
 from recipe_helpers import tiny_resolved
 
 from megazoo.data.gpt_dataset import GPTDataset
-from megazoo.data.indexed_dataset import IndexedDataset, check_indexed
+from megazoo.data.indexed_dataset import IndexedDataset
+from megazoo.data.indexed_formats import check_indexed, open_indexed
 from megazoo.data.megatron_indexed import MegatronIndexedDataset
 from megazoo.data.preprocess import PreprocessError, main, preprocess
 from megazoo.data.tokenizer import BPETokenizer
@@ -103,7 +104,7 @@ def test_megatron_datasets_are_read_directly(tmp_path, tokenizer_file, dtype, co
     preprocess([corpus], tok, tmp_path / "ours", progress=False)
     ours = IndexedDataset(tmp_path / "ours")
     write_megatron(tmp_path / "meg", [np.asarray(ours.doc(i)) for i in range(len(ours))], dtype, code)
-    theirs = IndexedDataset(tmp_path / "meg")
+    theirs = open_indexed(tmp_path / "meg")
     assert isinstance(theirs, MegatronIndexedDataset) and len(theirs) == len(ours)
     assert theirs.num_tokens == ours.num_tokens
     assert all(np.array_equal(theirs.doc(i), ours.doc(i)) for i in range(len(ours)))
@@ -126,10 +127,10 @@ def test_damaged_megatron_files_are_reported(tmp_path):
     with open(tmp_path / "m.bin", "r+b") as f:
         f.truncate(20)
     with pytest.raises(ValueError, match=r"m.bin is truncated: 20 bytes, but m.idx describes 30"):
-        IndexedDataset(tmp_path / "m")
+        open_indexed(tmp_path / "m")
     write_megatron(tmp_path / "f", [np.arange(4)], np.float32, 7)
     with pytest.raises(ValueError, match=r"token dtype code 7 is not an integer type"):
-        IndexedDataset(tmp_path / "f")
+        open_indexed(tmp_path / "f")
     write_megatron(tmp_path / "n", [np.array([3, -2, 5])], np.int32, 4)
     with pytest.raises(ValueError, match=r"negative token id -2"):
         check_indexed(tmp_path / "n", 10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,23 @@ def test_recipes_exist():
     assert any(p.name == "demo.toml" for p in RECIPES)
 
 
+def stand_in_gpt2_bpe(folder: Path) -> Path:
+    """A GPT-2 BPE folder with GPT-2's vocabulary size (50,257 ids, `<|endoftext|>` = 50256) and one merge: the
+    recipe checks read only the tokenizer's size, so the shipped recipes resolve without the real files, from a
+    checkout anywhere (the real files' own tests: tests/test_eval_data.py, test_data_catalog.py)."""
+    from tokenizers import pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ab"]  # every byte, so any text encodes
+    symbols += [f"<stand-in {i}>" for i in range(50256 - len(symbols))] + ["<|endoftext|>"]
+    (folder / "vocab.json").write_text(json.dumps({s: i for i, s in enumerate(symbols)}))
+    (folder / "merges.txt").write_text("#version: 0.2\na b\n")
+    return folder
+
+
 def _stand_ins(path: Path, tmp_path: Path) -> list[str]:
-    """Overrides pointing a recipe's user files (corpus, checkpoint to start from) at small stand-ins, so the
-    recipe itself is checked at its real size without the user's data."""
+    """Overrides pointing a recipe's user files (corpus, tokenizer, checkpoint to start from) at small stand-ins,
+    so the recipe itself is checked at its real size without the user's data, wherever the checkout lives."""
     table = load_recipe(path)
     overrides = []
     if table.data.source == "indexed":  # a small valid corpus: the resolver checks magic, sizes and checksums
@@ -32,9 +45,8 @@ def _stand_ins(path: Path, tmp_path: Path) -> list[str]:
             for doc in range(4):
                 writer.add_document(np.arange(doc, doc + 100) % 50257)
         overrides += [f'data.paths=["{tmp_path / "corpus"}"]', "data.valid_paths=[]"]
-    if table.data.tokenizer and not Path(table.data.tokenizer).exists():  # GPT-2's, from the shared data
-        shared = Path(os.environ.get("MEGAZOO_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
-        overrides.append(f"data.tokenizer={shared / 'gpt2_bpe'}")
+    if table.data.tokenizer and not Path(table.data.tokenizer).exists():  # "gpt2-bpe", a data catalog name
+        overrides.append(f"data.tokenizer={stand_in_gpt2_bpe(tmp_path / 'gpt2_bpe')}")
     if table.checkpoint.load:  # a stand-in step directory: the resolver reads only its common.json's model
         step = tmp_path / "checkpoint" / "step_00000000"
         step.mkdir(parents=True)

@@ -17,7 +17,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import megazoo.data.indexed_dataset as indexed
 import megazoo.workers.supervisor as launcher
 from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.indexed_dataset import IndexedDatasetWriter, check_indexed, data_paths
+from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
+from megazoo.data.indexed_formats import check_indexed
 from megazoo.data.preprocess import main as preprocess_main
 from megazoo.data.tokenizer_loading import check_tokenizer_spec
 from test_eval_cli import megazoo

@@ -58,6 +58,22 @@ def test_empty_and_non_utf8_recipe_files_are_refused(tmp_path):
         load_recipe(latin)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[train]\nsteps = 3\nlr = 1e-3\nsteps = 4\n", "train.steps is set twice (lines 2 and 4)"),
+    ("[train]\nsteps = 3\n[model]\npreset = 'gpt2-tiny'\n[train]\nlr = 1.0\n", "[train] is defined twice (lines 1 and 5)"),
+    ("title = 'a'\ntitle = 'b'\n", "title is set twice (lines 1 and 2)"),
+])
+def test_a_key_or_table_defined_twice_is_named(tmp_path, text, message):
+    path = tmp_path / "twice.toml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+    path.write_text("[train]\nsteps = = 3\n")  # other broken TOML keeps tomllib's own words
+    with pytest.raises(RecipeError, match="is not valid TOML"):
+        load_recipe(path)
+
+
 def test_cli_refuses_before_any_process_starts(tmp_path):
     recipe = tmp_path / "bad.toml"
     recipe.write_text('[train]\nlr = nan\n[data]\nsource = "synthetic"\n'

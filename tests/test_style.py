@@ -1,4 +1,4 @@
-"""Guards for the layout rules in ../shared/DESIGN.md, so they live in the suite and not only in heads.
+"""Guards for the layout rules (docs/architecture.md), so they live in the suite and not only in heads.
 
 - every source file stays under ~400 lines (split it instead);
 - imports point down: data and parallel import nothing else of megazoo, kernels only parallel's public tensor

@@ -84,3 +84,21 @@ def test_no_validation_paths_means_no_validation(corpus, tmp_path):
     res = tiny_resolved(data={"source": "indexed", "paths": [prefixes["a"]]}, model={"vocab_size": None},
                         train={"steps": 2}, run={"dir": str(tmp_path)})
     assert Trainer(res, Topology.solo()).fit().val_loss is None
+
+
+def test_a_tiny_corpus_is_said_to_repeat_with_its_epoch_count(tmp_path, capsys):
+    """A 3-token corpus trains by reading itself hundreds of times over: the run says so (rank 0, stderr)."""
+    from megazoo.data.indexed_dataset import IndexedDatasetWriter
+    from megazoo.recipes.training.data_setup import load_data, repeat_warning
+
+    with IndexedDatasetWriter(tmp_path / "tiny", vocab_size=300) as writer:
+        writer.add_document([5, 6, 7])
+    res = tiny_resolved(data={"source": "indexed", "paths": [str(tmp_path / "tiny")]},
+                        train={"steps": 10, "micro_batch": 2, "seq_len": 16}, run={"dir": str(tmp_path / "run")})
+    data = load_data(res, Topology.solo())
+    needed = 10 * res.global_batch * 16
+    assert f"holds 3 tokens, but 10 steps x {res.global_batch} sequences x 16 tokens = {needed:,} tokens" in \
+        capsys.readouterr().err
+    assert f"about {needed / 3:,.1f} times over (epochs)" in repeat_warning(res, data.train)
+    roomy = tiny_resolved(train={"steps": 1, "micro_batch": 1, "seq_len": 16}, run={"dir": str(tmp_path / "r2")})
+    assert repeat_warning(roomy, load_data(roomy, Topology.solo()).train) is None  # within one pass: silent

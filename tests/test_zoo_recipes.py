@@ -15,7 +15,8 @@ from test_recipes import _stand_ins
 
 from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.config import load_recipe
-from megazoo.recipes.planner.fit import GPUS, device_memory, recipe_layout
+from megazoo.recipes.planner.fit import device_memory, recipe_layout
+from megazoo.recipes.planner.gpus import GPUS
 from megazoo.recipes.resolve import resolve
 
 FOLDER = Path(__file__).resolve().parents[1] / "recipes"

@@ -118,7 +118,8 @@ def tp_worker(args: Any, solo: Callable[[Any], int], work: Callable[[Any, Any], 
     if world_size == 1:
         args.tp = 1
         return solo(args)
-    init_distributed(rank, world_size, init_method="env://")
+    # This worker's GPU is its node-local rank's (torchrun's LOCAL_RANK), not GPU 0 for every rank.
+    init_distributed(rank, world_size, init_method="env://", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     code = 0
     try:
         work(args, Topology.build(dp=1, tp=world_size))

@@ -20,12 +20,13 @@ from megazoo.parallel.checkpoint.views import StateView
 from megazoo.parallel.tensor import ShardSpec
 
 
-def resolve_checkpoint(path: str | Path, report=print) -> Path:
-    """A step directory as given, or the latest good checkpoint of a checkpoints folder."""
+def resolve_checkpoint(path: str | Path, report=print, problems: list[str] | None = None) -> Path:
+    """A step directory as given, or the latest good checkpoint of a checkpoints folder (each newer one that does
+    not verify is reported and, when `problems` is given, appended there with the reason)."""
     path = Path(path)
     if (path / "manifest.json").is_file():
         return path
-    found = latest_good_checkpoint(path, report=report) if path.is_dir() else None
+    found = latest_good_checkpoint(path, report=report, problems=problems) if path.is_dir() else None
     if found is None:
         raise CheckpointError(f"{path} is not a megazoo checkpoint (no manifest.json) and holds no good checkpoint")
     return found

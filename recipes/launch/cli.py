@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from megazoo.data.catalog import default_folders
 from megazoo.workers.supervisor import Job
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import Recipe, RecipeError, load_recipe
-from megazoo.recipes.resolve import resolve
 from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, previous_run
 
 TRAIN_MODULE = "megazoo.recipes.train"
@@ -108,12 +108,14 @@ def _node(args: argparse.Namespace) -> int:
     lock = None
     try:
         args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
-        recipe = load_recipe(args.recipe, overrides, data_dir=args.data_dir)
+        recipe = load_recipe(args.recipe, overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
         nproc = check_layout(recipe, args.nnodes, args.nproc_per_node)
         if not 0 <= args.node_rank < args.nnodes:
             raise RecipeError(f"--node-rank {args.node_rank} is invalid: with --nnodes {args.nnodes} it must be "
                               f"0 .. {args.nnodes - 1}")
         parse_endpoint(args.master)
+        from megazoo.recipes.resolve import resolve  # torch: once the command runs, not for --help
         resolve(recipe, world_size=args.nnodes * nproc)
         command = torchrun_node_command(args.recipe, overrides, nnodes=args.nnodes, node_rank=args.node_rank,
                                         nproc_per_node=nproc, master=args.master, rdzv_id=args.rdzv_id,
@@ -156,8 +158,10 @@ def _slurm(args: argparse.Namespace) -> int:
         if args.nnodes is None or args.nproc_per_node is None:
             raise RecipeError("--slurm needs --nodes N and --gpus-per-node G")
         args.recipe = str(find_recipe(args.recipe))
-        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir)
+        recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
         check_layout(recipe, args.nnodes, args.nproc_per_node)
+        from megazoo.recipes.resolve import resolve
         resolve(recipe, world_size=args.nnodes * args.nproc_per_node)
         options = SlurmOptions(nodes=args.nnodes, gpus_per_node=args.nproc_per_node, partition=args.partition,
                                time=args.time, account=args.account, job_name=args.job_name, port=args.port)

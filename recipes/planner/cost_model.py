@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from megazoo.models.config import ModelConfig
 from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import PlanError, communication_volume
-from megazoo.recipes.planner.fit import GPU, PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.fit import PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.gpus import GPU
 from megazoo.recipes.planner.flops import model_flops_per_token
 
 

@@ -35,9 +35,10 @@ from megazoo.parallel.checkpoint.views import ensure_adam_state
 from megazoo.parallel.fake_world import (MemoryTracker, StepRecorder, fake_process_group, fake_tensors,
                                          flop_counter)
 from megazoo.parallel.topology import Topology
+from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import load_recipe
 from megazoo.recipes.training.data_setup import TrainData
-from megazoo.recipes.resolve import Resolved, model_config, resolve
+from megazoo.recipes.resolve import Resolved, resolve_for_planning
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,9 @@ def shaped_data(res: Resolved) -> TrainData:
 
 
 def load(path: str | Path, overrides=()) -> Resolved:
-    """The recipe resolved as `plan --recipe` resolves it: its corpus, tokenizer and checkpoint need not exist."""
-    recipe = load_recipe(path, list(overrides))
-    data = replace(recipe.data, source="synthetic", paths=(), valid_paths=(), tokenizer="")
-    bare = replace(recipe, data=data, checkpoint=replace(recipe.checkpoint, load=""))
-    return replace(resolve(bare), recipe=bare, model=model_config(recipe))
+    """The recipe (a file, or a shipped recipe's name) resolved as planning reads it: recipes/resolve.py's
+    resolve_for_planning (its corpus, tokenizer and checkpoint need not exist)."""
+    return resolve_for_planning(load_recipe(find_recipe(str(path)), list(overrides)))
 
 
 def pipeline_depth_overrides(res: Resolved) -> list[str]:

@@ -23,26 +23,10 @@ from functools import lru_cache
 from megazoo.models.config import ModelConfig
 from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
                                            StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
+from megazoo.recipes.planner.gpus import GPU, GPUS
 from megazoo.recipes.planner.activations import ActivationSpec, StageActivations, stage_activations
 from megazoo.recipes.planner.shards import shard_parameters
 
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_gb: float  # the planner's GB (1e9 bytes) used as capacity: the marketing size
-    peak_flops: float  # dense 16-bit tensor-core peak (NVIDIA data sheets, SXM)
-    intra_node_bw: float  # bytes/s per GPU within a node (NVLink / NVSwitch, one direction)
-    inter_node_bw: float  # bytes/s per GPU across nodes (its share of the node's InfiniBand)
-    per_node: int = 8
-
-
-GPUS = {g.name: g for g in (
-    GPU("v100-32gb", 32, 125e12, 150e9, 12.5e9, 16),  # DGX-2: 16 V100 on NVSwitch, 8 x 100 Gb/s IB per 16 GPUs x2
-    GPU("a100-40gb", 40, 312e12, 300e9, 25e9),  # DGX A100: NVLink3 600 GB/s bidirectional, 200 Gb/s HDR per GPU
-    GPU("a100-80gb", 80, 312e12, 300e9, 25e9),
-    GPU("h100-80gb", 80, 989e12, 450e9, 50e9),  # DGX H100: NVLink4 900 GB/s bidirectional, 400 Gb/s NDR per GPU
-)}
 
 # The paper's bytes per parameter (--paper) and the activation element size, by recipe precision.
 PRECISION_BYTES = {"fp16": (MIXED_ADAM, 2), "bf16": (MIXED_ADAM, 2), "auto": (MIXED_ADAM, 2),

@@ -13,11 +13,11 @@ assumptions it uses are printed with the list. recipes/planner/cli.py owns the f
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 from megazoo.recipes.planner.zero import GB, PlanError
 from megazoo.recipes.planner.cost_model import CostModel, search
-from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
+from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
+from megazoo.recipes.planner.gpus import GPUS
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 
@@ -54,27 +54,22 @@ def _int(flag: str, text, minimum: int = 1) -> int:
     return value
 
 
-def _from_recipe(args):
+def planned_recipe(recipe: str, sets=()):
+    """(model, layout, resolved) of a recipe (a file, or a shipped recipe's name) as `plan --recipe` reads it:
+    recipes/resolve.py's resolve_for_planning, so its corpus, tokenizer and checkpoint need not exist here."""
     from megazoo.recipes.catalog import find_recipe
-    from megazoo.recipes.config import RecipeError, load_recipe
-    from megazoo.recipes.resolve import model_config, resolve
-    try:
-        recipe = load_recipe(find_recipe(args.recipe), args.set or [])  # a file, or a shipped recipe's name
-        try:
-            resolved = resolve(recipe)
-        except RecipeError as err:  # the user's corpus or checkpoint need not exist to plan
-            if "does not exist" not in str(err) and "data.tokenizer" not in str(err):
-                raise
-            resolved = resolve(_without_user_files(recipe))
-            resolved = replace(resolved, recipe=recipe, model=model_config(recipe))
-    except RecipeError as err:
-        raise FitUsageError(f"--recipe {args.recipe}: {err}") from None
+    from megazoo.recipes.config import load_recipe
+    from megazoo.recipes.resolve import resolve_for_planning
+    resolved = resolve_for_planning(load_recipe(find_recipe(recipe), list(sets)))
     return resolved.model, recipe_layout(resolved), resolved
 
 
-def _without_user_files(recipe):
-    data = replace(recipe.data, source="synthetic", paths=(), valid_paths=(), tokenizer="")
-    return replace(recipe, data=data, checkpoint=replace(recipe.checkpoint, load=""))
+def _from_recipe(args):
+    from megazoo.recipes.config import RecipeError
+    try:
+        return planned_recipe(args.recipe, args.set or [])
+    except RecipeError as err:
+        raise FitUsageError(f"--recipe {args.recipe}: {err}") from None
 
 
 def _from_flags(args):

@@ -15,15 +15,15 @@ and FLOPs per role are shown beside the planner's, each column saying whether it
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 from megazoo.models.config import presets
 from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import GB
 from megazoo.recipes.planner.cost_model import CostModel, step_time
-from megazoo.recipes.planner.fit import GPUS, Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch
+from megazoo.recipes.planner.gpus import GPUS
 from megazoo.recipes.planner.flops import model_flops_per_token
-from megazoo.recipes.planner.fit_cli import _from_recipe
+from megazoo.recipes.planner.fit_cli import planned_recipe
 from megazoo.recipes.reproduce.common import REPO, Report, figure, table
 
 DRY_RUN_JSON = REPO / "benchmarks" / "dry_run_results.json"  # benchmarks/dry_run.py --json (measured)
@@ -41,7 +41,7 @@ SRC_LOWBW = ("DeepSpeed README (github.com/microsoft/DeepSpeed, 2020), communica
 
 def _recipe(name: str, *sets: str):
     """(model, layout) of recipes/NAME.toml as `megazoo plan --recipe` reads it (user data files not needed)."""
-    cfg, layout, _ = _from_recipe(SimpleNamespace(recipe=str(REPO / "recipes" / f"{name}.toml"), set=list(sets)))
+    cfg, layout, _ = planned_recipe(name, sets)
     return cfg, layout
 
 

@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from megazoo.data.catalog import fetch_folder
 from megazoo.recipes.reproduce.common import Report, ReproduceError, save_figure
 
 
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.report = lambda text: print(text, file=sys.stderr, flush=True)
     out = Path(args.out)
+    if getattr(args, "data_dir", None) is None:  # where `megazoo data fetch` stores (data/catalog.py)
+        args.data_dir = str(fetch_folder(os.environ))
     try:
         if out.exists() and not out.is_dir():
             raise ReproduceError(f"--out {out} is a file; give a directory (created when missing)")
@@ -86,9 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", nargs="+", default=[], metavar="NAME=DIR",
                         help="eval: model weights to score, NAME (e.g. gpt2-1.5b, picks the published row) = a Hugging "
                              "Face GPT-2 directory or a megazoo checkpoint")
-    parser.add_argument("--data-dir", default=os.environ.get("MEGAZOO_DATA_DIR", "../shared/data"),
+    parser.add_argument("--data-dir", default=None,
                         help="eval: folder with wikitext103/wiki.test.tokens, lambada/lambada_test.jsonl and "
-                             "gpt2_bpe/ (default $MEGAZOO_DATA_DIR or ../shared/data)")
+                             "gpt2_bpe/ (default: $MEGAZOO_DATA_DIR, else the cache folder `megazoo data fetch all` "
+                             "fills)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="eval: tokenizer of the weights (default: the weights dir if it has one, else "
                              "DATA_DIR/gpt2_bpe)")

@@ -68,7 +68,8 @@ def eval_table(args) -> Report:
                              f"megazoo checkpoints; NAME picks the published row: {', '.join(PUBLISHED)})")
     data_dir = Path(args.data_dir)
     if not data_dir.is_dir():
-        raise ReproduceError(f"--data-dir {data_dir}: directory not found (it holds wikitext103/, lambada/, gpt2_bpe/)")
+        raise ReproduceError(f"--data-dir {data_dir}: directory not found (it holds wikitext103/, lambada/, gpt2_bpe/: "
+                             "`megazoo data fetch all` fills the default one)")
     results = {}
     for name, path in weights:
         results[name] = {}

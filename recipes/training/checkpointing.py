@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -24,10 +24,22 @@ from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpo
                                             save_checkpoint, verify_checkpoint)
 from megazoo.parallel.checkpoint.load import load_views
 from megazoo.parallel.checkpoint.views import StateView, optimizer_steps, set_optimizer_steps
+from megazoo.parallel.topology import Topology
+from megazoo.parallel.zero.interface import ZeroOptimizer
 from megazoo.recipes.resolve import Resolved
+from megazoo.recipes.training.data_setup import TrainData
 
-if TYPE_CHECKING:
-    from megazoo.recipes.training.trainer import Trainer
+
+class TrainingRun(Protocol):
+    """What a checkpoint reads and restores of a training run: recipes/training/trainer.py's Trainer. The Trainer
+    imports this module (its save and load delegate here), so it is described here, not imported."""
+
+    res: Resolved
+    topo: Topology
+    model: torch.nn.Module  # the first pipeline chunk (the whole model when pp = 1)
+    zero: ZeroOptimizer
+    scaler: Any  # recipes/training/model_setup.py's loss scaler, or None
+    data: TrainData  # its tokenizer is recorded with the checkpoint
 
 def layout(res: Resolved) -> dict:
     """The parallel layout a checkpoint was written in (loading into another one reshards)."""
@@ -37,7 +49,7 @@ def layout(res: Resolved) -> dict:
             **({"cp": par.cp} if par.cp > 1 else {})}  # cp only when used: older manifests still match
 
 
-def state_views(trainer: Trainer) -> list[StateView]:
+def state_views(trainer: TrainingRun) -> list[StateView]:
     """What this rank saves/loads; each value is written by exactly one rank: replicas over dp (handled by
     the optimizer), over tp (tensors not split by tp: tp rank 0) and over pp (the tied embedding: stage 0)."""
     topo = trainer.topo
@@ -50,7 +62,7 @@ def state_views(trainer: Trainer) -> list[StateView]:
     return views
 
 
-def _rng_state(trainer: Trainer) -> dict:
+def _rng_state(trainer: TrainingRun) -> dict:
     # The device type tags the streams: a CUDA generator's state means nothing to a CPU one (and vice versa).
     state = {"cpu": torch.get_rng_state(), "tp": trainer.model.rng.get_state(),
              "device": torch.tensor(list(trainer.topo.device.type.encode()), dtype=torch.uint8)}
@@ -59,7 +71,7 @@ def _rng_state(trainer: Trainer) -> dict:
     return state
 
 
-def _set_rng_state(trainer: Trainer, rng: dict) -> None:
+def _set_rng_state(trainer: TrainingRun, rng: dict) -> None:
     """Resume this rank's random streams, when they were saved on the same kind of device: a CPU run resumed on
     a GPU (or back) starts fresh device streams instead of feeding one generator's state to the other."""
     saved_on = bytes(rng["device"].tolist()).decode() if "device" in rng else "cpu"
@@ -71,12 +83,12 @@ def _set_rng_state(trainer: Trainer, rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"], trainer.topo.device)
 
 
-def _optimizer_extras(trainer: Trainer) -> dict:
+def _optimizer_extras(trainer: TrainingRun) -> dict:
     """Per-rank optimizer state outside the views (1-bit / 0-1 Adam's error buffers: parallel/compressed/)."""
     return {"optimizer": trainer.zero.rank_state()} if hasattr(trainer.zero, "rank_state") else {}
 
 
-def save(trainer: Trainer, step: int) -> Path:
+def save(trainer: TrainingRun, step: int) -> Path:
     """Save the state after `step` completed steps under run.dir/checkpoints."""
     res = trainer.res
     common = {"step": step, "optimizer_steps": optimizer_steps(trainer.zero.optimizer),
@@ -92,7 +104,7 @@ def save(trainer: Trainer, step: int) -> Path:
                            common=common, layout=written_layout, keep=res.recipe.checkpoint.keep)
 
 
-def load(trainer: Trainer, path: str | Path, *, load_optimizer: bool = True) -> int:
+def load(trainer: TrainingRun, path: str | Path, *, load_optimizer: bool = True) -> int:
     """Load a checkpoint saved at any layout; returns the step to continue from (0 for weights only)."""
     path = Path(path)
     manifest = verify_checkpoint(path)  # every file's size and sha256, once
@@ -164,7 +176,7 @@ def check_batch_unchanged(res: Resolved, path: Path, common: dict, report=print)
                           "the old values, or set checkpoint.allow_batch_change = true to continue anyway")
 
 
-def restore(trainer: Trainer, report=print) -> int:
+def restore(trainer: TrainingRun, report=print) -> int:
     """Where training starts: with checkpoint.resume, the latest good checkpoint of this run (any layout); else
     checkpoint.load (another run's checkpoint, or its checkpoints folder); else step 0."""
     ckpt, run_dir = trainer.res.recipe.checkpoint, Path(trainer.res.recipe.run.dir)

@@ -6,15 +6,17 @@ indexed data); the other ranks wait at a barrier and then load them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
-from megazoo.data import TokenSamples, Tokenizer, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.token_dataset import TokenSamples, build_stdlib_corpus, synthetic_tokens
+from megazoo.data.tokenizer import Tokenizer
 from megazoo.data.blending import BlendedDataset, blend_counts
 from megazoo.data.gpt_dataset import GPTDataset
-from megazoo.data.indexed_dataset import IndexedDataset
+from megazoo.data.indexed_formats import open_indexed
 from megazoo.data.preprocess import load_tokenizer
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
@@ -42,12 +44,33 @@ def _rank0_first(topo: Topology, build):
 def _indexed_samples(prefixes, weights, seq: int, seed: int, num_samples: int, cache: Path):
     """GPT samples from one indexed dataset, or an exact, deterministic blend of several."""
     if len(prefixes) == 1:
-        return GPTDataset(IndexedDataset(prefixes[0]), seq, seed, num_samples=num_samples, cache_dir=cache)
+        return GPTDataset(open_indexed(prefixes[0]), seq, seed, num_samples=num_samples, cache_dir=cache)
     weights = list(weights) or [1.0] * len(prefixes)
     counts = blend_counts(weights, num_samples)
-    parts = [GPTDataset(IndexedDataset(p), seq, seed, num_samples=max(1, n), cache_dir=cache)
+    parts = [GPTDataset(open_indexed(p), seq, seed, num_samples=max(1, n), cache_dir=cache)
              for p, n in zip(prefixes, counts)]
     return BlendedDataset(parts, weights, num_samples, seed, cache_dir=cache)
+
+
+def _tokens_per_pass(samples: Samples) -> int:
+    """Distinct training tokens behind `samples` (one pass over the corpus)."""
+    if isinstance(samples, GPTDataset):
+        return samples.tokens_per_epoch
+    if isinstance(samples, BlendedDataset):
+        return sum(_tokens_per_pass(part) for part in samples.datasets)
+    return len(samples) * samples.seq_len  # TokenSamples: non-overlapping windows of its token stream
+
+
+def repeat_warning(res: Resolved, samples: Samples) -> str | None:
+    """A line saying how many times the run reads its training data over (None within one pass): a tiny corpus
+    trains by repeating itself, which a user should hear before the loss looks suspiciously good."""
+    needed = res.recipe.train.steps * res.global_batch * res.recipe.train.seq_len
+    corpus = max(1, _tokens_per_pass(samples))
+    if needed <= corpus:
+        return None
+    return (f"the training data holds {corpus:,} tokens, but {res.recipe.train.steps} steps x {res.global_batch} "
+            f"sequences x {res.recipe.train.seq_len} tokens = {needed:,} tokens: it is read about "
+            f"{needed / corpus:,.1f} times over (epochs); add data or shorten train.steps")
 
 
 def load_data(res: Resolved, topo: Topology) -> TrainData:
@@ -73,6 +96,9 @@ def load_data(res: Resolved, topo: Topology) -> TrainData:
                                                                 data.val_fraction, seed=0))
         train_set, val_set = TokenSamples(corpus.train_tokens, seq), TokenSamples(corpus.val_tokens, seq)
         tokenizer = corpus.tokenizer
+    warning = repeat_warning(res, train_set)
+    if warning and topo.rank == 0:
+        print(f"megazoo: warning: {warning}", file=sys.stderr, flush=True)
     if tokenizer is not None and tokenizer.vocab_size > res.model.vocab_size:
         raise RecipeError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{res.model.vocab_size}; valid: model.vocab_size >= {tokenizer.vocab_size}")

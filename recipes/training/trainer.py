@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megazoo.data import GlobalBatchSampler
+from megazoo.data.batches import GlobalBatchSampler
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
@@ -38,6 +38,9 @@ from megazoo.recipes.training.model_setup import Precision, build_model, build_o
 from megazoo.recipes.training.optim import lr_at
 from megazoo.recipes.training.progress import Progress
 from megazoo.recipes.resolve import Resolved
+
+# recipes/planner/gpus.py states peaks by these names
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass
@@ -61,7 +64,8 @@ class Trainer:
         configure_matmuls(topo.device, t.tf32)
         # MFU: this rank's share of the model FLOPs of a step over the GPU's spec peak (none on CPU).
         self.flops_per_token = model_flops_per_token(res.model, t.seq_len, res.padded_vocab)
-        self.peak_flops = peak_flops(topo.device, precision.compute)
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else None,
+                                     DTYPE_NAMES.get(precision.compute, ""))
         self.kernels = run_kernels(res, topo.device, precision)  # run() prints the choice as the log's first lines
         self.chunks = build_model(res, topo, device="meta" if res.recipe.zero.stage == 3 else None,
                                   dtype=precision.params, kernels=self.kernels)
@@ -101,7 +105,9 @@ class Trainer:
                  else torch.zeros((), dtype=f64, device=device))
         norm = norm.to(device, f64) if norm is not None and self.topo.rank == 0 else torch.zeros((), dtype=f64,
                                                                                                 device=device)
-        packed = torch.stack([share, torch.tensor(float(stop), dtype=f64, device=device), norm])
+        # torch.full, not torch.tensor: a tensor built from a Python number on CUDA is a blocking host-to-device copy
+        # (measured on an H100 by tests/gpu/test_host_syncs_cuda.py: two syncs per step instead of one).
+        packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
         if self.topo.world_size > 1:
             dist.all_reduce(packed)
         loss, stops, grad_norm = packed.tolist()

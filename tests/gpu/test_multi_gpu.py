@@ -1,7 +1,7 @@
 """Multi-GPU (NCCL) parity: every layout trains the same function as one GPU, as the CPU suite checks with gloo.
 
 Ranks are spawned by tests/gpu/nccl_harness.py (rank r on GPU r); the single-GPU reference runs in this process
-on GPU 0. Recipes run in fp32 (TF32 matmuls are off by default in torch), so NCCL's reduction order is the only
+on GPU 0. Recipes run in fp32 with train.tf32 = false (the recipe default turns TF32 on), so NCCL's reduction order is the only
 difference: losses are held at 1e-5 relative and parameters at 1e-4, as the CPU suite holds fp32 layouts.
 The pipeline cases move >= 16 MiB activations per micro-batch between the stages (where NCCL's p2p blocks a
 large send until its receive is posted, and a mis-ordered schedule deadlocks) under a collective timeout, so a
@@ -27,13 +27,13 @@ needs_4_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4,
 # Pipeline recipe: one micro-batch's activations are 32 x 256 tokens x 1024 features x 4 bytes = 32 MiB.
 PIPE_MODEL = {"n_layer": 4, "d_model": 1024, "n_head": 8}
 PIPE_TRAIN = {"steps": 4, "warmup_steps": 1, "micro_batch": 32, "grad_accum": 4, "seq_len": 256,
-              "precision": "fp32"}
+              "precision": "fp32", "tf32": False}
 PIPE_DATA = {"synthetic_tokens": 200_000}  # > 4 global batches of 128 x 257 tokens
 ACTIVATION_BYTES = 32 * 256 * 1024 * 4
 
 
 def _sections(**sections) -> dict:
-    base = {"train": {"precision": "fp32"}}
+    base = {"train": {"precision": "fp32", "tf32": False}}
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
     return base

@@ -29,7 +29,7 @@ def _cases():
 
 
 def _resolved(impl: str, stage: int, offload: str, run_dir: str):
-    return tiny_resolved(train={"steps": STEPS, "micro_batch": 8, "precision": "fp32"}, kernels={"adamw": impl},
+    return tiny_resolved(train={"steps": STEPS, "micro_batch": 8, "precision": "fp32", "tf32": False}, kernels={"adamw": impl},
                          zero={"stage": stage, "offload": offload}, run={"dir": run_dir},
                          checkpoint={"every": SAVE_AT, "keep": 2})
 

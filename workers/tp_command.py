@@ -1,0 +1,50 @@
+"""A tensor-parallel command (`megazoo eval`, `eval harness`, `generate`) run the way its user started it.
+
+`run_here_or_relaunch` is the one place these commands decide where they run: with --tp N > 1 the input is checked
+in this process first (a bad flag, a damaged checkpoint or one missing a shard exits 2 before any worker starts,
+as --tp 1 does), then N torchrun workers of the command's module take over (workers/local.py's tp_worker is their
+entry); with --tp 1 the work runs here, on this process's device: the GPU of its node-local rank (LOCAL_RANK)
+when CUDA exists, else the CPU (DESIGN principle 9; never "the first GPU when CUDA is available").
+
+No torch at import: the command line imports this to build its parsers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+# What bad input raises (a CheckpointError is a ValueError): exit 2 with one line, never a traceback.
+INPUT_ERRORS = (FileNotFoundError, ValueError, ConnectionError)
+
+
+def say(message: str) -> None:
+    """A note for the user on stderr (stdout carries the command's result: generated text, a JSON record)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def verify_before_workers(args: Any, step_dir) -> None:
+    """Under --tp N > 1, check every file of the checkpoint the workers will read (sizes and sha256) here, once:
+    a missing or damaged shard exits 2 before any worker starts. With --tp 1 the load itself checks what it reads."""
+    if args.tp > 1:
+        from megazoo.parallel.checkpoint.io import verify_checkpoint
+        verify_checkpoint(step_dir)
+
+
+def run_here_or_relaunch(args: Any, module: str, check: Callable[[Any], None],
+                         forwarded_argv: Callable[[Any], Sequence[str]], work: Callable[[Any, Any], None]) -> int:
+    """`check(args)` (it may pin args to what it resolved, e.g. the checkpoint's step directory, so that every
+    worker reads the same one), then either relaunch `module` on args.tp local workers with `forwarded_argv(args)`
+    or run `work(args, Topology.solo(device))` here. Exit status: the workers', 0, or 2 on bad input."""
+    try:
+        check(args)
+        if args.tp > 1:
+            from megazoo.workers.supervisor import launch_local
+            return launch_local(args.tp, module, list(forwarded_argv(args)))
+        from megazoo.parallel.topology import Topology, local_device
+        work(args, Topology.solo(local_device(int(os.environ.get("LOCAL_RANK", "0")))))
+    except INPUT_ERRORS as error:
+        print(f"megazoo: error: {error}", file=sys.stderr)
+        return 2
+    return 0
