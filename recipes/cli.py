@@ -4,7 +4,8 @@
 `megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
 `megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus), `megazoo launch ...` (one node of a
 multi-node job, or a Slurm sbatch script), `megazoo reproduce NAME --out DIR` (published tables, with plots),
-`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves), `megazoo generate CKPT --prompt TEXT ...` (text).
+`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves), `megazoo generate CKPT --prompt TEXT ...` (text),
+`megazoo verify RECIPE|NAME` (the recipe's layout, shrunk, held to one process in fp64).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, takes
 run.dir's lock (one job per run.dir; exit 2 naming the holder), refuses a fresh run into a run.dir that holds a
@@ -34,6 +35,7 @@ from megazoo.recipes.training.plot import register as register_plot
 from megazoo.recipes.reproduce.cli import register as register_reproduce
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
+from megazoo.recipes.verify.cli import register as register_verify
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -149,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_launch(sub)
     register_reproduce(sub)
     register_plot(sub)
+    register_verify(sub)
     return parser
 
 
