@@ -28,7 +28,7 @@ PASSING = {
     "interleaved": ["demo", "--set", "parallel.dp=1", "--set", "parallel.pp=2", "--set",
                     "parallel.schedule=interleaved", "--set", "parallel.virtual_stages=2", "--set",
                     "train.grad_accum=4"],
-    "onebit-offload": ["demo", "--set", "zero.stage=0", "--set", "optimizer.name=onebit_adam"],
+    "onebit": ["demo", "--set", "zero.stage=0", "--set", "optimizer.name=onebit_adam"],
     "offload": ["demo", "--set", "zero.stage=1", "--set", "zero.offload=cpu"],
 }
 
