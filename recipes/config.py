@@ -60,6 +60,10 @@ class ParallelSection:
     partition: str = "uniform"  # blocks per stage: "uniform" (by count) | "parameters" (balanced)
     layers: tuple[tuple[int, ...], ...] = ()  # explicit blocks of each (virtual) stage; overrides partition
     timeout_s: float = 600.0  # every collective; a dead or diverged rank ends the job instead of hanging it
+    # Every collective first compares its fingerprint (op, sequence number, shapes, dtypes) across ranks (torch's
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper): a mismatched collective ends the job at once, naming both ranks and
+    # calls, instead of after timeout_s. One small extra collective per collective (parallel/collective_check.py).
+    check_collectives: bool = False
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
