@@ -120,3 +120,19 @@ def test_bad_steps_is_refused(capsys):
         cli.main(["verify", "demo", "--steps", "0"])
     assert exit_info.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_injected_mismatched_collective_is_named(monkeypatch, capsys):
+    """A layout bug that makes ranks call different collectives: named at once (collective fingerprints)."""
+    real = trainer_module.optimizer_step
+
+    def mismatched(zero, **kwargs):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            dist.broadcast(torch.zeros(3, dtype=torch.float64), src=0)  # rank 0 goes on to its optimizer step
+        return real(zero, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "optimizer_step", mismatched)
+    assert cli.main(["verify", "demo_tp2", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL: the layout did not run: collectives diverged: " in err
+    assert "rank 1 in broadcast" in err and "rank 0 in " in err

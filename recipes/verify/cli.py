@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from megazoo.parallel.collective_check import diagnose_mismatch
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.verify.compare import Outcome, Quantity, run
@@ -87,7 +88,8 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         outcome = run(vp)
     except RuntimeError as err:  # a layout rank failed: the traceback names it
-        print(f"megazoo verify {name}: FAIL: the layout did not run: {err}", file=sys.stderr)
+        diverged = diagnose_mismatch(err)  # ranks that called different collectives, named in one line
+        print(f"megazoo verify {name}: FAIL: the layout did not run: {diverged or err}", file=sys.stderr)
         if args.json:
             _json(args.json, name, vp, None, str(err))
         return 1

@@ -57,7 +57,9 @@ def _layout_ranks(res: Resolved, loss_scaling: bool) -> list[dict]:
 
     if res.world_size == 1:
         return [_train(res, Topology.solo(), loss_scaling)]
-    return run_distributed(work, res.world_size, timeout_s=par.timeout_s)
+    # Collective fingerprints on (parallel/collective_check.py): a layout whose ranks call different collectives
+    # fails at once with both calls named, instead of hanging until the timeout.
+    return run_distributed(work, res.world_size, timeout_s=par.timeout_s, check_collectives=True)
 
 
 def _relative(a: float | None, b: float | None) -> float:
