@@ -37,10 +37,10 @@ def diagnose_mismatch(error: BaseException) -> str | None:
     text = str(error)
     if "Detected mismatch between collectives" not in text:
         return None
-    calls = []
+    calls = {}  # by rank: the text may hold every rank's error (a launcher gathers them), each naming both calls
     for rank, seq, op, shape, dtype in _FINGERPRINT.findall(text):
         detail = ", ".join(part for part in (f"shape [{shape}]" if shape else "", dtype) if part)
-        calls.append(f"rank {rank} in {op.lower().lstrip('_')} #{seq}" + (f" ({detail})" if detail else ""))
+        calls.setdefault(int(rank), f"rank {rank} in {op.lower().lstrip('_')} #{seq}" + (f" ({detail})" if detail else ""))
     if not calls:
         return "collectives diverged between ranks: " + text.splitlines()[0][:300]
-    return "collectives diverged: " + "; ".join(calls)
+    return "collectives diverged: " + "; ".join(calls[rank] for rank in sorted(calls))
