@@ -92,8 +92,7 @@ def plan(recipe: Recipe, steps: int) -> VerifyPlan:
                   "dropout": 0.0, "attn_dropout": 0.0}
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
-    model = replace(checkable.model, from_checkpoint=False, preset=cfg.name if not checkable.model.from_checkpoint
-                    else checkable.model.preset, **{k: v for k, v in model_over.items()})
+    model = replace(checkable.model, from_checkpoint=False, **model_over)
     if checkable.model.from_checkpoint:  # the checkpoint's architecture options, on the shrunk sizes
         model = replace(model, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                                   if f.name not in model_over and f.name != "name" and hasattr(model, f.name)})
