@@ -64,6 +64,10 @@ class ParallelSection:
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper): a mismatched collective ends the job at once, naming both ranks and
     # calls, instead of after timeout_s. One small extra collective per collective (parallel/collective_check.py).
     check_collectives: bool = False
+    # Entries of torch's per-rank ring of recent collectives (its flight recorder, gloo and NCCL; 0: off). On a
+    # collective timeout each rank writes its ring to run.dir/.progress/ and the error names every rank's last
+    # collective (op, sequence number, group, shapes): parallel/flight_recorder.py.
+    flight_recorder: int = 0
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
