@@ -4,6 +4,7 @@ parallel.flight_recorder a timed-out collective leaves every rank's ring of rece
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 
@@ -18,6 +19,7 @@ from megazoo.parallel.topology import Topology
 from megazoo.recipes.training.trainer import Trainer
 
 TIMEOUT_S = 120.0
+OP_TIMEOUT_S = 5.0
 
 
 def _mismatched_call():
@@ -74,11 +76,12 @@ def _timed_out_mismatch(folder):
     for _ in range(3):
         dist.all_reduce(x)
     start = time.perf_counter()
-    try:
+    try:  # the mismatched call waits OP_TIMEOUT; the harness's own timeout leaves room for a loaded machine
         if dist.get_rank() == 1:
-            dist.all_gather_into_tensor(torch.empty(8), x)
+            work = dist.all_gather_into_tensor(torch.empty(8), x, async_op=True)
         else:
-            dist.all_reduce(x)
+            work = dist.all_reduce(x, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=OP_TIMEOUT_S))
         result = {"diagnosis": None}
     except RuntimeError:
         dump_ring(folder, dist.get_rank())
@@ -90,10 +93,10 @@ def _timed_out_mismatch(folder):
 
 def test_flight_recorder_names_each_ranks_last_collective_after_a_timeout(tmp_path):
     with pytest.raises(RuntimeError, match="wrote no result"):  # the ranks left through os._exit, as meant
-        run_distributed(_timed_out_mismatch, 2, tmp_path, timeout_s=8.0, flight_recorder=16)
+        run_distributed(_timed_out_mismatch, 2, tmp_path, timeout_s=TIMEOUT_S, flight_recorder=16)
     for rank in range(2):
         result = json.loads((tmp_path / f"verdict{rank}.json").read_text())
         assert result["diagnosis"] == ("rank 0 in all_reduce #4 on default_pg ([4], Float); "
                                        "rank 1 in all_gather #4 on default_pg ([4], Float)")
-        assert result["seconds"] < 8.0 + 20.0  # within the collective timeout plus the wait for the peer's ring
+        assert result["seconds"] < OP_TIMEOUT_S + 20.0  # the call's timeout plus the wait for the peer's ring
     assert (tmp_path / "collectives_rank00000.json").is_file() and (tmp_path / "collectives_rank00001.json").is_file()
