@@ -195,15 +195,24 @@ def backend_device() -> torch.device:
 
 def init_distributed(rank: int, world_size: int, store: dist.Store | None = None, *, local_rank: int = 0,
                      device: str | torch.device | None = None, timeout_s: float = 600.0,
-                     init_method: str | None = None) -> None:
+                     init_method: str | None = None, check_collectives: bool = False,
+                     flight_recorder: int = 0) -> None:
     """Initialise the default process group with the backend that fits the device.
 
     The launcher (torchrun entry point or the test harness) calls this; library code never does. The device is
     `device`, or `local_device(local_rank)`: NCCL on a GPU (selected with set_device BEFORE the group exists and
     passed as device_id, so NCCL binds each rank to its own GPU), gloo on the CPU. `timeout_s` bounds every
     collective, so a dead or diverged rank ends the job with an error naming the operation instead of a silent
-    hang.
+    hang. `check_collectives`: every collective first compares its fingerprint across ranks, so a mismatched
+    one fails at once naming both ranks and calls (parallel/collective_check.py: torch's DETAIL debug level).
+    `flight_recorder` > 0: torch records each rank's last that many collectives (parallel/flight_recorder.py).
     """
+    if check_collectives:
+        from megazoo.parallel.collective_check import enable_collective_checks
+        enable_collective_checks()
+    if flight_recorder > 0:  # torch's ring of each rank's last collectives (parallel/flight_recorder.py)
+        from megazoo.parallel.flight_recorder import enable_flight_recorder
+        enable_flight_recorder(flight_recorder)
     dev = torch.device(device) if device is not None else local_device(local_rank)
     kwargs = dict(backend=default_backend(dev), rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))

@@ -4,7 +4,8 @@
 `megazoo convert hf-to-megazoo|megazoo-to-hf ...`, `megazoo preprocess ...` (indexed datasets),
 `megazoo tokenizer train ...` (BPE or sentencepiece on a user corpus), `megazoo launch ...` (one node of a
 multi-node job, or a Slurm sbatch script), `megazoo reproduce NAME --out DIR` (published tables, with plots),
-`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves), `megazoo generate CKPT --prompt TEXT ...` (text).
+`megazoo plot RUN_DIR ... --out FILE.png` (a run's curves), `megazoo generate CKPT --prompt TEXT ...` (text),
+`megazoo verify RECIPE|NAME` (the recipe's layout, shrunk, held to one process in fp64).
 
 `train` checks the recipe (and that dp x tp x pp matches the process count) before any process starts, takes
 run.dir's lock (one job per run.dir; exit 2 naming the holder), refuses a fresh run into a run.dir that holds a
@@ -159,6 +160,11 @@ def _plot(sub):
     register(sub)
 
 
+def _verify(sub):
+    from megazoo.recipes.verify.cli import register
+    register(sub)
+
+
 def _data(sub):
     from megazoo.data.fetch_cli import register
     register(sub)
@@ -178,6 +184,8 @@ COMMANDS = {
     "reproduce": ("regenerate a published table (markdown + plot)", _reproduce),
     "plot": ("plot loss, lr, tokens/s and memory of runs (metrics.jsonl)", _plot),
     "data": ("fetch the published evaluation data and GPT-2 vocabulary", _data),
+    "verify": ("check that a recipe's parallel layout computes the same function as one process (shrunk, fp64, on "
+               "this machine)", _verify),
 }
 
 

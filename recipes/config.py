@@ -62,6 +62,14 @@ class ParallelSection:
     partition: str = "uniform"  # blocks per stage: "uniform" (by count) | "parameters" (balanced)
     layers: tuple[tuple[int, ...], ...] = ()  # explicit blocks of each (virtual) stage; overrides partition
     timeout_s: float = 600.0  # every collective; a dead or diverged rank ends the job instead of hanging it
+    # Every collective first compares its fingerprint (op, sequence number, shapes, dtypes) across ranks (torch's
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper): a mismatched collective ends the job at once, naming both ranks and
+    # calls, instead of after timeout_s. One small extra collective per collective (parallel/collective_check.py).
+    check_collectives: bool = False
+    # Entries of torch's per-rank ring of recent collectives (its flight recorder, gloo and NCCL; 0: off). On a
+    # collective timeout each rank writes its ring to run.dir/.progress/ and the error names every rank's last
+    # collective (op, sequence number, group, shapes): parallel/flight_recorder.py.
+    flight_recorder: int = 0
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
@@ -150,6 +158,11 @@ class CheckpointSection:
     load_optimizer: bool = True  # false: weights only, from step 0 (fine-tuning)
     resume: bool = False  # continue from the latest good checkpoint in run.dir (megazoo train --resume)
     allow_batch_change: bool = False  # resume even if train.micro_batch / seq_len / the global batch changed
+    # Every rank re-reads the files it wrote (from the storage, not the page cache) and checks their sha256 against
+    # the bytes it meant to write, before the oldest checkpoint is rotated away; a mismatch keeps the older ones,
+    # keeps the new one aside as bad-step_N and stops the run. false: skip the re-read (the damage is then found
+    # when the checkpoint is loaded). Cost: benchmarks/checkpoint_verify.py.
+    verify_on_save: bool = True
 
 
 @dataclass(frozen=True)

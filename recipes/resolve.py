@@ -227,6 +227,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
     for name in ("dp", "tp", "pp", "cp"):
         _positive(f"parallel.{name}", getattr(par, name))
     _positive("parallel.timeout_s", par.timeout_s)
+    _positive("parallel.flight_recorder", par.flight_recorder, allow_zero=True)
     if par.timeout_s > MAX_TIMEOUT_S:
         raise RecipeError(f"parallel.timeout_s = {par.timeout_s} is invalid; valid: 0 < value <= {MAX_TIMEOUT_S:.0f} "
                           "(one week: a collective waiting longer is a hang)")

@@ -26,6 +26,8 @@ from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.training.metrics import MetricsLog
 from megazoo.recipes.training.plot import plot_runs, read_metrics
 from megazoo.recipes.training.progress import Progress, is_collective_timeout
+from megazoo.parallel.collective_check import diagnose_mismatch
+from megazoo.parallel.flight_recorder import diagnose, dump_ring, read_rings
 from megazoo.recipes.resolve import Resolved, resolve
 from megazoo.recipes.resolved_toml import resolved_toml
 from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, write_resolved_recipe
@@ -66,7 +68,9 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                                      stop_requested=stop.requested)
             except Exception as err:
                 if trainer.progress is not None and is_collective_timeout(err):
-                    raise JobStalled(trainer.progress.explain(err)) from err
+                    raise JobStalled(trainer.progress.explain(err) + _last_collectives(recipe, topo)) from err
+                if (diverged := diagnose_mismatch(err)) is not None:  # parallel.check_collectives caught it
+                    raise JobStalled(diverged) from err
                 raise
         finally:
             log.close()
@@ -95,8 +99,20 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
     return result
 
 
+def _last_collectives(recipe, topo: Topology) -> str:
+    """With parallel.flight_recorder: this rank's ring of recent collectives written beside the progress files,
+    and every rank's last collective that arrived within a few seconds (peers time out a little later)."""
+    if recipe.parallel.flight_recorder <= 0:
+        return ""
+    folder = Path(recipe.run.dir) / ".progress"
+    dump_ring(folder, topo.rank)
+    rings = read_rings(folder, topo.world_size, wait_s=min(10.0, recipe.parallel.timeout_s))
+    return f". Last collectives (rings in {folder}): {diagnose(rings, topo.world_size)}"
+
+
 class JobStalled(RuntimeError):
-    """A collective timed out; the message names the operation and the ranks that did not arrive."""
+    """A collective timed out (the message names the operation and the ranks that did not arrive), or ranks called
+    different collectives (parallel.check_collectives: it names both ranks and calls)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,7 +150,8 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         return 2
     par, stop = res.recipe.parallel, GracefulStop()
     if world_size > 1:
-        init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s)
+        init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s,
+                         check_collectives=par.check_collectives, flight_recorder=par.flight_recorder)
     try:
         topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.build(
             par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention)

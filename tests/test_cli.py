@@ -76,7 +76,7 @@ def test_version():
 # Counted as modules loaded, not seconds (no wall-clock thresholds in tests). `convert` is left out until its
 # module (models/gpt2/convert_cli.py, shared with the conversions) loads torch on use only.
 HELP_COMMANDS = ["", "train", "presets", "recipes", "plan", "eval", "generate", "preprocess", "tokenizer", "launch",
-                 "reproduce", "plot", "data"]
+                 "verify", "reproduce", "plot", "data"]
 HEAVY = ("torch", "transformers", "matplotlib", "datasets", "lm_eval")
 
 

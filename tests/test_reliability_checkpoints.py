@@ -138,15 +138,15 @@ def test_torch_iostream_error_with_a_full_disk_is_named(tmp_path, monkeypatch):
 
 
 def test_a_rank_file_rank0_does_not_see_is_an_unshared_filesystem_error(tmp_path, monkeypatch):
-    real = ckpt_io.sha256_file
+    real = ckpt_io.read_back_problem
 
-    def hash_then_vanish(path, *args, **kwargs):  # as if the file went to a disk only that rank's host sees
-        digest = real(path, *args, **kwargs)
+    def verify_then_vanish(path, *args, **kwargs):  # as if the file went to a disk only that rank's host sees
+        problem = real(path, *args, **kwargs)
         if path.name == "rank00000.pt":
             path.unlink()
-        return digest
+        return problem
 
-    monkeypatch.setattr(ckpt_io, "sha256_file", hash_then_vanish)
+    monkeypatch.setattr(ckpt_io, "read_back_problem", verify_then_vanish)
     _, trainer = _run(tmp_path, steps=2, every=2)
     with pytest.raises(CheckpointSaveError, match=r"checkpoint directory .*\.tmp-step_00000002 is not shared between "
                                                   r"ranks \(rank 0 on host .* multi-node runs need a shared "

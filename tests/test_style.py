@@ -29,7 +29,7 @@ ALLOWED = {
     "kernels": ("kernels", "parallel.tensor", "parallel.topology", "parallel.collectives"),
     "models": ("models", "kernels", "data", "parallel.tensor", "parallel.topology", "parallel.checkpoint",
                "parallel.context"),
-    "workers": ("workers", "parallel.topology", "data.fileio"),  # process supervision: no model, no recipe
+    "workers": ("workers", "parallel.topology", "parallel.checkpoint", "data.fileio"),  # no model, no recipe
     "eval": ("eval", "models", "kernels", "data", "parallel", "workers"),
     "recipes": PACKAGES,
 }

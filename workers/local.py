@@ -37,12 +37,13 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _rank_main(rank: int, world_size: int, workdir: str, timeout_s: float, device: str | None, fn: Callable,
-               args: tuple, kwargs: dict) -> None:
+               args: tuple, kwargs: dict, check_collectives: bool = False, flight_recorder: int = 0) -> None:
     torch.set_num_threads(1)
     outcome: dict[str, Any]
     try:
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-        init_distributed(rank, world_size, store, local_rank=rank, device=device, timeout_s=timeout_s)
+        init_distributed(rank, world_size, store, local_rank=rank, device=device, timeout_s=timeout_s,
+                         check_collectives=check_collectives, flight_recorder=flight_recorder)
         outcome = {"result": _to_cpu(fn(*args, **kwargs))}
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         outcome = {"error": traceback.format_exc()}
@@ -74,17 +75,21 @@ def finish_worker(code: int = 0) -> NoReturn:
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    start_method: str = "fork", device: str | None = "cpu", **kwargs) -> list:
+                    start_method: str = "fork", device: str | None = "cpu", check_collectives: bool = False,
+                    flight_recorder: int = 0, **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` ranks; return the per-rank results (on the CPU), rank order.
 
     CPU tests fork gloo ranks (fast). GPU tests pass start_method="spawn" (a process that forked after CUDA
     was initialised hands its children a context they cannot use; spawned `fn` must be picklable) and
     device=None: rank r then runs on GPU r with NCCL (local_device). Every collective times out after
-    `timeout_s`; a rank still running then is killed and named."""
+    `timeout_s`; a rank still running then is killed and named. `check_collectives`: a mismatched collective
+    fails at once on every rank of the group, naming both calls (parallel/collective_check.py); `flight_recorder`:
+    each rank's last that many collectives are recorded (parallel/flight_recorder.py)."""
     ctx = mp.get_context(start_method)
     startup_s = 60.0 if start_method == "spawn" else 0.0  # a fresh interpreter imports torch first
     with tempfile.TemporaryDirectory(prefix="megazoo-dist-") as workdir:
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, timeout_s, device, fn, args, kwargs))
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, timeout_s, device, fn, args, kwargs,
+                                                             check_collectives, flight_recorder))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -12,6 +12,8 @@ Face tokenizer, and its end-of-text id as bos / eos / pad in config.json and gen
 AutoTokenizer loads the directory and generate() stops at end-of-text (models/gpt2/hf_tokenizer.py). Both
 directions write into a temporary directory beside --out and rename it at the end: a failed or interrupted
 conversion leaves nothing half-written, and an existing non-empty --out is refused before anything is read.
+With --verify the result is published only once it scores the same as its source (models/gpt2/convert_verify.py:
+logits and loss of a fixed sample, fp64); otherwise exit 1 and nothing is written.
 """
 
 from __future__ import annotations
@@ -105,10 +107,30 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
 
     check_out_dir(args.out)  # checked before the (slow) read
     cfg, full_state = read_hf_dir(args.hf_dir)
-    with staged_out_dir(args.out) as staging:
-        write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging)
+    try:
+        with staged_out_dir(args.out) as staging:
+            write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging)
+            if args.verify:  # the checkpoint as written, read back, against the HF source
+                _verified(*load_consolidated(staging), args.hf_dir)
+    except ConversionRefused as refused:
+        print(f"megazoo: convert hf-to-megazoo: {refused}", file=sys.stderr)
+        return 1
     print(f"converted HF GPT-2 {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint {args.out}")
     return 0
+
+
+class ConversionRefused(Exception):
+    """--verify: the converted model does not score as its source; nothing is written to --out."""
+
+
+def _verified(cfg: ModelConfig, full_state: dict[str, torch.Tensor], hf_dir: str | Path) -> None:
+    from megazoo.models.gpt2.convert_verify import check_export
+
+    check = check_export(cfg, full_state, hf_dir)
+    print(check.table())
+    if not check.passed:
+        raise ConversionRefused("the converted model does not compute the same logits as its source (table "
+                                "above): refused, nothing written to --out")
 
 
 def export_tokenizer(checkpoint: str | Path, spec: str | None):
@@ -126,11 +148,21 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
     cfg, full_state = load_consolidated(args.checkpoint)
-    with staged_out_dir(args.out) as staging:
-        export_hf_dir(full_state, cfg, staging, tokenizer=tokenizer)
+    try:
+        with staged_out_dir(args.out) as staging:
+            export_hf_dir(full_state, cfg, staging, tokenizer=tokenizer)
+            if args.verify:  # the directory as transformers loads it, against the checkpoint's weights
+                _verified(cfg, full_state, staging)
+    except ConversionRefused as refused:
+        print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
+        return 1
     what = "with its tokenizer" if tokenizer is not None else "without a tokenizer (none recorded or given)"
     print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF GPT-2 directory {args.out}, {what}")
     return 0
+
+
+VERIFY_HELP = ("after converting, run a fixed sample through megazoo and through transformers (fp64) and compare "
+               "logits and loss; exit 1 and write nothing beyond the tolerance (models/gpt2/convert_verify.py)")
 
 
 def _run(func):
@@ -153,6 +185,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 directory -> consolidated megazoo checkpoint")
     to_mz.add_argument("hf_dir", help="HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)")
     to_mz.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
+    to_mz.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     to_mz.set_defaults(func=_run(_hf_to_megazoo))
     to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF GPT-2 directory + tokenizer")
     to_hf.add_argument("checkpoint", help="megazoo checkpoint: a step_N directory or a checkpoints folder (its latest good one)")
@@ -161,5 +194,6 @@ def register(subparsers) -> argparse.ArgumentParser:
                        help="tokenizer to write beside the weights (a GPT-2 BPE directory, a tokenizer .json, a "
                             "sentencepiece .model or hf:NAME); default: the one the checkpoint records; none: "
                             "no tokenizer. Its end-of-text id becomes the model's bos / eos / pad id")
+    to_hf.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     to_hf.set_defaults(func=_run(_megazoo_to_hf))
     return convert

@@ -25,6 +25,7 @@ both and load into any layout with a few lines of assembly (load.py).
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from megazoo.data.fileio import atomic_write_bytes
 from megazoo.data.fileio import file_sha256 as sha256_file
+from megazoo.parallel.checkpoint.readback import HashingWriter, drop_cached_pages, read_back_problem
 from megazoo.parallel.checkpoint.views import StateView
 
 # Checkpoints of older megazoo versions (same format string, a pickled common.pt and no manifest.sha256) are
@@ -106,22 +108,33 @@ def _describe_write_error(err: BaseException, path: Path, needed: int) -> str:
     return f"cannot write {path}: {type(err).__name__}: {err}"
 
 
-def _write_file(path: Path, write, needed: int) -> dict:
-    """Write with `write(f)`, flush and fsync (on disk before publication); return its size and sha256."""
+class CheckpointReadBackError(CheckpointSaveError):
+    """A file written for a checkpoint does not read back as the bytes meant (parallel/checkpoint/readback.py)."""
+
+
+def _write_file(path: Path, write, needed: int, verify: bool = True) -> dict:
+    """Write with `write(f)` through a HashingWriter (the sha256 of the bytes meant), flush and fsync (on disk
+    before publication); with `verify`, re-read the file from the storage and compare. Returns size and sha256."""
     try:
         with open(path, "wb") as f:
-            write(f)
+            writer = HashingWriter(f)
+            write(writer)
             f.flush()
             os.fsync(f.fileno())
+            if verify:
+                drop_cached_pages(f.fileno())
     except (OSError, RuntimeError) as err:
         raise CheckpointSaveError(_describe_write_error(err, path, needed)) from err
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    if verify and (problem := read_back_problem(path, writer.hexdigest(), writer.bytes)):
+        raise CheckpointReadBackError(problem)
+    return {"bytes": writer.bytes, "sha256": writer.hexdigest()}
 
 
-def _write_rank(tmp: Path, rank: int, views: list[StateView], extras: dict, common: dict | None) -> dict:
+def _write_rank(tmp: Path, rank: int, views: list[StateView], extras: dict, common: dict | None,
+                verify: bool) -> dict:
     """This rank's part of a save: its file (and rank 0's common.json), hashed here. Errors become a message."""
     host = socket.gethostname()
-    status = {"rank": rank, "host": host, "files": {}, "index": [], "error": None}
+    status = {"rank": rank, "host": host, "files": {}, "index": [], "error": None, "read_back": None}
     if not tmp.is_dir():
         status["error"] = (f"checkpoint directory {tmp} is not shared between ranks (rank {rank} on host {host} "
                            f"does not see it): {SHARED_FS_HINT}")
@@ -139,10 +152,12 @@ def _write_rank(tmp: Path, rank: int, views: list[StateView], extras: dict, comm
         needed = sum(p.numel() * p.element_size() for p in pieces.values()) + (1 << 16)
         filename = f"rank{rank:05d}.pt"
         status["files"][filename] = _write_file(tmp / filename, lambda f: torch.save(
-            {"pieces": pieces, "extras": extras}, f), needed)
+            {"pieces": pieces, "extras": extras}, f), needed, verify)
         if common is not None:
             data = json.dumps(common, indent=1, sort_keys=True).encode()
-            status["files"][COMMON] = _write_file(tmp / COMMON, lambda f: f.write(data), len(data))
+            status["files"][COMMON] = _write_file(tmp / COMMON, lambda f: f.write(data), len(data), verify)
+    except CheckpointReadBackError as err:
+        status["error"] = status["read_back"] = f"rank {rank} on host {host}: {err}"
     except CheckpointSaveError as err:
         status["error"] = f"rank {rank} on host {host}: {err}"
     except Exception as err:  # noqa: BLE001 - reported by every rank instead of leaving the others waiting
@@ -167,10 +182,11 @@ def _publish(root: Path, tmp: Path, step: int, gathered: list[dict], layout: dic
     data = json.dumps(manifest).encode()
     try:
         atomic_write_bytes(tmp / MANIFEST, data)
-        atomic_write_bytes(tmp / MANIFEST_SHA, f"{sha256_file(tmp / MANIFEST)}  {MANIFEST}\n".encode())
+        # the hash of the bytes meant; read_manifest below re-reads the file against it
+        atomic_write_bytes(tmp / MANIFEST_SHA, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())
     except OSError as err:
         raise CheckpointSaveError(_describe_write_error(err, tmp / MANIFEST, len(data))) from err
-    read_manifest(tmp)  # the manifest reads back (each rank hashed its own file; nothing is re-hashed here)
+    read_manifest(tmp)  # the manifest reads back (each rank re-read its own files; nothing is re-hashed here)
     final = step_dir(root, step)
     if final.exists():  # the same step saved again: replace it only now that the new one is complete
         shutil.rmtree(final)
@@ -181,9 +197,11 @@ def _publish(root: Path, tmp: Path, step: int, gathered: list[dict], layout: dic
 
 
 def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extras: dict, common: dict,
-                    layout: dict, keep: int) -> Path:
+                    layout: dict, keep: int, verify: bool = True) -> Path:
     """Every rank calls this with its views; returns the published directory. Collective. Raises
-    CheckpointSaveError on every rank when any rank fails; the previous checkpoint stays the latest."""
+    CheckpointSaveError on every rank when any rank fails; the previous checkpoint stays the latest. With
+    `verify` every rank re-reads its files before publication (readback.py): one that does not read back as
+    written raises CheckpointReadBackError naming it, and the new checkpoint is kept aside as bad-step_N."""
     rank, world = _world()
     root = Path(root)
     tmp = root / f".tmp-step_{step:08d}"
@@ -198,7 +216,7 @@ def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extr
     error = _from_rank0(error)
     if error:
         raise CheckpointSaveError(error)
-    status = _write_rank(tmp, rank, views, extras, common if rank == 0 else None)
+    status = _write_rank(tmp, rank, views, extras, common if rank == 0 else None, verify)
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, status)
@@ -213,13 +231,38 @@ def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extr
             errors.append(str(err))
     errors = _from_rank0(errors)  # rank 0's list (it may hold a publication error) on every rank
     if errors:
+        read_back = [s["read_back"] for s in gathered if s["read_back"]] if rank == 0 else None
+        read_back = _from_rank0(read_back)
         if rank == 0:
+            if read_back:
+                _mark_bad(root, tmp, step, read_back)
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
+        if read_back:  # one line: the file, and that nothing older was touched
+            raise CheckpointReadBackError(
+                f"{'; '.join(read_back)}: checkpoint step {step} is marked bad ({root / bad_name(step)}), the "
+                "previous checkpoints are kept; stopping the run")
         raise CheckpointSaveError(f"saving checkpoint step {step} under {root} failed: {'; '.join(errors)}. The "
                                   "temporary directory was removed and the previous checkpoint is intact; "
                                   "stopping the run (fix the cause, then continue with --resume)")
     return step_dir(root, step) if final is None else final
+
+
+def bad_name(step: int) -> str:
+    """Where a checkpoint that did not read back is kept (outside step_*: never loaded, resumed or rotated)."""
+    return f"bad-step_{step:08d}"
+
+
+def _mark_bad(root: Path, tmp: Path, step: int, reasons: list[str]) -> None:
+    """Rank 0: keep the unpublished checkpoint as evidence, with a BAD file saying why."""
+    bad = root / bad_name(step)
+    try:
+        if bad.exists():
+            shutil.rmtree(bad)
+        (tmp / "BAD").write_text("\n".join(reasons) + "\n")
+        os.replace(tmp, bad)
+    except OSError:
+        pass  # the error raised names the file either way; the temporary directory is removed by the caller
 
 
 def _prune(root: Path, keep: int, protect: Path) -> None:

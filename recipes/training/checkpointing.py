@@ -101,7 +101,8 @@ def save(trainer: TrainingRun, step: int) -> Path:
     written_layout = layout(res)
     return save_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
                            extras={"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)},
-                           common=common, layout=written_layout, keep=res.recipe.checkpoint.keep)
+                           common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
+                           verify=res.recipe.checkpoint.verify_on_save)
 
 
 def load(trainer: TrainingRun, path: str | Path, *, load_optimizer: bool = True) -> int:

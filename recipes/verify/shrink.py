@@ -1,0 +1,183 @@
+"""What `megazoo verify` runs: the user's recipe shrunk to this machine, and the one-process reference.
+
+The layout keeps every feature of the recipe that decides how the function is computed (ZeRO stage and offload,
+tp, pp with its schedule and virtual stages, cp with its attention, the compressed optimizer, activation
+checkpointing, fp16 loss scaling, the architecture's options) at degree <= 2 each; the model keeps its preset's
+options but shrinks to a few layers and small widths (4 heads of 8, so heads divide by tp and, for all-to-all
+context parallelism, local heads by cp). Both runs are fp64, dropout off, on synthetic tokens: then two layouts
+that compute the same function agree to ~1e-15 and a layout bug stands out by ten orders of magnitude.
+
+The reference is one process (dp = tp = pp = cp = 1, ZeRO 0, AdamW, no recomputation, no loss scaling) with the
+same global batch (micro_batch x dp in one micro-batch per accumulation step), so the same samples per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megazoo.recipes.config import Recipe, RecipeError
+from megazoo.recipes.resolve import Resolved, model_config, resolve
+
+MAX_DEGREE = 2
+SHRUNK_HEADS, HEAD_DIM = 4, 8  # 4 heads: divisible by tp (<= 2) x cp (<= 2) for all-to-all attention
+SHRUNK_VOCAB, SHRUNK_SEQ = 300, 32  # 300: not a multiple of 128, so the padded-vocabulary path runs too
+MICRO_BATCH = 2
+BUCKET_ELEMENTS = 10_000  # a few ZeRO buckets on the shrunk model (~40k parameters)
+LR, MIN_LR = 1e-3, 1e-4  # large enough that a few steps move every parameter visibly
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    layout: Resolved  # the recipe's features at degree <= 2 on the shrunk model, fp64
+    reference: Resolved  # one process, same model and global batch
+    exercised: list[str]  # the recipe's features the layout runs
+    shrunk: list[str]  # "parallel.dp: 64 -> 2", ...
+    changed: list[str]  # what verify sets for every recipe, and why
+    not_compared: list[str]  # features of the recipe that cannot be held to one process here, and why
+    loss_scaling: bool  # fp16 recipe: the layout runs its dynamic loss scaling (exact in fp64: powers of two)
+
+
+def _for_checking(recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The recipe with what verify never reads swapped out (its data, checkpoints to load or resume, the closing
+    sample), so the rest can be checked at full size before any process starts."""
+    notes = []
+    data = replace(recipe.data, source="synthetic", paths=(), valid_paths=(), weights=(), tokenizer="")
+    if recipe.data.source != "synthetic":
+        notes.append(f"data: synthetic tokens instead of data.source = {recipe.data.source!r} (the data is not "
+                     "part of the layout)")
+    model, ckpt = recipe.model, recipe.checkpoint
+    if model.from_checkpoint and not (ckpt.load and Path(ckpt.load).exists()):
+        model = replace(model, from_checkpoint=False)
+        notes.append(f"model: preset {model.preset!r} (checkpoint.load = {ckpt.load!r} is not there to give the "
+                     "architecture)")
+    keep_load = model.from_checkpoint  # its architecture is read from it; its weights are never loaded
+    ckpt = replace(ckpt, load=ckpt.load if keep_load else "", resume=False, every=0, at_end=False)
+    return replace(recipe, data=data, model=model, checkpoint=ckpt,
+                   sample=replace(recipe.sample, tokens=0)), notes
+
+
+def _shrunk_degrees(recipe: Recipe) -> dict[str, int]:
+    par = recipe.parallel
+    return {name: min(getattr(par, name), MAX_DEGREE) for name in ("dp", "tp", "pp", "cp")}
+
+
+def _grad_accum(recipe: Recipe, pp: int) -> int:
+    """Micro-batches per step: up to 2 per pipeline stage (so 1F1B reaches its steady state); a multiple of pp
+    for the interleaved schedule."""
+    ga = min(recipe.train.grad_accum, 2 * pp)
+    if recipe.parallel.schedule == "interleaved":
+        ga = max(pp, ga - ga % pp)
+    return ga
+
+
+def plan(recipe: Recipe, steps: int) -> VerifyPlan:
+    """The layout and reference runs for `recipe`; raises RecipeError (before any process) when the recipe is
+    invalid at its own size or `steps` is not positive."""
+    if steps < 1:
+        raise RecipeError(f"--steps {steps} is invalid: it must be a positive number of steps")
+    checkable, changed = _for_checking(recipe)
+    full = resolve(checkable)  # the recipe's own checks at its real size (arithmetic only)
+    cfg, par, train = full.model, recipe.parallel, recipe.train
+    deg = _shrunk_degrees(recipe)
+    virtual = min(par.virtual_stages, MAX_DEGREE)
+    n_layer = max(2, deg["pp"] * virtual)
+    d_model = SHRUNK_HEADS * HEAD_DIM
+    ratio = cfg.d_ff / cfg.d_model
+    d_ff = max(2, 2 * round(d_model * ratio / 2))  # the preset's MLP ratio, even (divisible by tp <= 2)
+    ga = _grad_accum(recipe, deg["pp"])
+    model_over = {"n_layer": n_layer, "n_head": SHRUNK_HEADS, "d_model": d_model, "d_ff": d_ff,
+                  "vocab_size": min(cfg.vocab_size, SHRUNK_VOCAB), "n_positions": SHRUNK_SEQ,
+                  "dropout": 0.0, "attn_dropout": 0.0}
+    if cfg.attention == "sparse":
+        model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
+    model = replace(checkable.model, from_checkpoint=False, **model_over)
+    if checkable.model.from_checkpoint:  # the checkpoint's architecture options, on the shrunk sizes
+        model = replace(model, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                                  if f.name not in model_over and f.name != "name" and hasattr(model, f.name)})
+    layout = replace(
+        checkable,
+        model=model,
+        parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0)),
+        train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
+                      seq_len=SHRUNK_SEQ, lr=LR, min_lr=MIN_LR, warmup_steps=1, lr_decay_steps=None,
+                      precision="fp64", eval_every=0, eval_batches=1),
+        zero=replace(recipe.zero, reduce_bucket_size=min(recipe.zero.reduce_bucket_size, BUCKET_ELEMENTS)),
+        optimizer=replace(recipe.optimizer, freeze_step=max(recipe.optimizer.freeze_step, steps)),
+        kernels=replace(recipe.kernels, adamw="reference"),
+        data=replace(checkable.data, synthetic_tokens=20_000),
+        logging=replace(recipe.logging, wandb="off", progress=False),
+    )
+    global_micro = MICRO_BATCH * deg["dp"]
+    reference = replace(
+        layout,
+        parallel=replace(layout.parallel, dp=1, tp=1, pp=1, cp=1, schedule="1f1b", virtual_stages=1,
+                         partition="uniform"),
+        train=replace(layout.train, micro_batch=global_micro, activation_checkpointing=False),
+        zero=replace(layout.zero, stage=0, offload="none"),
+        optimizer=replace(layout.optimizer, name="adamw"),
+    )
+    try:
+        layout_res, reference_res = resolve(layout), resolve(reference)
+    except RecipeError as err:
+        raise RecipeError(f"the shrunk recipe is invalid (a gap in megazoo verify, not in your recipe): {err}") \
+            from None
+    shrunk = [f"parallel.{k}: {getattr(par, k)} -> {v}" for k, v in deg.items() if getattr(par, k) != v]
+    if virtual != par.virtual_stages:
+        shrunk.append(f"parallel.virtual_stages: {par.virtual_stages} -> {virtual}")
+    if par.layers:
+        shrunk.append("parallel.layers: dropped (the shrunk model has other blocks); partition "
+                      f"{par.partition!r} instead")
+    small = layout_res.model
+    before = {name: getattr(cfg, name) for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab_size",
+                                                    "n_positions")}
+    if recipe.data.source == "stdlib" and recipe.model.vocab_size is None:
+        before["vocab_size"] = recipe.data.vocab_size  # the recipe's own BPE sets it (the data is swapped above)
+    for name, old in before.items():
+        if old != getattr(small, name):
+            shrunk.append(f"model.{name}: {old} -> {getattr(small, name)}")
+    for name, new in (("seq_len", SHRUNK_SEQ), ("micro_batch", MICRO_BATCH), ("grad_accum", ga)):
+        if getattr(train, name) != new:
+            shrunk.append(f"train.{name}: {getattr(train, name)} -> {new}")
+    changed += [
+        f"train.precision: {train.precision!r} -> 'fp64' (layouts agree to ~1e-15; a bug shows by orders of "
+        "magnitude)",
+        f"train.lr {LR:g} (min {MIN_LR:g}), 1 warmup step, cosine over the {steps} steps: every parameter moves",
+        "model.dropout = attn_dropout = 0 (dropout masks depend on where a sample is computed)",
+        "kernels.adamw = 'reference' (the fused CPU AdamW rounds by SIMD lane, i.e. by ZeRO buffer offset)",
+    ]
+    exercised, not_compared = _features(recipe, layout_res, steps)
+    return VerifyPlan(layout_res, reference_res, exercised, shrunk, changed, not_compared,
+                      loss_scaling=train.precision == "fp16")
+
+
+def _features(recipe: Recipe, layout: Resolved, steps: int) -> tuple[list[str], list[str]]:
+    par, small, zero = layout.recipe.parallel, layout.recipe, layout.recipe.zero
+    out = [f"data parallel dp={par.dp}" if par.dp > 1 else None,
+           f"tensor parallel tp={par.tp}" if par.tp > 1 else None,
+           (f"pipeline pp={par.pp}, schedule {par.schedule!r}"
+            + (f", {par.virtual_stages} virtual stages" if par.virtual_stages > 1 else "")
+            + f", {small.train.grad_accum} micro-batches, partition {par.partition!r}") if par.pp > 1 else None,
+           f"context parallel cp={par.cp} ({par.cp_attention})" if par.cp > 1 else None,
+           f"ZeRO stage {zero.stage}" + (f", offload {zero.offload!r}" if zero.offload != "none" else "")
+           + f", buckets of {zero.reduce_bucket_size} elements" if zero.stage or par.dp > 1 else None,
+           "gradient accumulation" if small.train.grad_accum > 1 else None,
+           "activation checkpointing" if small.train.activation_checkpointing else None,
+           f"fp16 dynamic loss scaling (initial scale {recipe.loss_scale.initial_scale:g}, in fp64)"
+           if recipe.train.precision == "fp16" else None,
+           f"sparse attention ({layout.model.sparse_pattern})" if layout.model.attention == "sparse" else None,
+           f"{small.optimizer.name} (its warm-up: {steps} full-precision steps)"
+           if small.optimizer.name != "adamw" else None,
+           f"gradient clipping at {small.train.grad_clip:g}" if small.train.grad_clip > 0 else None]
+    not_compared = []
+    precision = recipe.train.precision
+    if precision != "fp64":
+        what = {"auto": "fp32 on CPU, bf16 autocast on GPU", "fp32": "fp32", "bf16": "bf16 autocast and storage",
+                "fp16": "fp16 autocast and storage"}[precision]
+        not_compared.append(f"train.precision = {precision!r} ({what}): its rounding is not a layout property and "
+                            "is not reproduced here (fp64 instead)")
+    if recipe.optimizer.name != "adamw":
+        not_compared.append(f"optimizer.name = {recipe.optimizer.name!r}: the compressed steps (after "
+                            "optimizer.freeze_step) are lossy by design, so only its warm-up is held to one process")
+    return [f for f in out if f], not_compared

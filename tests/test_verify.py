@@ -1,0 +1,138 @@
+"""`megazoo verify`: shipped recipes (and overrides that reach the features no shipped recipe has at a cheap size)
+pass against one process in fp64; an injected layout bug fails naming the quantity; bad input exits 2 first.
+
+Together the runs below cover every feature verify exercises: dp + ZeRO-2 (demo), tp (demo_tp2), cp with ring
+attention + ZeRO-1 + accumulation (long-context), tp x dp + activation checkpointing + fp16 loss scaling
+(tnlg-17b), ZeRO-3, the interleaved pipeline schedule, 1-bit Adam's warm-up and ZeRO-Offload (demo overrides).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazoo.parallel.tensor import layers
+from megazoo.recipes import cli
+from megazoo.recipes.training import trainer as trainer_module
+from megazoo.recipes.verify import compare
+
+PASSING = {
+    "demo": ["demo"],
+    "demo_tp2": ["demo_tp2"],
+    "long-context": ["long-context"],
+    "tnlg-17b": ["tnlg-17b"],
+    "zero3": ["demo", "--set", "zero.stage=3"],
+    "interleaved": ["demo", "--set", "parallel.dp=1", "--set", "parallel.pp=2", "--set",
+                    "parallel.schedule=interleaved", "--set", "parallel.virtual_stages=2", "--set",
+                    "train.grad_accum=4"],
+    "onebit": ["demo", "--set", "zero.stage=0", "--set", "optimizer.name=onebit_adam"],
+    "offload": ["demo", "--set", "zero.stage=1", "--set", "zero.offload=cpu"],
+}
+
+
+@pytest.mark.parametrize("name", PASSING)
+def test_layout_passes(name, tmp_path, capsys):
+    out_json = tmp_path / "verify.json"
+    code = cli.main(["verify", *PASSING[name], "--steps", "2", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    record = json.loads(out_json.read_text())
+    assert record["passed"] and record["steps"] == 2
+    names = [q["name"] for q in record["quantities"]]
+    assert names == ["loss", "gradient norm (before clipping)", "validation loss (after the last step)",
+                     "parameters (final, full)"]
+    assert all(q["max_deviation"] <= 1e-10 and q["tolerance"] == 1e-10 for q in record["quantities"])
+    assert "PASS" in text and "exercised:" in text and "shrunk:" in text
+
+
+def test_output_names_features_and_shrunk_degrees(capsys):
+    assert cli.main(["verify", "tnlg-17b", "--steps", "2"]) == 0
+    text = capsys.readouterr().out
+    for line in ("data parallel dp=2", "tensor parallel tp=2", "ZeRO stage 1", "activation checkpointing",
+                 "fp16 dynamic loss scaling", "parallel.dp: 64 -> 2", "parallel.tp: 4 -> 2",
+                 "model.n_layer: 78 -> 2", "model.n_head: 28 -> 4", "train.precision: 'fp16' -> 'fp64'"):
+        assert line in text, line
+
+
+class _NoInputGradReduce(torch.autograd.Function):
+    """The injected bug: a column-parallel layer's input gradient is not all-reduced over tp in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_injected_tp_bug_fails_naming_the_quantity(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(layers, "copy_to_tp_region",
+                        lambda x, group: x if group is None else _NoInputGradReduce.apply(x, group))
+    out_json = tmp_path / "verify.json"
+    assert cli.main(["verify", "demo_tp2", "--steps", "2", "--json", str(out_json)]) == 1
+    text = capsys.readouterr().out
+    record = {q["name"]: q for q in json.loads(out_json.read_text())["quantities"]}
+    # The forward is right, so the first loss agrees; the gradients (and then everything after) do not.
+    assert not record["gradient norm (before clipping)"]["passed"]
+    assert not record["parameters (final, full)"]["passed"]
+    assert "FAIL: the layout does not compute the same function: loss, gradient norm" in text
+
+
+def test_injected_rank_gradient_bug_fails(monkeypatch, capsys):
+    """A data-parallel bug: rank 1's reduced gradients are off by 1e-6 (relative) before the step (ZeRO-2, dp = 2)."""
+    real = trainer_module.optimizer_step
+
+    def perturbed(zero, **kwargs):
+        if dist.is_initialized() and dist.get_rank() == 1:  # the reference runs without a process group
+            zero.finish_gradients()
+            for grad in zero.gradients():
+                grad.mul_(1 + 1e-6)
+        return real(zero, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "optimizer_step", perturbed)  # inherited by the forked ranks
+    assert cli.main(["verify", "demo", "--steps", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL: the layout does not compute the same function" in text and "parameters (final, full)" in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["demo_tp2", "--set", "parallel.tp=3"], "tp"),
+    (["demo", "--set", "train.bogus=1"], "train.bogus"),
+    (["no-such-recipe"], "neither a file nor a shipped recipe"),
+    (["demo", "--set", "zero.stage=3", "--set", "parallel.pp=2"], "zero.stage = 3"),
+])
+def test_bad_input_exits_2_before_any_process(monkeypatch, capsys, args, needle):
+    def refuse(*a, **k):
+        raise AssertionError("a process was started for bad input")
+
+    monkeypatch.setattr(compare, "run_distributed", refuse)
+    monkeypatch.setattr(compare, "_train", refuse)
+    assert cli.main(["verify", *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_steps_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["verify", "demo", "--steps", "0"])
+    assert exit_info.value.code == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_injected_mismatched_collective_is_named(monkeypatch, capsys):
+    """A layout bug that makes ranks call different collectives: named at once (collective fingerprints)."""
+    real = trainer_module.optimizer_step
+
+    def mismatched(zero, **kwargs):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            dist.broadcast(torch.zeros(3, dtype=torch.float64), src=0)  # rank 0 goes on to its optimizer step
+        return real(zero, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "optimizer_step", mismatched)
+    assert cli.main(["verify", "demo_tp2", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL: the layout did not run: collectives diverged: " in err
+    assert "rank 1 in broadcast" in err and "rank 0 in " in err
