@@ -105,7 +105,8 @@ class PipelineEngine:
         so gradients accumulate to the mean over micro-batches exactly as without pipelining."""
         start = self.stats.start()
         m = len(micro_batches)
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        # (micro, chunk) -> (stage input, output or loss, logits on the last stage)
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
         losses: dict[int, torch.Tensor] = {}
         outbox: dict[tuple, torch.Tensor] = {}  # identity -> tensor to send (kept alive until posted)
         inbox: dict[tuple, torch.Tensor] = {}  # identity -> received tensor
@@ -136,16 +137,16 @@ class PipelineEngine:
                     inbox.pop((micro, stage - 1, False)).requires_grad_(not forward_only)
                 tick = self.stats.start()
                 with torch.set_grad_enabled(not forward_only), autocast():
-                    out = self.chunks[chunk](x)
+                    out = logits = self.chunks[chunk](x)
                 if last:
-                    out = self.loss_fn(out, micro_batches[micro][1])
+                    out = self.loss_fn(logits, micro_batches[micro][1])
                     losses[micro] = out.detach()
                 self.stats.stop(tick, busy=True)
                 if not last:  # to the next stage: posted by the plan, or handed over here when it is on this rank
                     box = inbox if is_local(stage, stage + 1, self.topo.pp, self.placement) else outbox
                     box[(micro, stage, False)] = out.detach().contiguous()
                 if not forward_only:
-                    saved[(micro, chunk)] = (None if first else x, out)
+                    saved[(micro, chunk)] = (None if first else x, out, logits if last else None)
                     self.stats.max_live_micro_batches = max(self.stats.max_live_micro_batches, len(saved))
             elif kind == "W":
                 if before_backward is not None:
@@ -155,12 +156,12 @@ class PipelineEngine:
                 self.stats.stop(tick, busy=True)
                 saved.pop((micro, chunk))  # this micro-batch's activations are free now
             else:
-                x, out = saved[(micro, chunk)] if (micro, chunk) in split else saved.pop((micro, chunk))
+                x, out, logits = saved[(micro, chunk)] if (micro, chunk) in split else saved.pop((micro, chunk))
                 root = out * (loss_scale / m) if last else out
                 grad = None if last else inbox.pop((micro, stage + 1, True))
                 if (micro, chunk) in split:  # B: the input gradient only; W runs later
                     tick = self.stats.start()
-                    dx, pending[(micro, chunk)] = backward_input(root, grad, x)
+                    dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits)
                     self.stats.stop(tick, busy=True)
                 else:
                     if before_backward is not None:
@@ -172,7 +173,7 @@ class PipelineEngine:
                 if not first:
                     box = inbox if is_local(stage, stage - 1, self.topo.pp, self.placement) else outbox
                     box[(micro, stage, True)] = dx.contiguous()
-                del x, out, root, grad, dx  # unsplit: this micro-batch's activations are free now
+                del x, out, logits, root, grad, dx  # unsplit: this micro-batch's activations are free now
         assert not outbox and not inbox and not pending, "the p2p plan left transfers or weight gradients undone"
         self.stats.stop(start, busy=False)
         return [losses[i] for i in range(m)] if losses else []

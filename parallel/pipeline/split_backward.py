@@ -41,10 +41,15 @@ class PendingWeightGradient:
     grad: torch.Tensor | None
 
 
-def backward_input(root: torch.Tensor, grad: torch.Tensor | None,
-                   stage_input: torch.Tensor | None) -> tuple[torch.Tensor | None, PendingWeightGradient]:
+def backward_input(root: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor | None,
+                   logits: torch.Tensor | None = None) -> tuple[torch.Tensor | None, PendingWeightGradient]:
     """B: d loss / d stage_input (None on the first stage, whose input is token ids: all its backward is W);
-    the graph is kept for W."""
+    the graph is kept for W. On the last stage (`root` the loss, `logits` what the loss read) the loss's own
+    backward runs once, here: B and W then both start from d loss / d logits, (b, s, V/tp), held until W
+    (cross-entropy kernels may consume their saved probabilities in their backward, so it cannot run twice)."""
+    if logits is not None:
+        (grad,) = torch.autograd.grad(root, logits, grad)
+        root = logits
     if stage_input is None:
         return None, PendingWeightGradient(root, grad)
     (dx,) = torch.autograd.grad(root, stage_input, grad, retain_graph=True)
