@@ -39,8 +39,8 @@ def _pipeline_run(parallel: dict, n_layer: int, zero: dict | None = None, train:
 
 
 @pytest.mark.parametrize("pp, schedule, virtual, n_layer", [
-    (2, "gpipe", 1, 4), (2, "1f1b", 1, 4), (2, "interleaved", 2, 4),
-    (4, "gpipe", 1, 4), (4, "1f1b", 1, 4), (4, "interleaved", 2, 8),
+    (2, "gpipe", 1, 4), (2, "1f1b", 1, 4), (2, "interleaved", 2, 4), (2, "zb_h1", 1, 4), (2, "zbv", 2, 4),
+    (4, "gpipe", 1, 4), (4, "1f1b", 1, 4), (4, "interleaved", 2, 8), (4, "zb_h1", 1, 4), (4, "zbv", 2, 8),
 ])
 def test_schedules_equal_reference(pp, schedule, virtual, n_layer):
     results = _pipeline_run({"pp": pp, "schedule": schedule, "virtual_stages": virtual}, n_layer)
@@ -50,6 +50,39 @@ def test_schedules_equal_reference(pp, schedule, virtual, n_layer):
         assert results[0]["live"] <= pp  # counted: the first stage never holds more than pp micro-batches
     if schedule == "gpipe":
         assert results[0]["live"] == TRAIN["grad_accum"]
+    if schedule == "zb_h1":  # activations held from F to W: 1F1B's peak (pp micro-batches) on every rank
+        assert max(r["live"] for r in results) == min(pp, TRAIN["grad_accum"])
+    if schedule == "zbv":  # two half-size chunks: at most 2 pp chunk-micro-batches
+        assert max(r["live"] for r in results) <= 2 * pp
+
+
+ZERO_BUBBLE = [("zb_h1", 1), ("zbv", 2)]
+
+
+@pytest.mark.parametrize("schedule, virtual", ZERO_BUBBLE)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_bubble_with_dp2_zero_equals_reference(schedule, virtual, stage):
+    """ZeRO 1-2 reduce the deferred weight gradients: their hooks fire in W (stage 2 per W, stage 1 in the
+    last one)."""
+    results = _pipeline_run({"dp": 2, "pp": 2, "schedule": schedule, "virtual_stages": virtual}, 4,
+                            zero={"stage": stage}, train={"micro_batch": 2, "grad_accum": 2})
+    for got in results:
+        assert_same_training(got, reference(4))
+
+
+@pytest.mark.parametrize("schedule, virtual", ZERO_BUBBLE)
+def test_zero_bubble_with_tp2_equals_reference(schedule, virtual):
+    results = _pipeline_run({"tp": 2, "pp": 2, "schedule": schedule, "virtual_stages": virtual}, 4)
+    for got in results:
+        assert_same_training(got, reference(4))
+
+
+@pytest.mark.parametrize("schedule, virtual", ZERO_BUBBLE)
+def test_zero_bubble_with_activation_checkpointing_equals_reference(schedule, virtual):
+    results = _pipeline_run({"pp": 2, "schedule": schedule, "virtual_stages": virtual}, 4,
+                            train={**TRAIN, "activation_checkpointing": True})
+    for got in results:
+        assert_same_training(got, reference(4))
 
 
 def test_tied_embedding_identical_on_first_and_last_stage():
@@ -75,7 +108,11 @@ def test_3d_dp2_tp2_pp2_with_zero_equals_reference(stage):
     ({"pp": 2, "layers": [[0], [0, 1, 2, 3]]}, {}, {}, "every block 0..3 exactly once"),
     ({"pp": 2}, {}, {"stage": 3}, "zero.stage = 3 with parallel.pp > 1 is not supported"),
     ({"pp": 2, "virtual_stages": 2}, {}, {}, "needs parallel.schedule = 'interleaved'"),
-    ({"pp": 2, "schedule": "zigzag"}, {}, {}, "parallel.schedule = 'zigzag' is invalid"),
+    ({"pp": 2, "schedule": "zigzag"}, {}, {},
+     "parallel.schedule = 'zigzag' is invalid; valid: 'gpipe', '1f1b', 'interleaved', 'zb_h1', 'zbv'"),
+    ({"pp": 2, "schedule": "zbv"}, {}, {}, "parallel.schedule = 'zbv' needs parallel.virtual_stages = 2"),
+    ({"pp": 1, "schedule": "zbv", "virtual_stages": 2}, {}, {}, "and pp >= 2 (got virtual_stages = 2, pp = 1)"),
+    ({"pp": 2, "schedule": "zb_h1", "virtual_stages": 2}, {}, {}, "valid with gpipe/1f1b/zb_h1: 1"),
 ])
 def test_bad_pipeline_recipes_fail_before_training(parallel, train, zero, message):
     recipe = tiny_recipe(parallel=parallel, train=train, zero=zero, model={"n_layer": 4})

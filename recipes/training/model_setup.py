@@ -127,10 +127,15 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         for name, _ in chunk.named_parameters():
             chunk_of.setdefault(name, i)
     # The tied embedding's two copies live on the first and the last pipeline rank (summed over the embedding
-    # group); under zbv's V both ends are on rank 0 and share one parameter: nothing to sum.
-    v_shape = topo.pp > 1 and placement(res.recipe.parallel.schedule) == "v"
-    tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage) \
-        if topo.pp > 1 and not v_shape else TiedParameters()
+    # group); under zbv's V both ends are on rank 0 and share one parameter: nothing to sum, but it still gets a
+    # bucket of its own: its gradient hook fires in both chunks' W, and a bucket shared with one chunk's other
+    # parameters would be completed (ZeRO-2: copied, then overwritten) by one W without the other's part.
+    if topo.pp == 1:
+        tied = TiedParameters()
+    elif placement(res.recipe.parallel.schedule) == "v":
+        tied = TiedParameters(frozenset({"wte.weight"}), None, counted_in_norm=True)
+    else:
+        tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage)
     return build_zero(
         zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
