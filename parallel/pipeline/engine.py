@@ -37,7 +37,8 @@ class PipelineStats:
     max_live_micro_batches: int = 0  # activations held at once (forwards without their backward yet)
     _busy: float = 0.0
     _total: float = 0.0
-    _pending: list = field(default_factory=list)  # (start event, end event, busy?) not yet read
+    _pending: list = field(default_factory=list)  # (start event, end event, busy?, kind) not yet read
+    _kinds: dict = field(default_factory=dict)  # "F" / "B" / "W" -> compute seconds (B unsplit: the whole backward)
 
     def start(self):
         if not self.cuda:
@@ -46,25 +47,30 @@ class PipelineStats:
         event.record()
         return event
 
-    def stop(self, started, busy: bool) -> None:
+    def stop(self, started, busy: bool, kind: str | None = None) -> None:
         if not self.cuda:
-            elapsed = time.perf_counter() - started
-            if busy:
-                self._busy += elapsed
-            else:
-                self._total += elapsed
+            self._add(time.perf_counter() - started, busy, kind)
             return
-        self._pending.append((started, self.start(), busy))
+        self._pending.append((started, self.start(), busy, kind))
+
+    def _add(self, elapsed: float, busy: bool, kind: str | None) -> None:
+        if busy:
+            self._busy += elapsed
+            if kind is not None:
+                self._kinds[kind] = self._kinds.get(kind, 0.0) + elapsed
+        else:
+            self._total += elapsed
 
     def _resolve(self) -> None:
-        for started, ended, busy in self._pending:
+        for started, ended, busy, kind in self._pending:
             ended.synchronize()
-            elapsed = started.elapsed_time(ended) / 1000.0
-            if busy:
-                self._busy += elapsed
-            else:
-                self._total += elapsed
+            self._add(started.elapsed_time(ended) / 1000.0, busy, kind)
         self._pending.clear()
+
+    @property
+    def compute_s(self) -> dict[str, float]:  # compute seconds per action kind
+        self._resolve()
+        return dict(self._kinds)
 
     @property
     def busy_s(self) -> float:  # forward + backward compute on this rank
@@ -82,6 +88,7 @@ class PipelineStats:
 
     def reset(self) -> None:
         self._busy, self._total, self._pending, self.max_live_micro_batches = 0.0, 0.0, [], 0
+        self._kinds = {}
 
 
 class PipelineEngine:
@@ -141,7 +148,7 @@ class PipelineEngine:
                 if last:
                     out = self.loss_fn(logits, micro_batches[micro][1])
                     losses[micro] = out.detach()
-                self.stats.stop(tick, busy=True)
+                self.stats.stop(tick, busy=True, kind="F")
                 if not last:  # to the next stage: posted by the plan, or handed over here when it is on this rank
                     box = inbox if is_local(stage, stage + 1, self.topo.pp, self.placement) else outbox
                     box[(micro, stage, False)] = out.detach().contiguous()
@@ -153,7 +160,7 @@ class PipelineEngine:
                     before_backward(k == last_backward)
                 tick = self.stats.start()
                 backward_weight(pending.pop((micro, chunk)), list(self.chunks[chunk].parameters()))
-                self.stats.stop(tick, busy=True)
+                self.stats.stop(tick, busy=True, kind="W")
                 saved.pop((micro, chunk))  # this micro-batch's activations are free now
             else:
                 x, out, logits = saved[(micro, chunk)] if (micro, chunk) in split else saved.pop((micro, chunk))
@@ -162,13 +169,13 @@ class PipelineEngine:
                 if (micro, chunk) in split:  # B: the input gradient only; W runs later
                     tick = self.stats.start()
                     dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits)
-                    self.stats.stop(tick, busy=True)
+                    self.stats.stop(tick, busy=True, kind="B")
                 else:
                     if before_backward is not None:
                         before_backward(k == last_backward)
                     tick = self.stats.start()
                     torch.autograd.backward(root, grad)
-                    self.stats.stop(tick, busy=True)
+                    self.stats.stop(tick, busy=True, kind="B")
                     dx = None if first else x.grad
                 if not first:
                     box = inbox if is_local(stage, stage - 1, self.topo.pp, self.placement) else outbox

@@ -163,7 +163,7 @@ def plan_jointly(lists: list[list[Action]], virtual: int = 1, placement: str = "
     return steps
 
 
-JOINTLY_PLANNED = ("zb_h1", "zbv")  # the zero-bubble schedules: their W passes shift sends against receives
+JOINTLY_PLANNED = ("zb_h1", "zbv", "dualpipev")  # the zero-bubble schedules: their W passes shift sends against receives
 
 
 @functools.cache

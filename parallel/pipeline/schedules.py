@@ -15,16 +15,16 @@ gradient (split_backward.py). The engine turns the list into compute and p2p.
   cooldown. At most pp micro-batches in flight (F ran, W not yet) on any rank: 1F1B's peak (its first stage
   holds pp), so the same activation memory; the bubble falls from 1F1B's (p-1)(F+B+W) to (p-1)(F+B-W), a third
   of it when F = B = W: (p-1)/(3m+p-1) for m >= p (timeline.py reproduces it exactly).
-- ZBV: two chunks per rank in a V, planned by zero_bubble.py.
+- ZBV and DualPipeV: two chunks per rank in a V, in zero_bubble.py.
 """
 
 from __future__ import annotations
 
-from megazoo.parallel.pipeline.zero_bubble import stage_of, zbv
+from megazoo.parallel.pipeline.zero_bubble import dualpipev, stage_of, zbv
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "dualpipev")
 # Model chunks per rank (parallel.virtual_stages) each schedule needs; None: any >= 2.
-CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb_h1": 1, "zbv": 2}
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
 
 __all__ = ["SCHEDULES", "CHUNKS", "Action", "schedule", "placement", "stage_of", "warmup_forwards", "forward_only"]
 
@@ -94,8 +94,8 @@ def zb_h1(m: int, pp: int, rank: int) -> list[Action]:
 
 
 def placement(name: str) -> str:
-    """How a schedule places virtual stages on ranks: "v" (zbv) or "loop" (stage = chunk * pp + rank)."""
-    return "v" if name == "zbv" else "loop"
+    """How a schedule places virtual stages on ranks: "v" (zbv, dualpipev) or "loop" (stage = chunk * pp + rank)."""
+    return "v" if name in ("zbv", "dualpipev") else "loop"
 
 
 def schedule(name: str, m: int, pp: int, rank: int, virtual: int = 1) -> list[Action]:
@@ -109,6 +109,8 @@ def schedule(name: str, m: int, pp: int, rank: int, virtual: int = 1) -> list[Ac
         return zb_h1(m, pp, rank)
     if name == "zbv":
         return zbv(m, pp, rank)
+    if name == "dualpipev":
+        return dualpipev(m, pp, rank)
     raise ValueError(f"parallel.schedule = {name!r} is invalid; valid: {', '.join(SCHEDULES)}")
 
 

@@ -76,6 +76,6 @@ def simulate(lists: list[list[Action]], stages: int, placement: str = "loop",
     every = {(i, s) for i in range(m) for s in range(stages)}
     if set(f_end) != every or set(b_end) != every:
         raise ValueError("some forward or backward is missing")
-    if split and w_done != every:
+    if w_done != {(i, stage_of(c, pp, r, placement)) for r, i, c in split}:  # a W for each split B, once
         raise ValueError("some weight gradient is missing")
     return Timeline(max(free), tuple(busy), tuple(peak))

@@ -101,3 +101,54 @@ def list_schedule(m: int, pp: int, chunks: int, placement: str, limit: int) -> t
 
 def zbv(m: int, pp: int, rank: int) -> list[Action]:
     return list(list_schedule(m, pp, 2, "v", 2 * pp)[rank])
+
+
+def dualpipev(m: int, pp: int, rank: int) -> list[Action]:
+    """DeepSeek's DualPipeV (the V-shaped half of DualPipe, DeepSeek-V3 report 2024) as a plain action list,
+    on zbv's V placement. Its phases on rank r: 2 (pp - r - 1) chunk-0 forwards; r + 1 pairs (F0, F1); pp - r - 1
+    rounds (B1 split, a W, F1); the steady state of m - 2 pp + r + 1 rounds (F0, B1, F1, B0): in DualPipe each
+    (F, B) pair of two micro-batches runs overlapped, one's compute hiding the other's communication (here they
+    run one after the other); pp - r - 1 rounds (B1, F1, B0); r + 1 rounds (B1, B0), split from the middle
+    on; pp - r - 1 rounds (a W, B0 split); the last r + 1 W. Forwards and backwards of each chunk go in
+    micro-batch order, the W passes in the order their B ran. Needs m >= 2 pp - 1 micro-batches."""
+    if m < 2 * pp - 1:
+        raise ValueError(f"the dualpipev schedule needs train.grad_accum (micro-batches) = {m} to be at least "
+                         f"2 x parallel.pp - 1 = {2 * pp - 1}")
+    actions: list[Action] = []
+    forwards, backwards = [0, 0], [0, 0]
+    deferred: list[tuple[int, int]] = []  # (micro, chunk) whose B ran split, waiting for their W
+
+    def f(chunk: int) -> None:
+        actions.append(("F", forwards[chunk], chunk))
+        forwards[chunk] += 1
+
+    def b(chunk: int, split: bool = False) -> None:
+        actions.append(("B", backwards[chunk], chunk))
+        if split:
+            deferred.append((backwards[chunk], chunk))
+        backwards[chunk] += 1
+
+    def w() -> None:
+        actions.append(("W", *deferred.pop(0)))
+
+    for _ in range(2 * (pp - rank - 1)):
+        f(0)
+    for _ in range(rank + 1):
+        f(0), f(1)
+    for _ in range(pp - rank - 1):
+        b(1, split=True), w(), f(1)
+    for _ in range(m - 2 * pp + rank + 1):
+        f(0), b(1), f(1), b(0)
+    for _ in range(pp - rank - 1):
+        b(1), f(1), b(0)
+    split, middle = False, (rank + 1) // 2
+    for i in range(rank + 1):  # from the middle on, backwards leave their W for the tail
+        split = split or (i == middle and rank % 2 == 1)
+        b(1, split)
+        split = split or (i == middle and rank % 2 == 0)
+        b(0, split)
+    for _ in range(pp - rank - 1):
+        w(), b(0, split=True)
+    while deferred:
+        w()
+    return actions
