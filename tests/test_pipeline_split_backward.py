@@ -28,7 +28,7 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
 
 
-def _compare(module: torch.nn.Module, make_input, make_root, loss: bool = False) -> int:
+def _compare(module: torch.nn.Module, make_input, make_root, loss: bool = False, recomputing: bool = False) -> int:
     """Unsplit backward vs B then W on the same module and inputs; returns how many gradients were compared.
     `loss`: make_root computes the loss from the module's output (the last stage), which B reads."""
     x = make_input()
@@ -42,7 +42,9 @@ def _compare(module: torch.nn.Module, make_input, make_root, loss: bool = False)
     x = make_input()
     out = module(x)
     root, grad = make_root(out)
-    dx, pending = backward_input(root, grad, x if x.requires_grad else None, out if loss else None)
+    dx, pending = backward_input(root, grad, x if x.requires_grad else None, out if loss else None, recomputing)
+    if x.requires_grad and not recomputing:
+        assert pending.nodes, "per-weight-node W expected"
     assert all(p.grad is None for p in module.parameters()), "B accumulated a weight gradient"
     if want_dx is not None:
         torch.testing.assert_close(dx, want_dx, rtol=0, atol=1e-10)
@@ -118,7 +120,7 @@ def _stage(topo: Topology, *, first: bool, last: bool, checkpointing: bool = Fal
 def test_gpt_stages_split_exactly(first, last, checkpointing):
     model = _stage(Topology.solo(), first=first, last=last, checkpointing=checkpointing)
     make = _ids() if first else _activation((2, 16, CFG.d_model))
-    assert _compare(model, make, _loss(model) if last else _output_grad, loss=last) > 10
+    assert _compare(model, make, _loss(model) if last else _output_grad, loss=last, recomputing=checkpointing) > 10
 
 
 def test_hooks_fire_in_w_once_per_parameter():
@@ -136,6 +138,28 @@ def test_hooks_fire_in_w_once_per_parameter():
     assert pending.root is None  # the graph is released with W
 
 
+def test_w_runs_only_the_weight_gradient_flops():
+    """B + W do exactly the unsplit backward's matmul FLOPs (W recomputes no activation gradient), and W is the
+    weight-gradient half: each linear's dW costs its forward's FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _stage(Topology.solo(), first=False, last=False)
+    x = _activation((2, 16, CFG.d_model))()
+    with FlopCounterMode(display=False) as forward:
+        root, grad = _output_grad(model(x))
+    with FlopCounterMode(display=False) as unsplit:
+        torch.autograd.backward(root, grad, retain_graph=True)
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as b:
+        _, pending = backward_input(root, grad, x)
+    with FlopCounterMode(display=False) as w:
+        backward_weight(pending, list(model.parameters()))
+    assert b.get_total_flops() + w.get_total_flops() == unsplit.get_total_flops()
+    linear_forward = sum(n for op, n in forward.get_flop_counts()["Global"].items() if "mm" in str(op)
+                         and "bmm" not in str(op))
+    assert w.get_total_flops() == linear_forward  # dW = dY^T X per linear: the forward matmul's FLOPs
+
+
 def _tp_work(checkpointing: bool):
     topo = Topology.build(dp=1, tp=2)
     counts = []
@@ -146,7 +170,8 @@ def _tp_work(checkpointing: bool):
     for first, last in ((True, False), (False, False), (False, True)):
         model = _stage(topo, first=first, last=last, checkpointing=checkpointing)
         make = _ids() if first else _activation((2, 16, CFG.d_model))
-        counts.append(_compare(model, make, _loss(model) if last else _output_grad, loss=last))
+        counts.append(_compare(model, make, _loss(model) if last else _output_grad, loss=last,
+                               recomputing=checkpointing))
     torch.distributed.barrier()
     return counts
 

@@ -94,8 +94,9 @@ class PipelineStats:
 class PipelineEngine:
     def __init__(self, chunks: list[torch.nn.Module], topo: Topology, *, hidden_size: int,
                  activation_dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 placement: str = "loop"):
+                 placement: str = "loop", recomputing: bool = False):
         self.chunks, self.topo, self.placement = chunks, topo, placement
+        self.recomputing = recomputing  # activation checkpointing: how a split backward's W runs (split_backward)
         self.v = len(chunks)
         self.stages = topo.pp * self.v
         self.hidden, self.dtype, self.loss_fn = hidden_size, activation_dtype, loss_fn
@@ -168,7 +169,7 @@ class PipelineEngine:
                 grad = None if last else inbox.pop((micro, stage + 1, True))
                 if (micro, chunk) in split:  # B: the input gradient only; W runs later
                     tick = self.stats.start()
-                    dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits)
+                    dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits, self.recomputing)
                     self.stats.stop(tick, busy=True, kind="B")
                 else:
                     if before_backward is not None:

@@ -72,7 +72,7 @@ class Trainer:
         self.schedule = par.schedule if topo.pp > 1 else "1f1b"
         self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
                                      activation_dtype=precision.params, loss_fn=self.chunks[-1].loss,
-                                     placement=placement(self.schedule))
+                                     placement=placement(self.schedule), recomputing=t.activation_checkpointing)
         self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
