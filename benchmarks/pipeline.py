@@ -13,8 +13,9 @@ every rank (held from F to W), ZBV 2p half-size chunks, DualPipeV 2p + 1.
     python benchmarks/pipeline.py [--m 8] [--steps 4] [--layers 8] [--schedules gpipe,1f1b,...] [--json out.json]
 
 On a 2-core CPU machine 4 ranks share 2 cores, so the measured bubble is inflated by time-slicing; the
-activation counts are exact everywhere. The zero-bubble schedules' W re-traverses the stage's graph
-(parallel/pipeline/split_backward.py), so their W costs about B + W: compare the F/B/W seconds.
+activation counts are exact everywhere. F / B / W seconds: the compute of each action kind per rank (an unsplit
+schedule's B is its whole backward; a zero-bubble W re-runs only the weight nodes: parallel/pipeline/
+split_backward.py).
 """
 
 from __future__ import annotations
