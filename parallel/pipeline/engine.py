@@ -171,6 +171,7 @@ class PipelineEngine:
                     tick = self.stats.start()
                     dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits, self.recomputing)
                     self.stats.stop(tick, busy=True, kind="B")
+                    saved[(micro, chunk)] = (None, None, None)  # still live (counted): W's graph holds what it needs
                 else:
                     if before_backward is not None:
                         before_backward(k == last_backward)
