@@ -124,3 +124,36 @@ def test_bad_pipeline_recipes_fail_before_training(parallel, train, zero, messag
     recipe = tiny_recipe(parallel=parallel, train=train, zero=zero, model={"n_layer": 4})
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(recipe)
+
+
+def _save_then_resume(saved_with: dict, resumed_with: dict, run_dir: str, save_at: int = 5):
+    """Train `save_at` steps under one schedule and save; a fresh Trainer under another schedule loads it and
+    finishes the 10 steps."""
+    def resolved(parallel: dict, name: str):
+        return tiny_resolved(parallel=parallel, train=TRAIN, model={"n_layer": 4}, run={"dir": f"{run_dir}/{name}"})
+
+    first = resolved(saved_with, "saved")
+    topo = Topology.build(1, 1, 2)
+    trainer = Trainer(first, topo)
+    for step in range(save_at):
+        trainer.train_step(step)
+    trainer.save_checkpoint(save_at)
+    resumed = Trainer(resolved(resumed_with, "resumed"), topo)
+    start = resumed.load_checkpoint(f"{run_dir}/saved/checkpoints/step_{save_at:08d}")
+    result = resumed.fit(start_step=start)
+    return {"start": start, "losses": result.losses, "params": resumed.full_state_dict()}
+
+
+@pytest.mark.parametrize("saved_with, resumed_with", [
+    ({"pp": 2, "schedule": "1f1b"}, {"pp": 2, "schedule": "zbv", "virtual_stages": 2}),
+    ({"pp": 2, "schedule": "zbv", "virtual_stages": 2}, {"pp": 2, "schedule": "zb_h1"}),
+], ids=["1f1b-to-zbv", "zbv-to-zb_h1"])
+def test_exact_resume_across_schedules(tmp_path, saved_with, resumed_with):
+    """A checkpoint is topology-independent: saved under one schedule (and placement: zbv's V keeps the first and
+    last stage, and one tied embedding, on rank 0), resumed under another, training ends where one process does."""
+    ref = reference(4)
+    for got in run_distributed(_save_then_resume, 2, saved_with, resumed_with, str(tmp_path)):
+        assert got["start"] == 5
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][5:]), rtol=1e-10, atol=0)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
