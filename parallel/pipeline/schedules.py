@@ -2,8 +2,9 @@
 
 An action is ("F" | "B" | "W", micro_batch, chunk): run the forward (or backward) of `micro_batch` through this
 rank's model chunk `chunk` (virtual stage chunk * pp + rank; the V placement of zbv: zero_bubble.stage_of). A
-schedule with W actions splits every backward: B is then the input gradient only and W, later, the weight
-gradient (split_backward.py). The engine turns the list into compute and p2p.
+backward whose (micro_batch, chunk) also has a W action is split: B is then the input gradient only and W, later,
+the weight gradient (split_backward.py); zb_h1 and zbv split every backward, dualpipev some. The engine turns the
+list into compute and p2p.
 
 - GPipe: every forward, then every backward. Activations of all m micro-batches are held at once.
 - 1F1B: pp - rank - 1 warm-up forwards, then one forward one backward, then the remaining backwards: at most
