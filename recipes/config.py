@@ -57,7 +57,7 @@ class ParallelSection:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    schedule: str = "1f1b"  # pipeline schedule: "gpipe" | "1f1b" | "interleaved"
+    schedule: str = "1f1b"  # pipeline schedule: "gpipe" | "1f1b" | "interleaved" | "zb_h1" | "zbv" | "dualpipev"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2)
     partition: str = "uniform"  # blocks per stage: "uniform" (by count) | "parameters" (balanced)
     layers: tuple[tuple[int, ...], ...] = ()  # explicit blocks of each (virtual) stage; overrides partition

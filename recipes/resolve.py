@@ -145,9 +145,17 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
             raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be a "
                               f"multiple of parallel.pp = {par.pp} for the interleaved schedule; valid: "
                               f"{', '.join(str(par.pp * k) for k in range(1, 4))}, ...")
+    elif par.schedule in ("zbv", "dualpipev"):
+        if par.virtual_stages != 2 or par.pp < 2:
+            raise RecipeError(f"parallel.schedule = {par.schedule!r} needs parallel.virtual_stages = 2 (two chunks "
+                              f"per rank, in a V) and pp >= 2 (got virtual_stages = {par.virtual_stages}, "
+                              f"pp = {par.pp})")
+        if par.schedule == "dualpipev" and train.grad_accum < 2 * par.pp - 1:
+            raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be at "
+                              f"least 2 x parallel.pp - 1 = {2 * par.pp - 1} for the dualpipev schedule")
     elif par.virtual_stages != 1:
         raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
-                          "'interleaved'; valid with gpipe/1f1b: 1")
+                          "'interleaved' (or 'zbv' / 'dualpipev' with 2); valid with gpipe/1f1b/zb_h1: 1")
     # "parameters" balancing counts the embeddings on the first stage and the tied head's copy on the last,
     # in units of one block's parameters (block 0's: every block has the same shapes).
     numel = {p.name: p.numel for p in parameter_layout(cfg, vocab=cfg.vocab_size, layers=range(1))}

@@ -81,6 +81,9 @@ def test_per_layer_formula_is_the_papers_at_16_bits():
 def test_pipeline_in_flight_and_checkpointing():
     assert [in_flight("1f1b", 4, r, 16) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight("1f1b", 4, 0, 2) == 2 and in_flight("gpipe", 4, 3, 16) == 16 and in_flight("1f1b", 1, 0, 8) == 1
+    # ZB-H1 holds each micro-batch from F to its deferred W: pp on every rank, as the engine counts
+    # (tests/test_pipeline.py); its peak is 1F1B's first stage's
+    assert [in_flight("zb_h1", 4, r, 16) for r in range(4)] == [4, 4, 4, 4] and in_flight("zb_h1", 4, 2, 3) == 3
     cfg = get_preset("gpt2-1.5b")
     full = stage_activations(cfg, 1024, 4, 1, [12] * 4, micro_batches=8)
     ckpt = stage_activations(cfg, 1024, 4, 1, [12] * 4, micro_batches=8, checkpointing=True)

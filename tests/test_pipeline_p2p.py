@@ -2,8 +2,8 @@
 
 NCCL matches messages between two ranks in posting order (tags ignored) and may hold a send until the peer has
 posted the matching receive. `check_plan` runs every rank's batches under exactly that rendezvous rule; here it
-runs for every schedule at pp 2, 3, 4 and 8, with the engine's own plans, and is shown to catch the classic
-deadlocks. The multi-process tests run the real engine over gloo with each batch a `batch_isend_irecv`.
+runs for every schedule (the zero-bubble ones included) at pp 2, 3, 4 and 8 and every micro-batch count listed,
+with the trainer's own plans (plan_for), and is shown to catch the classic deadlocks. The multi-process tests run the real engine over gloo with each batch a `batch_isend_irecv`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,19 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from megazoo.parallel.pipeline.p2p import Step, Transfer, check_plan, plan, post
-from megazoo.parallel.pipeline.schedules import forward_only, schedule, warmup_forwards
+from megazoo.parallel.pipeline.p2p import (Step, Transfer, check_plan, evaluation_plan_for, plan, plan_for,
+                                           plan_jointly, post)
+from megazoo.parallel.pipeline.schedules import forward_only, schedule
 from megazoo.parallel.topology import Topology
 
-CASES = [(name, pp, m, v) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)
-         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
-         if name != "interleaved" or m % pp == 0]
+CASES = [(name, pp, m, v) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)
+         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb_h1", 1),
+                         ("zbv", 2), ("dualpipev", 2))
+         if (name != "interleaved" or m % pp == 0) and (name != "dualpipev" or m >= 2 * pp - 1)]
 
 
 def plans(name: str, m: int, pp: int, v: int) -> list[list[Step]]:
-    return [plan(schedule(name, m, pp, r, v), pp, r, v, warmup=warmup_forwards(name, m, pp, r, v)) for r in range(pp)]
+    return [plan_for(name, m, pp, r, v) for r in range(pp)]
 
 
 @pytest.mark.parametrize("name, pp, m, v", CASES, ids=lambda x: str(x))
@@ -48,9 +50,29 @@ def test_each_message_is_received_in_the_order_it_was_sent(name, pp, m, v):
             key = (rank, t.peer) if t.send else (t.peer, rank)
             (sent if t.send else received).setdefault(key, []).append(t.identity)
     assert sent == received
-    # Every action that needs a message has one: activations into every non-first stage, gradients back.
-    n_stages = pp * v
-    assert sum(len(x) for x in sent.values()) == 2 * m * (n_stages - 1)
+    # Every action that needs a message has one: activations into every non-first stage, gradients back; zbv's
+    # turn (stage pp - 1 to pp, both on the last rank) is handed over in memory.
+    hops = pp * v - 1 - (1 if name in ("zbv", "dualpipev") else 0)
+    assert sum(len(x) for x in sent.values()) == 2 * m * hops
+    actions = [a for steps in all_plans for a in (s.action for s in steps) if a is not None]
+    count = {kind: sum(a[0] == kind for a in actions) for kind in "FBW"}
+    assert count["F"] == count["B"] == m * pp * v  # F, B (and W: every B of zb_h1 / zbv, some of dualpipev's)
+    assert count["W"] == (m * pp * v if name in ("zb_h1", "zbv") else 0 if name != "dualpipev" else count["W"])
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("pp, m", [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 3, 4, 8, 16)])
+def test_v_placed_evaluation_is_deadlock_free(name, pp, m):
+    check_plan([evaluation_plan_for(name, m, pp, r, 2) for r in range(pp)])
+
+
+def test_per_action_pairing_deadlocks_zbv_and_the_joint_plan_does_not():
+    """The counter-example behind plan_jointly: with each send batched with the very next receive, zbv's V
+    (rank 0 sends rank 1 both activations and gradients, needed in another order) fails under NCCL's rules."""
+    lists = [schedule("zbv", 8, 4, r, 2) for r in range(4)]
+    with pytest.raises(ValueError, match="deadlock|receives"):
+        check_plan([plan(lists[r], 4, r, 2, warmup=None, placement="v") for r in range(4)])
+    check_plan(plan_jointly(lists, 2, "v"))
 
 
 def test_the_check_catches_a_send_before_receive_cycle():

@@ -5,7 +5,7 @@ Forward of (micro-batch i, chunk c) on virtual stage s = c * pp + rank: take the
 stage, compute the loss. Backward of (i, c): take d loss / d output from stage s + 1 (the last stage starts
 from its loss), backpropagate through the chunk, hand d loss / d input to stage s - 1. Which transfers go out
 together, and when, is p2p.py's plan (paired send/receive batches, deadlock-free under NCCL's rules). Each
-forward's saved activations are dropped by its backward.
+forward's saved activations are dropped by its backward (its W when split).
 
 The engine also measures what the pipeline costs: compute time vs wall time per step (the bubble) and the most
 micro-batches whose activations were alive at once on this rank.
@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
-from megazoo.parallel.pipeline.p2p import Step, post
+from megazoo.parallel.pipeline.p2p import Step, is_local, post
+from megazoo.parallel.pipeline.schedules import stage_of
+from megazoo.parallel.pipeline.split_backward import PendingWeightGradient, backward_input, backward_weight
 from megazoo.parallel.topology import Topology
 
 
@@ -35,7 +37,8 @@ class PipelineStats:
     max_live_micro_batches: int = 0  # activations held at once (forwards without their backward yet)
     _busy: float = 0.0
     _total: float = 0.0
-    _pending: list = field(default_factory=list)  # (start event, end event, busy?) not yet read
+    _pending: list = field(default_factory=list)  # (start event, end event, busy?, kind) not yet read
+    _kinds: dict = field(default_factory=dict)  # "F" / "B" / "W" -> compute seconds (B unsplit: the whole backward)
 
     def start(self):
         if not self.cuda:
@@ -44,25 +47,30 @@ class PipelineStats:
         event.record()
         return event
 
-    def stop(self, started, busy: bool) -> None:
+    def stop(self, started, busy: bool, kind: str | None = None) -> None:
         if not self.cuda:
-            elapsed = time.perf_counter() - started
-            if busy:
-                self._busy += elapsed
-            else:
-                self._total += elapsed
+            self._add(time.perf_counter() - started, busy, kind)
             return
-        self._pending.append((started, self.start(), busy))
+        self._pending.append((started, self.start(), busy, kind))
+
+    def _add(self, elapsed: float, busy: bool, kind: str | None) -> None:
+        if busy:
+            self._busy += elapsed
+            if kind is not None:
+                self._kinds[kind] = self._kinds.get(kind, 0.0) + elapsed
+        else:
+            self._total += elapsed
 
     def _resolve(self) -> None:
-        for started, ended, busy in self._pending:
+        for started, ended, busy, kind in self._pending:
             ended.synchronize()
-            elapsed = started.elapsed_time(ended) / 1000.0
-            if busy:
-                self._busy += elapsed
-            else:
-                self._total += elapsed
+            self._add(started.elapsed_time(ended) / 1000.0, busy, kind)
         self._pending.clear()
+
+    @property
+    def compute_s(self) -> dict[str, float]:  # compute seconds per action kind
+        self._resolve()
+        return dict(self._kinds)
 
     @property
     def busy_s(self) -> float:  # forward + backward compute on this rank
@@ -80,19 +88,22 @@ class PipelineStats:
 
     def reset(self) -> None:
         self._busy, self._total, self._pending, self.max_live_micro_batches = 0.0, 0.0, [], 0
+        self._kinds = {}
 
 
 class PipelineEngine:
     def __init__(self, chunks: list[torch.nn.Module], topo: Topology, *, hidden_size: int,
-                 activation_dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.chunks, self.topo = chunks, topo
+                 activation_dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 placement: str = "loop", recomputing: bool = False):
+        self.chunks, self.topo, self.placement = chunks, topo, placement
+        self.recomputing = recomputing  # activation checkpointing: how a split backward's W runs (split_backward)
         self.v = len(chunks)
         self.stages = topo.pp * self.v
         self.hidden, self.dtype, self.loss_fn = hidden_size, activation_dtype, loss_fn
         self.stats = PipelineStats(cuda=topo.device.type == "cuda")
 
     def _stage(self, chunk: int) -> int:
-        return chunk * self.topo.pp + self.topo.pp_rank
+        return stage_of(chunk, self.topo.pp, self.topo.pp_rank, self.placement)
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], steps: list[Step], *,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, forward_only: bool = False,
@@ -102,11 +113,16 @@ class PipelineEngine:
         so gradients accumulate to the mean over micro-batches exactly as without pipelining."""
         start = self.stats.start()
         m = len(micro_batches)
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        # (micro, chunk) -> (stage input, output or loss, logits on the last stage)
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
         losses: dict[int, torch.Tensor] = {}
         outbox: dict[tuple, torch.Tensor] = {}  # identity -> tensor to send (kept alive until posted)
         inbox: dict[tuple, torch.Tensor] = {}  # identity -> received tensor
-        last_backward = max((k for k, st in enumerate(steps) if st.action and st.action[0] == "B"), default=-1)
+        split = {st.action[1:] for st in steps if st.action and st.action[0] == "W"}  # (micro, chunk) with a W
+        pending: dict[tuple[int, int], PendingWeightGradient] = {}
+        # The last action that accumulates parameter gradients: ZeRO-1 reduces during it.
+        last_backward = max((k for k, st in enumerate(steps) if st.action and (
+            st.action[0] == "W" or (st.action[0] == "B" and st.action[1:] not in split))), default=-1)
         for k, step in enumerate(steps):
             buffers = []
             for t in step.transfers:
@@ -129,29 +145,44 @@ class PipelineEngine:
                     inbox.pop((micro, stage - 1, False)).requires_grad_(not forward_only)
                 tick = self.stats.start()
                 with torch.set_grad_enabled(not forward_only), autocast():
-                    out = self.chunks[chunk](x)
+                    out = logits = self.chunks[chunk](x)
                 if last:
-                    out = self.loss_fn(out, micro_batches[micro][1])
+                    out = self.loss_fn(logits, micro_batches[micro][1])
                     losses[micro] = out.detach()
-                self.stats.stop(tick, busy=True)
-                if not last:
-                    outbox[(micro, stage, False)] = out.detach().contiguous()
+                self.stats.stop(tick, busy=True, kind="F")
+                if not last:  # to the next stage: posted by the plan, or handed over here when it is on this rank
+                    box = inbox if is_local(stage, stage + 1, self.topo.pp, self.placement) else outbox
+                    box[(micro, stage, False)] = out.detach().contiguous()
                 if not forward_only:
-                    saved[(micro, chunk)] = (None if first else x, out)
+                    saved[(micro, chunk)] = (None if first else x, out, logits if last else None)
                     self.stats.max_live_micro_batches = max(self.stats.max_live_micro_batches, len(saved))
-            else:
-                x, out = saved.pop((micro, chunk))
+            elif kind == "W":
                 if before_backward is not None:
                     before_backward(k == last_backward)
                 tick = self.stats.start()
-                if last:
-                    (out * (loss_scale / m)).backward()
+                backward_weight(pending.pop((micro, chunk)), list(self.chunks[chunk].parameters()))
+                self.stats.stop(tick, busy=True, kind="W")
+                saved.pop((micro, chunk))  # this micro-batch's activations are free now
+            else:
+                x, out, logits = saved[(micro, chunk)] if (micro, chunk) in split else saved.pop((micro, chunk))
+                root = out * (loss_scale / m) if last else out
+                grad = None if last else inbox.pop((micro, stage + 1, True))
+                if (micro, chunk) in split:  # B: the input gradient only; W runs later
+                    tick = self.stats.start()
+                    dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits, self.recomputing)
+                    self.stats.stop(tick, busy=True, kind="B")
+                    saved[(micro, chunk)] = (None, None, None)  # still live (counted): W's graph holds what it needs
                 else:
-                    torch.autograd.backward(out, inbox.pop((micro, stage + 1, True)))
-                self.stats.stop(tick, busy=True)
+                    if before_backward is not None:
+                        before_backward(k == last_backward)
+                    tick = self.stats.start()
+                    torch.autograd.backward(root, grad)
+                    self.stats.stop(tick, busy=True, kind="B")
+                    dx = None if first else x.grad
                 if not first:
-                    outbox[(micro, stage, True)] = x.grad.contiguous()
-                del x, out  # this micro-batch's activations are free now
-        assert not outbox and not inbox, "the p2p plan left transfers unposted"
+                    box = inbox if is_local(stage, stage - 1, self.topo.pp, self.placement) else outbox
+                    box[(micro, stage, True)] = dx.contiguous()
+                del x, out, logits, root, grad, dx  # unsplit: this micro-batch's activations are free now
+        assert not outbox and not inbox and not pending, "the p2p plan left transfers or weight gradients undone"
         self.stats.stop(start, busy=False)
         return [losses[i] for i in range(m)] if losses else []

@@ -18,12 +18,14 @@ tests run it for every schedule; the engine executes the very plan that was chec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megazoo.parallel.pipeline.schedules import Action
+from megazoo.parallel.pipeline.schedules import Action, forward_only, placement, schedule, warmup_forwards
+from megazoo.parallel.pipeline.zero_bubble import rank_of, stage_of
 
 
 @dataclass(frozen=True)
@@ -48,19 +50,34 @@ class Step:
     action: Action | None  # None: the final flush of outstanding sends
 
 
-def _transfers(action: Action, pp: int, pp_rank: int, stages: int) -> tuple[Transfer | None, Transfer | None]:
-    """(what this action must receive before it runs, what it sends after it ran); None where nothing."""
+def _transfers(action: Action, pp: int, pp_rank: int, stages: int,
+               placement: str = "loop") -> tuple[Transfer | None, Transfer | None]:
+    """(what this action must receive before it runs, what it sends after it ran); None where nothing: the
+    first / last stage, a W (no communication), and a hop between two stages on this very rank (the bottom of
+    zbv's V: the engine hands that tensor over in memory, see `is_local`)."""
     kind, micro, chunk = action
-    stage = chunk * pp + pp_rank
-    prev, nxt = (pp_rank - 1) % pp, (pp_rank + 1) % pp
+    if kind == "W":
+        return None, None
+    stage = stage_of(chunk, pp, pp_rank, placement)
+
+    def remote(send: bool, other: int, src: int, backward: bool) -> Transfer | None:
+        peer = rank_of(other, pp, placement)[0]
+        return None if peer == pp_rank else Transfer(send, peer, micro, src, backward)
+
     if kind == "F":
-        return (Transfer(False, prev, micro, stage - 1, False) if stage > 0 else None,
-                Transfer(True, nxt, micro, stage, False) if stage < stages - 1 else None)
-    return (Transfer(False, nxt, micro, stage + 1, True) if stage < stages - 1 else None,
-            Transfer(True, prev, micro, stage, True) if stage > 0 else None)
+        return (remote(False, stage - 1, stage - 1, False) if stage > 0 else None,
+                remote(True, stage + 1, stage, False) if stage < stages - 1 else None)
+    return (remote(False, stage + 1, stage + 1, True) if stage < stages - 1 else None,
+            remote(True, stage - 1, stage, True) if stage > 0 else None)
 
 
-def plan(actions: list[Action], pp: int, pp_rank: int, virtual: int = 1, warmup: int | None = None) -> list[Step]:
+def is_local(src_stage: int, dst_stage: int, pp: int, placement: str) -> bool:
+    """Both stages on one rank: the tensor is handed over in memory, never posted."""
+    return rank_of(src_stage, pp, placement)[0] == rank_of(dst_stage, pp, placement)[0]
+
+
+def plan(actions: list[Action], pp: int, pp_rank: int, virtual: int = 1, warmup: int | None = None,
+         placement: str = "loop") -> list[Step]:
     """The transfers of this rank's `actions`, grouped into the batches it posts.
 
     Actions run in slots: each (forward, backward) pair of a 1F1B steady state (after the `warmup` forwards:
@@ -81,13 +98,93 @@ def plan(actions: list[Action], pp: int, pp_rank: int, virtual: int = 1, warmup:
     steps: list[Step] = []
     sends: list[Transfer] = []
     for slot in slots:
-        recvs = [t for t in (_transfers(a, pp, pp_rank, stages)[0] for a in slot) if t is not None]
+        recvs = [t for t in (_transfers(a, pp, pp_rank, stages, placement)[0] for a in slot) if t is not None]
         steps.append(Step(tuple(sends + recvs), slot[0]))
         steps += [Step((), action) for action in slot[1:]]
-        sends = [t for t in (_transfers(a, pp, pp_rank, stages)[1] for a in slot) if t is not None]
+        sends = [t for t in (_transfers(a, pp, pp_rank, stages, placement)[1] for a in slot) if t is not None]
     if sends:
         steps.append(Step(tuple(sends), None))
     return steps
+
+
+def plan_jointly(lists: list[list[Action]], virtual: int = 1, placement: str = "loop") -> list[list[Step]]:
+    """Every rank's plan at once, for schedules whose ranks need messages in another order than their peers
+    send them (zbv's V: rank 0 sends rank 1 both stage 0's activations and stage 2 pp - 1's gradients, and
+    rank 1 may need a later-sent one first; NCCL matches by position, so per-action pairing deadlocks).
+
+    Lockstep rounds over the ranks' action lists (a valid execution order): in the exchange half of a round,
+    every rank posts one batch holding the message its next action needs - with every earlier message of the
+    same channel, in channel order (they wait in the engine's inbox) - and the messages it holds that a peer's
+    batch in this round receives; in the compute half, every rank whose next action has its inputs runs it
+    (its outputs wait in the engine's outbox until a peer asks). Each op in a round meets its counterpart in the
+    same round, so every batch completes: deadlock-free by construction, and `check_plan` confirms it."""
+    pp = len(lists)
+    stages = pp * virtual
+    steps: list[list[Step]] = [[] for _ in range(pp)]
+    pc = [0] * pp
+    inbox: list[set[tuple[int, int, bool]]] = [set() for _ in range(pp)]
+    outbox: list[list[Transfer]] = [[] for _ in range(pp)]  # produced, not yet sent, in production order
+    while any(pc[r] < len(lists[r]) for r in range(pp)):
+        wanted: list[list[Transfer]] = [[] for _ in range(pp)]  # the receives each rank posts this round
+        sending: list[list[Transfer]] = [[] for _ in range(pp)]
+        for r in range(pp):
+            need = _transfers(lists[r][pc[r]], pp, r, stages, placement)[0] if pc[r] < len(lists[r]) else None
+            if need is None or need.identity in inbox[r]:
+                continue
+            held = [t for t in outbox[need.peer] if t.peer == r]  # the channel need.peer -> r, in order
+            ids = [t.identity for t in held]
+            if need.identity in ids:
+                sending[need.peer] += held[:ids.index(need.identity) + 1]
+                wanted[r] = [Transfer(False, need.peer, *t.identity) for t in held[:ids.index(need.identity) + 1]]
+        for r in range(pp):
+            if sending[r] or wanted[r]:
+                steps[r].append(Step(tuple(sending[r] + wanted[r]), None))
+                outbox[r] = [o for o in outbox[r] if o not in sending[r]]
+                inbox[r].update(t.identity for t in wanted[r])
+        computed = False
+        for r in range(pp):
+            if pc[r] == len(lists[r]):
+                continue
+            action = lists[r][pc[r]]
+            need, out = _transfers(action, pp, r, stages, placement)
+            if need is not None and need.identity not in inbox[r]:
+                continue
+            if need is not None:
+                inbox[r].discard(need.identity)
+            steps[r].append(Step((), action))
+            if out is not None:
+                outbox[r].append(out)
+            pc[r] += 1
+            computed = True
+        if not computed and not any(wanted):
+            raise ValueError("the schedule cannot run: ranks wait at "
+                             f"{[lists[r][pc[r]] if pc[r] < len(lists[r]) else None for r in range(pp)]}")
+    assert not any(outbox), "a message was produced that no rank receives"
+    return steps
+
+
+JOINTLY_PLANNED = ("zb_h1", "zbv", "dualpipev")  # the zero-bubble schedules: their W passes shift sends against receives
+
+
+@functools.cache
+def _joint(name: str, m: int, pp: int, virtual: int, evaluation: bool) -> tuple[tuple[Step, ...], ...]:
+    lists = [forward_only(m, virtual, pp) if evaluation else schedule(name, m, pp, r, virtual) for r in range(pp)]
+    return tuple(tuple(steps) for steps in plan_jointly(lists, virtual, placement(name)))
+
+
+def plan_for(name: str, m: int, pp: int, pp_rank: int, virtual: int = 1) -> list[Step]:
+    """This rank's plan of schedule `name` over m micro-batches: what the trainer runs and the tests check."""
+    if name in JOINTLY_PLANNED:
+        return list(_joint(name, m, pp, virtual, False)[pp_rank])
+    return plan(schedule(name, m, pp, pp_rank, virtual), pp, pp_rank, virtual,
+                warmup=warmup_forwards(name, m, pp, pp_rank, virtual))
+
+
+def evaluation_plan_for(name: str, m: int, pp: int, pp_rank: int, virtual: int = 1) -> list[Step]:
+    """Forward only (evaluation), every micro-batch through every chunk, on the schedule's placement."""
+    if placement(name) != "loop":
+        return list(_joint(name, m, pp, virtual, True)[pp_rank])
+    return plan(forward_only(m, virtual, pp), pp, pp_rank, virtual)
 
 
 def check_plan(plans: list[list[Step]]) -> None:

@@ -2,7 +2,7 @@
 
 A model of n_layer blocks is cut into pp x v contiguous *virtual stages* (v = 1 unless interleaved). Virtual
 stage s lives on pipeline rank s % pp as that rank's model chunk s // pp, so with interleaving a rank holds
-v non-adjacent slices of the model. The first virtual stage also holds the embeddings, the last the final
+v non-adjacent slices of the model (zbv's V placement: rank r holds stages r and 2 pp - 1 - r). The first virtual stage also holds the embeddings, the last the final
 LayerNorm and the (tied) LM head.
 """
 
@@ -87,6 +87,9 @@ def virtual_stage_layers(n_layer: int, pp: int, *, virtual: int = 1, method: str
     raise ValueError(f"parallel.partition = {method!r} is invalid; valid: {', '.join(PARTITION_METHODS)}")
 
 
-def rank_chunks(stages: list[list[int]], pp: int, pp_rank: int) -> list[int]:
-    """The virtual stages this pipeline rank holds, in chunk order."""
+def rank_chunks(stages: list[list[int]], pp: int, pp_rank: int, placement: str = "loop") -> list[int]:
+    """The virtual stages this pipeline rank holds, in chunk order: every pp-th from pp_rank ("loop"), or the
+    V's two arms, pp_rank and 2 pp - 1 - pp_rank ("v": zbv; the first rank holds the first and the last stage)."""
+    if placement == "v":
+        return [pp_rank, len(stages) - 1 - pp_rank]
     return list(range(pp_rank, len(stages), pp))

@@ -1,18 +1,33 @@
 """Pipeline schedules as plain lists of actions, one list per pipeline rank.
 
-An action is ("F" | "B", micro_batch, chunk): run the forward (or backward) of `micro_batch` through this
-rank's model chunk `chunk` (virtual stage chunk * pp + rank). The engine turns the list into compute and p2p.
+An action is ("F" | "B" | "W", micro_batch, chunk): run the forward (or backward) of `micro_batch` through this
+rank's model chunk `chunk` (virtual stage chunk * pp + rank; the V placement of zbv: zero_bubble.stage_of). A
+backward whose (micro_batch, chunk) also has a W action is split: B is then the input gradient only and W, later,
+the weight gradient (split_backward.py); zb_h1 and zbv split every backward, dualpipev some. The engine turns the
+list into compute and p2p.
 
 - GPipe: every forward, then every backward. Activations of all m micro-batches are held at once.
 - 1F1B: pp - rank - 1 warm-up forwards, then one forward one backward, then the remaining backwards: at most
   pp micro-batches of activations alive on the first stage, whatever m is.
 - Interleaved 1F1B (Narayanan et al. 2021): each rank holds v chunks; micro-batches go through the chunks in
   groups of pp, shrinking the bubble from (p-1)/(m+p-1) to (p-1)/(v m + p-1). Needs m to be a multiple of pp.
+- ZB-H1 (Qi et al. 2024): 1F1B's order of F and B; on rank r the W of micro-batch j runs right after the B of
+  micro-batch j + r (rank 0: right after its own B) and the last r W passes at the end, where they fill the
+  cooldown. At most pp micro-batches in flight (F ran, W not yet) on any rank: 1F1B's peak (its first stage
+  holds pp), so the same activation memory; the bubble falls from 1F1B's (p-1)(F+B+W) to (p-1)(F+B-W), a third
+  of it when F = B = W: (p-1)/(3m+p-1) for m >= p (timeline.py reproduces it exactly).
+- ZBV and DualPipeV: two chunks per rank in a V, in zero_bubble.py.
 """
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from megazoo.parallel.pipeline.zero_bubble import dualpipev, stage_of, zbv
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "dualpipev")
+# Model chunks per rank (parallel.virtual_stages) each schedule needs; None: any >= 2.
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
+
+__all__ = ["SCHEDULES", "CHUNKS", "Action", "schedule", "placement", "stage_of", "warmup_forwards", "forward_only"]
 
 Action = tuple[str, int, int]
 
@@ -66,6 +81,24 @@ def interleaved(m: int, pp: int, rank: int, v: int) -> list[Action]:
     return actions
 
 
+def zb_h1(m: int, pp: int, rank: int) -> list[Action]:
+    actions: list[Action] = []
+    backwards = weights = 0
+    for action in one_f_one_b(m, pp, rank):
+        actions.append(action)
+        if action[0] == "B":
+            backwards += 1
+            if backwards > rank:  # the W of micro-batch j after the B of j + rank
+                actions.append(("W", weights, 0))
+                weights += 1
+    return actions + [("W", j, 0) for j in range(weights, m)]
+
+
+def placement(name: str) -> str:
+    """How a schedule places virtual stages on ranks: "v" (zbv, dualpipev) or "loop" (stage = chunk * pp + rank)."""
+    return "v" if name in ("zbv", "dualpipev") else "loop"
+
+
 def schedule(name: str, m: int, pp: int, rank: int, virtual: int = 1) -> list[Action]:
     if name == "gpipe":
         return gpipe(m, pp, rank)
@@ -73,6 +106,12 @@ def schedule(name: str, m: int, pp: int, rank: int, virtual: int = 1) -> list[Ac
         return one_f_one_b(m, pp, rank)
     if name == "interleaved":
         return interleaved(m, pp, rank, virtual)
+    if name == "zb_h1":
+        return zb_h1(m, pp, rank)
+    if name == "zbv":
+        return zbv(m, pp, rank)
+    if name == "dualpipev":
+        return dualpipev(m, pp, rank)
     raise ValueError(f"parallel.schedule = {name!r} is invalid; valid: {', '.join(SCHEDULES)}")
 
 

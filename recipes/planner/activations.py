@@ -107,7 +107,9 @@ def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: in
         return micro_batches
     if schedule == "interleaved":
         return min(micro_batches, (pp - rank) * (1 + (pp - 1) / (pp * virtual)))
-    return min(pp - rank, micro_batches)  # 1F1B
+    if schedule == "zb_h1":  # activations held from F to the deferred W: pp on every rank (1F1B's first stage's)
+        return min(pp, micro_batches)
+    return min(pp - rank, micro_batches)  # 1F1B (zbv / dualpipev: not modelled yet, see issue 29)
 
 
 @dataclass(frozen=True)

@@ -137,15 +137,20 @@ def pipeline_bubble(args) -> Report:
     rep = Report("Pipeline bubble per schedule: measured on local gloo ranks vs theory")
     rep.add("Theory (Narayanan et al. 2021, \"Efficient Large-Scale Language Model Training on GPU Clusters Using "
             "Megatron-LM\", sec. 2.2): bubble fraction (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + "
-            "p - 1) for interleaved 1F1B with v virtual stages per rank; 1F1B keeps at most p micro-batches of "
-            "activations alive on the first stage, GPipe all m. Measured: benchmarks/pipeline.py"
+            "p - 1) for interleaved 1F1B with v virtual stages per rank; with F = B = W (Qi et al. 2024, \"Zero "
+            "Bubble Pipeline Parallelism\"): (p - 1) / (3 m + p - 1) for ZB-H1 and (p - 1) / (6 m + p - 1) for ZBV "
+            "(two chunks per rank in a V) and for DualPipeV run without overlap (it needs m >= 2p - 1); 1F1B and "
+            "ZB-H1 keep at most p micro-batches of activations alive, GPipe all m, ZBV 2p half-size chunks, "
+            "DualPipeV 2p + 1. Measured: benchmarks/pipeline.py"
             + (" --m 4 --steps 1 --layers 8 (--quick)" if args.quick else " (m 8, 4 steps, 8 layers)")
             + ": the Trainer on pp CPU gloo ranks, gpt2-tiny, micro-batch 4 x seq 64, fp32; each rank's idle share "
             "of the schedule, averaged over ranks. On this 2-core machine pp ranks time-slice 2 cores, so the "
             "measured bubble is inflated; the live micro-batch counts are exact.")
-    rep.add(table(["pp", "schedule", "v", "m", "bubble measured", "bubble theory", "live micro-batches per stage"],
+    rep.add(table(["pp", "schedule", "v", "m", "bubble measured", "bubble theory", "bubble ideal (lists)",
+                   "tokens/s", "live micro-batches per stage"],
                   [[r["pp"], r["schedule"], r["v"], r["m"], f"{r['bubble_measured']:.3f}",
-                    f"{r['bubble_theory']:.3f}", r["live_per_stage"]] for r in rows], "rlrrrrl"))
+                    f"{r['bubble_theory']:.3f}", f"{r['bubble_ideal']:.3f}", f"{r['tokens_per_s']:.0f}",
+                    r["live_per_stage"]] for r in rows], "rlrrrrrrl"))
     rep.data = {"rows": rows, "quick": args.quick}
     fig, (ax,) = figure(width=6)
     labels = [f"pp{r['pp']}\n{r['schedule']}" for r in rows]

@@ -16,6 +16,7 @@ from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.pipeline.partition import rank_chunks
+from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor import named_shards
 from megazoo.parallel.tensor.random import TPRNGTracker
 from megazoo.parallel.topology import Topology
@@ -89,18 +90,23 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
                 kernels=None) -> list[GPT]:
     """This rank's model chunks: its tp shard of each pipeline (virtual) stage it holds; one chunk, the whole
     model, when pp = 1. Initialised from the recipe's seed: identical full weights for every layout. With
-    device="meta" nothing is allocated (ZeRO-3 materialises it unit by unit)."""
+    device="meta" nothing is allocated (ZeRO-3 materialises it unit by unit).
+
+    zbv's V puts the first and the last stage on pipeline rank 0: its two chunks then share one embedding module
+    (the tied weight is one parameter there, its gradient accumulated by both chunks' backward)."""
     train, par, cfg = res.recipe.train, res.recipe.parallel, res.model
     rng = TPRNGTracker(train.seed, topo.tp_rank, topo.device)
     stages = res.stage_layers
     chunks = []
-    for stage in rank_chunks(stages, topo.pp, topo.pp_rank):
+    for stage in rank_chunks(stages, topo.pp, topo.pp_rank, placement(par.schedule) if topo.pp > 1 else "loop"):
         chunk = GPT(cfg, topo, layers=range(stages[stage][0], stages[stage][-1] + 1),
                     with_embedding=stage == 0, with_head=stage == len(stages) - 1, rng=rng,
                     activation_checkpointing=train.activation_checkpointing, device=device or topo.device,
                     dtype=dtype, kernels=kernels)
         if device != "meta":
             init_weights(chunk, train.seed)
+        if chunks and hasattr(chunk, "wte") and hasattr(chunks[0], "wte"):
+            chunk.wte = chunks[0].wte  # the V's last stage beside the first: one tied weight
         chunks.append(chunk)
     assert len(chunks) == par.virtual_stages
     return chunks
@@ -110,10 +116,26 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     """The recipe's ZeRO stage over every chunk's parameters. With pp > 1 the embedding lives on the first and
     the last stage (tied): its gradients are summed over the embedding group and counted once in the norm."""
     t, zero, model = res.recipe.train, res.recipe.zero, chunks[0]
-    named = [entry for chunk in chunks for entry in named_shards(chunk)]
-    chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk.named_parameters()}
-    tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage) \
-        if topo.pp > 1 else TiedParameters()
+    named, seen = [], set()
+    for chunk in chunks:  # a parameter shared by two chunks (zbv's tied embedding on rank 0) is listed once
+        for entry in named_shards(chunk):
+            if entry[1] not in seen:
+                seen.add(entry[1])
+                named.append(entry)
+    chunk_of = {}
+    for i, chunk in enumerate(chunks):
+        for name, _ in chunk.named_parameters():
+            chunk_of.setdefault(name, i)
+    # The tied embedding's two copies live on the first and the last pipeline rank (summed over the embedding
+    # group); under zbv's V both ends are on rank 0 and share one parameter: nothing to sum, but it still gets a
+    # bucket of its own: its gradient hook fires in both chunks' W, and a bucket shared with one chunk's other
+    # parameters would be completed (ZeRO-2: copied, then overwritten) by one W without the other's part.
+    if topo.pp == 1:
+        tied = TiedParameters()
+    elif placement(res.recipe.parallel.schedule) == "v":
+        tied = TiedParameters(frozenset({"wte.weight"}), None, counted_in_norm=True)
+    else:
+        tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage)
     return build_zero(
         zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,

@@ -24,8 +24,8 @@ from megazoo.data.batches import GlobalBatchSampler
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
-from megazoo.parallel.pipeline.p2p import plan
-from megazoo.parallel.pipeline.schedules import forward_only, schedule, warmup_forwards
+from megazoo.parallel.pipeline.p2p import evaluation_plan_for, plan_for
+from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor.random import seed_default_stream
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.interface import optimizer_step
@@ -72,12 +72,12 @@ class Trainer:
         self.model = self.chunks[0]  # the whole model when pp = 1
         self.zero = build_optimizer(res, topo, self.chunks, self.kernels)
         self.optimizer = self.zero.optimizer
-        self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
-                                     activation_dtype=precision.params, loss_fn=self.chunks[-1].loss)
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
-        name, shape = par.schedule if topo.pp > 1 else "1f1b", (t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
-        self.plan = plan(schedule(name, *shape), topo.pp, topo.pp_rank, par.virtual_stages,
-                         warmup=warmup_forwards(name, *shape))
+        self.schedule = par.schedule if topo.pp > 1 else "1f1b"
+        self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
+                                     activation_dtype=precision.params, loss_fn=self.chunks[-1].loss,
+                                     placement=placement(self.schedule), recomputing=t.activation_checkpointing)
+        self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           topo.dp_rank, topo.dp, seed=t.seed)
         self.autocast = precision.autocast
@@ -180,8 +180,7 @@ class Trainer:
         first = self.topo.dp_rank * per_rank
         micro = [list(range(i, min(i + t.micro_batch, first + per_rank)))
                  for i in range(first, first + per_rank, t.micro_batch)]
-        steps = plan(forward_only(len(micro), len(self.chunks), self.topo.pp), self.topo.pp, self.topo.pp_rank,
-                     len(self.chunks))
+        steps = evaluation_plan_for(self.schedule, len(micro), self.topo.pp, self.topo.pp_rank, len(self.chunks))
         losses = self.engine.run(self._batches(val, micro), steps, autocast=self.autocast, forward_only=True)
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for loss, indices in zip(losses, micro):
