@@ -91,7 +91,7 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 def _run_eval(args: argparse.Namespace) -> int:
     from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+    from megazoo.parallel.topology import Topology, local_device
 
     try:
         if args.tp > 1:
@@ -99,8 +99,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             if source.checkpoint is not None:  # every worker evaluates the checkpoint resolved here
                 args.checkpoint = str(source.checkpoint)
             return launch_local(args.tp, "megazoo.eval.cli", _forwarded_argv(args))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        evaluate(args, Topology.solo(device))
+        evaluate(args, Topology.solo(local_device(0)))  # one process: GPU 0 when there is one
     except (FileNotFoundError, ValueError, ConnectionError) as error:
         print(f"megazoo: error: {error}", file=sys.stderr)
         return 2

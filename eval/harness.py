@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 
-import torch
 
 EXTRA_HINT = "megazoo eval harness needs lm-eval: pip install 'megazoo[eval]' (or pip install lm-eval)"
 
@@ -104,14 +103,14 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+    from megazoo.parallel.topology import Topology, local_device
 
     try:
         if args.tp > 1:
             opened, _, _ = check(args)  # bad input fails here, before any worker starts
             args.checkpoint = str(opened.path)
             return launch_local(args.tp, "megazoo.eval.harness", _forwarded_argv(args))
-        run(args, Topology.solo("cuda" if torch.cuda.is_available() else "cpu"))
+        run(args, Topology.solo(local_device(0)))  # one process: GPU 0 when there is one
     except (FileNotFoundError, ValueError, ConnectionError) as error:
         print(f"megazoo: error: {error}", file=sys.stderr)
         return 2

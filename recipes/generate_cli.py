@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 
 
 def _check(args: argparse.Namespace):
@@ -59,15 +58,14 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     from megazoo.workers.supervisor import launch_local
-    from megazoo.parallel.topology import Topology
+    from megazoo.parallel.topology import Topology, local_device
 
     try:
         ckpt = _check(args)  # bad input fails here, before any worker starts
         if args.tp > 1:
             args.checkpoint = str(ckpt.path)  # every worker decodes the checkpoint resolved here
             return launch_local(args.tp, "megazoo.recipes.generate_cli", _forwarded_argv(args))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        text = continuation(args, Topology.solo(device))
+        text = continuation(args, Topology.solo(local_device(0)))  # one process: GPU 0 when there is one
     except (FileNotFoundError, ValueError, ConnectionError) as error:
         print(f"megazoo: error: {error}", file=sys.stderr)
         return 2

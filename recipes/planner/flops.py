@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megazoo.models.config import ModelConfig
+from megazoo.parallel import accelerator
 
 # Dense peak FLOP/s by GPU and compute dtype (NVIDIA data sheets; SXM parts; fp32 matmuls run as TF32).
 PEAK_FLOPS = {
@@ -34,7 +35,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The device's dense peak for `dtype`, or None when unknown (the CPU, an unlisted GPU or dtype)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    name = accelerator.device_name(device)
     for key, peaks in PEAK_FLOPS.items():  # "H100 PCIe" before "H100": the first match wins
         if key in name:
             return peaks.get(dtype)

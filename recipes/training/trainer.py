@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megazoo.data import GlobalBatchSampler
 from megazoo.models.weights import full_state_dict
+from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
 from megazoo.parallel.pipeline.p2p import plan
@@ -119,8 +120,7 @@ class Trainer:
         any rank is skipped everywhere (parameters untouched) and the scaler backs off.
         """
         start = time.perf_counter()
-        if self.topo.device.type == "cuda":  # peak memory per step, not since the process started
-            torch.cuda.reset_peak_memory_stats(self.topo.device)
+        accelerator.reset_peak_memory_stats(self.topo.device)  # peak memory per step, not since the start
         t, zero, stats = self.train_cfg, self.zero, self.engine.stats
         lr = lr_at(step, t, self.res.lr_decay_steps)
         zero.comm.reset()
