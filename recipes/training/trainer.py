@@ -102,7 +102,7 @@ class Trainer:
                  else torch.zeros((), dtype=f64, device=device))
         norm = norm.to(device, f64) if norm is not None and self.topo.rank == 0 else torch.zeros((), dtype=f64,
                                                                                                 device=device)
-        packed = torch.stack([share, torch.tensor(float(stop), dtype=f64, device=device), norm])
+        packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
         if self.topo.world_size > 1:
             dist.all_reduce(packed)
         loss, stops, grad_norm = packed.tolist()
