@@ -233,9 +233,16 @@ class PartitionedOptimizer:
 
     @torch.no_grad()
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        """Scale every owned gradient by min(1, max_norm / norm). The factor is moved once per (device, dtype):
+        under ZeRO-Offload the gradients are on the host and the norm on the GPU, and a move per bucket was one
+        blocking device-to-host copy each (found on fake CUDA)."""
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        moved: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         for g in self.gradients():
-            g.mul_(coef.to(g.device, g.dtype))
+            key = (g.device, g.dtype)
+            if key not in moved:
+                moved[key] = coef.to(g.device, g.dtype)
+            g.mul_(moved[key])
 
     @torch.no_grad()
     def update_owned(self, lr: float) -> None:

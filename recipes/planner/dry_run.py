@@ -59,6 +59,7 @@ class StepMeasurement:
     flops: int
     host_reads: dict[str, int] = field(default_factory=dict)  # call site -> placeholder reads (dry run only)
     by_group: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (op, "mesh_dp"...) -> count, bytes
+    copies: dict[str, list[int]] = field(default_factory=dict)  # host <-> device: [count, bytes, blocking count]
 
 
 @dataclass
@@ -195,12 +196,16 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
                   later_grads=None if offload else zero.gradients)
         with StepRecorder(placeholders=placeholders) as rec, flop_counter() as flops:
             trainer.train_step(0)
-        peak = mem.peak()
-    host_bytes = peak["optimizer"] if offload else 0
-    if offload:
-        peak["total"] -= host_bytes
+        device = trainer.topo.device
+        if device.type == "cpu":  # one memory: the offloaded states are taken out of it
+            peak = mem.peak()
+            host_bytes = peak["optimizer"] if offload else 0
+            peak["total"] -= host_bytes
+        else:  # the GPU's own peak; ZeRO-Offload's host memory (states, staging) at the host's own peak
+            peak = mem.peak(device)
+            host_bytes = mem.peak(torch.device("cpu"))["total"] if offload else 0
     return StepMeasurement(peak, host_bytes, rec.summary(), rec.trace, flops.get_total_flops(),
-                           dict(rec.host_reads), dict(rec.by_group))
+                           dict(rec.host_reads), dict(rec.by_group), dict(rec.copies))
 
 
 def fake_cuda_kernels(res: Resolved) -> tuple[Resolved, list[str]]:

@@ -107,8 +107,10 @@ def role_dict(res: Resolved, r: RoleResult) -> dict:
             "relative_difference": rel(m.peak["total"], plan["total"]),
             "by_category": {k: v for k, v in m.peak.items() if k != "total"}, "host_bytes": m.host_bytes,
             "planned_by_category": {k: plan[k] for k in ("params", "grads", "optimizer", "activations", "buffers")},
-            "collectives": m.collectives, "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
-            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "flops": m.flops, "formula_flops": formula_flops(
+            "collectives": m.collectives, "by_group": [[op, desc, count, nbytes] for (op, desc), (count, nbytes)
+                                                       in sorted(m.by_group.items())],
+            "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
+            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
                 res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
 
 
@@ -158,6 +160,8 @@ def to_text(res: Resolved, rep: dict) -> str:
                          f"{col['bytes'] / GB:.4f} GB")
         lines.append(f"  dp ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
                      f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
+        for way, (count, nbytes, blocking) in sorted(row.get("copies", {}).items()):
+            lines.append(f"  {way.replace('_', '-')} copies: {count} x, {nbytes / GB:.4f} GB, {blocking} blocking")
         lines.append(f"  FLOPs: {row['flops']:.4g} counted vs {row['formula_flops']:.4g} by formula "
                      f"({_pct(rel(row['flops'], row['formula_flops']))})")
         for site, count in row["placeholders"].items():
