@@ -1,16 +1,19 @@
 """The dry run on fake CUDA next to the CPU dry run, per recipe: peak bytes, tp and dp bytes, what was stubbed.
 
-    python -m benchmarks.fake_cuda [--recipe PATH [--set k=v ...]] ... [--tiny] [--json OUT]
+    python -m benchmarks.fake_cuda [--recipe PATH [--set k=v ...]] ... [--tiny] [--before] [--json OUT]
 
 --tiny adds tests/test_dry_run_cuda.py's small configurations (dp ZeRO 0-3 in bf16/fp16, offload, tp, pp). Each
 row: the device peak of each role (MB), ZeRO-Offload's host bytes, the bytes each rank's collectives carry on its
 tp group and on its dp group (tensor bytes, summed over the step), and the CUDA calls the fake device answered.
-All fake-CUDA jobs run in one fresh interpreter (recipes/planner/dry_run_cuda.run_jobs).
+All fake-CUDA jobs run in one fresh interpreter (recipes/planner/dry_run_cuda.run_jobs). --before adds, for every
+recipe, a fake-CUDA row without the LayerNorm's cast back to its input's dtype (kernels/layer_norm.in_input_dtype):
+the tp bytes and peak as they were before that fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -19,6 +22,19 @@ from pathlib import Path
 from megazoo.recipes.planner.dry_run import load, roles, run_role
 from megazoo.recipes.planner.dry_run_cuda import run_jobs
 from megazoo.recipes.planner.dry_run_report import report
+
+
+@contextlib.contextmanager
+def without_layer_norm_cast():
+    """The fake-CUDA step as it ran before kernels/layer_norm.in_input_dtype: torch's fp32 output kept."""
+    from megazoo.kernels import layer_norm
+
+    cast = layer_norm.in_input_dtype
+    layer_norm.in_input_dtype = lambda y, x: y
+    try:
+        yield
+    finally:
+        layer_norm.in_input_dtype = cast
 
 
 def cpu_report(path: str, sets: list[str]) -> dict:
@@ -39,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe", action="append", default=[], help="a recipe to run (repeatable)")
     parser.add_argument("--set", action="append", default=[], help="override for every --recipe")
     parser.add_argument("--tiny", action="store_true", help="the test suite's small configurations")
+    parser.add_argument("--before", action="store_true", help="also each recipe without the LayerNorm fix")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     jobs: dict[str, tuple[str, list[str]]] = {r: (r, list(args.set)) for r in args.recipe}
@@ -47,7 +64,13 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.test_dry_run_cuda import CONFIGS, _path
         jobs.update({name: (str(_path(Path(tmp.name), name)), []) for name in CONFIGS})
-    cuda = run_jobs([{"recipe": p, "sets": s, "gpu_memory_gb": 80} for p, s in jobs.values()])
+    specs = [{"recipe": p, "sets": s, "gpu_memory_gb": 80} for p, s in jobs.values()]
+    if args.before:
+        before = {f"{name} (before: fp32 LayerNorm)": job for name, job in jobs.items()}
+        specs += [{"recipe": p, "sets": s, "gpu_memory_gb": 80,
+                   "inject": "benchmarks.fake_cuda:without_layer_norm_cast"} for p, s in before.values()]
+        jobs.update(before)
+    cuda = run_jobs(specs)
     rows = []
     print("| recipe | role | CPU peak MB | fake-CUDA peak MB | host MB (CPU / CUDA) | tp bytes (CPU / CUDA) | "
           "dp bytes (CPU / CUDA) | stubbed (not executed) |")

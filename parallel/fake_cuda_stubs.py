@@ -35,6 +35,8 @@ KINDS = {  # call -> (what kind of call, what the stub answered)
     "device_name": ("device properties", STUB_DEVICE_NAME), "multi_processor_count": ("device properties", "132"),
     "torch.cuda.is_available": ("availability", "True (asked by torch.autocast)"),
     "torch.cuda.is_bf16_supported": ("device properties", "True (asked by torch.autocast for bf16)"),
+    "sdpa backend choice": ("device properties", "FlashAttention for fp16/bf16, memory-efficient for fp32 (an "
+                            "H100's choice); the math path with a mask or grouped heads"),
 }
 
 
@@ -132,9 +134,34 @@ class StubCuda(CudaRuntime):
         return sorted(rows, key=lambda r: (r["kind"], r["call"]))
 
 
+def _sdpa_as_a_gpu_picks(stub: StubCuda):
+    """scaled_dot_product_attention on fake CUDA tensors, through the kernel a GPU's selector picks. A CPU build
+    of torch has no CUDA backend selector, so SDPA on a CUDA tensor took the math path: fp32 scores and
+    probabilities kept for backward, which FlashAttention never holds. Registered for AutogradCUDA (below
+    autocast, which has cast q, k, v already); FlashAttention's and memory-efficient attention's fake kernels and
+    autograd formulas are torch's own."""
+    aten = torch.ops.aten
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        stub._note("sdpa backend choice")
+        if attn_mask is not None or (enable_gqa and q.shape[-3] != k.shape[-3]):
+            return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                           scale=scale, enable_gqa=enable_gqa)[0]
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, grad, dropout_p, is_causal,
+                                                            scale=scale)[0]
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", sdpa, "AutogradCUDA")
+    return lib
+
+
 @contextlib.contextmanager
 def fake_cuda(stub: StubCuda | None = None) -> Iterator[StubCuda]:
-    """Inside: megazoo's CUDA calls go to `stub`, torch's autocast finds CUDA available (bf16 included)."""
+    """Inside: megazoo's CUDA calls go to `stub`, torch's autocast finds CUDA available (bf16 included), SDPA
+    runs the kernel a GPU would pick."""
     stub = stub or StubCuda()
     saved = torch.cuda.is_available, torch.cuda.is_bf16_supported
 
@@ -147,8 +174,10 @@ def fake_cuda(stub: StubCuda | None = None) -> Iterator[StubCuda]:
         return True
 
     torch.cuda.is_available, torch.cuda.is_bf16_supported = is_available, is_bf16_supported
+    lib = _sdpa_as_a_gpu_picks(stub)
     try:
         with using_runtime(stub):
             yield stub
     finally:
+        lib._destroy()  # the registration ends with the block
         torch.cuda.is_available, torch.cuda.is_bf16_supported = saved

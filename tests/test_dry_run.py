@@ -87,7 +87,7 @@ def _compare(path, offload=False):
                 (rank, fake.peak, want["peak"])
         # Host reads only where the report names them: the step's metrics, the fp16 overflow verdict, and
         # ZeRO-3's first-step check that every dp rank gathers the same unit.
-        assert all(s.split(" ")[0].rsplit(":", 1)[0] in ("recipes/training/trainer.py", "zero/loss_scaler.py",
+        assert all(s.split(" ")[0].rsplit(":", 1)[0] in ("training/trainer.py", "zero/loss_scaler.py",
                                                           "zero/stage3.py") for s in fake.host_reads)
         assert fake.flops > 0
 
