@@ -1,9 +1,10 @@
 """The dry run on fake CUDA (recipes/planner/dry_run_cuda.py): the real step on device "cuda" with no GPU.
 
 One fresh interpreter with the fake CUDA shim runs every job below (its start-up is paid once); each job's report
-is held against the CPU dry run of the same recipe and rank, run here: the same collectives op by op, and peaks
-within the planner's tolerance (10%) of each other and of the planner. A planted bug - a CPU tensor added inside a
-CUDA step - is caught on fake CUDA and passes unseen on the CPU. The shim's refusals name their reason.
+is held against the CPU dry run of the same recipe and rank, run here: the same collectives op by op (dp and tp
+bytes), and peaks within the planner's tolerance (10%) of each other (ZeRO-Offload: the device / host split and
+one blocking copy each way instead). A planted bug - a CPU tensor added inside a CUDA step - is caught on fake
+CUDA and passes unseen on the CPU. The shim's refusals name their reason.
 """
 
 from __future__ import annotations
