@@ -79,12 +79,12 @@ class MegazooLM(TemplateLM):
         super().__init__()
         if parts is None:
             from megazoo.models.loading import load_gpt, open_checkpoint
-            from megazoo.parallel.topology import Topology
+            from megazoo.parallel.topology import Topology, local_device
 
             if checkpoint is None:
                 raise ValueError("model_args needs checkpoint=PATH (a checkpoints/ folder or one step_N directory)")
             opened = open_checkpoint(checkpoint, tokenizer, report=lambda message: None)
-            target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            target = device or local_device(0)
             model = load_gpt(opened, Topology.solo(target))
             parts = (model, opened.tokenizer, None)
         self.model, self.tokenizer, forward = parts

@@ -96,7 +96,9 @@ def _load_triton():
 
 def sdpa_backends() -> str:
     """The SDPA backends torch may choose from here (it picks per call by dtype, shape and hardware)."""
-    if not torch.cuda.is_available():
+    import megazoo.parallel.accelerator as accelerator
+
+    if not accelerator.cuda_available():
         return "CPU fused kernel"
     b = torch.backends.cuda
     switches = (("flash", b.flash_sdp_enabled()), ("memory-efficient", b.mem_efficient_sdp_enabled()),

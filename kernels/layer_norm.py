@@ -30,8 +30,16 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch's native kernel (what nn.LayerNorm runs): fused forward, fused backward."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    """torch's native kernel (what nn.LayerNorm runs): fused forward, fused backward; y in x's dtype."""
+    return in_input_dtype(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x)
+
+
+def in_input_dtype(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y cast back to x's dtype. Under CUDA autocast torch runs layer_norm in fp32 and returns fp32 for a 16-bit
+    x (CPU autocast does not): everything after it would carry fp32 - the tensor-parallel region's backward
+    all-reduce above all (+50% tp bytes, measured on fake CUDA: recipes/planner/dry_run_cuda.py). The statistics
+    stay fp32; only the output is cast, as apex, Megatron and our Triton kernel return it."""
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _load_apex():
@@ -70,6 +78,6 @@ class LayerNorm(nn.LayerNorm):
         self.fn = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fn is layer_norm_torch:  # exactly nn.LayerNorm's call
-            return super().forward(x)
+        if self.fn is layer_norm_torch:  # exactly nn.LayerNorm's call, in x's dtype
+            return in_input_dtype(super().forward(x), x)
         return self.fn(x, self.weight, self.bias, self.eps)

@@ -29,10 +29,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+import megazoo.parallel.accelerator as accelerator
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    """The state of the generator a dropout on `device` draws from."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+_rng_state = accelerator.rng_state  # the state of the generator a dropout on `device` draws from
 
 
 @contextlib.contextmanager
@@ -41,12 +41,8 @@ def _replayed_rng(device: torch.device, state: torch.Tensor | None):
     if state is None:  # no dropout: nothing is drawn
         yield
         return
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
-        if cuda:
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
+    with accelerator.fork_rng(device):
+        accelerator.set_rng_state(state, device)
         yield
 
 

@@ -45,6 +45,6 @@ def num_programs_for_reduction(device, n_blocks: int) -> int:
     on CUDA, each looping over row blocks, so the partial-sum buffer stays small; 1-4 in the interpreter."""
     if INTERPRETED or device.type != "cuda":
         return max(1, min(n_blocks, 4))
-    import torch
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    import megazoo.parallel.accelerator as accelerator
+    sms = accelerator.multi_processor_count(device)
     return max(1, min(n_blocks, 4 * sms))

@@ -91,6 +91,10 @@ class StepRecorder(TorchDispatchMode):
     trace: list[tuple[str, int, int]] = field(default_factory=list)  # in order: (op, group size, bytes)
     host_reads: Counter = field(default_factory=Counter)  # "file:line (function)" -> count
     by_group: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (op, group desc) -> [count, bytes]
+    # Copies between the host and a device: "host_to_device" / "device_to_host" -> [count, bytes, blocking count]
+    # (blocking: without non_blocking=True, so the host waits for the copy; a device-to-host one waits for the
+    # device's queue too). Only a CUDA step has any: on the CPU dry run every tensor is on the host.
+    copies: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         super().__init__()
@@ -99,6 +103,11 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d" and func._opname in C10D_OPS:
             self._record(C10D_OPS[func._opname], args)
+        elif func is torch.ops.aten._to_copy.default and "device" in kwargs:
+            self._record_copy(args[0], args[0].device, torch.device(kwargs["device"]), kwargs.get("non_blocking"))
+        elif func is torch.ops.aten.copy_.default:
+            self._record_copy(args[1], args[1].device, args[0].device, args[2] if len(args) > 2 else
+                              kwargs.get("non_blocking"))
         if self.placeholders and func is torch.ops.aten._local_scalar_dense.default:
             self.host_reads[_call_site()] += 1
             return False if args[0].dtype == torch.bool else 0
@@ -115,6 +124,14 @@ class StepRecorder(TorchDispatchMode):
             entry = table.setdefault(key, [0, 0])
             entry[0] += 1
             entry[1] += nbytes
+
+    def _record_copy(self, src: torch.Tensor, source: torch.device, target: torch.device, non_blocking) -> None:
+        if (source.type == "cpu") == (target.type == "cpu"):
+            return
+        entry = self.copies.setdefault("host_to_device" if source.type == "cpu" else "device_to_host", [0, 0, 0])
+        entry[0] += 1
+        entry[1] += src.numel() * src.element_size()
+        entry[2] += 0 if non_blocking else 1
 
     def summary(self) -> list[dict]:
         return [{"op": op, "group_size": g, "count": c, "bytes": b}
@@ -248,12 +265,14 @@ class MemoryTracker:
                 old, winfo.reftype = winfo.reftype, grad
                 t._update_snap(_update_type("REF"), winfo, old_reftype=old)
 
-    def _snapshot(self, which: str) -> dict[str, int]:
+    def _snapshot(self, which: str, device: torch.device | None = None) -> dict[str, int]:
         names = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
                  "Temp": "temporaries", "Buffer": "other", "Other": "other"}
         out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporaries": 0, "other": 0,
                "total": 0}
-        for snap in self._tracker.get_tracker_snapshot(which).values():
+        for dev, snap in self._tracker.get_tracker_snapshot(which).items():
+            if device is not None and torch.device(dev).type != device.type:  # one device of each type per rank
+                continue
             for key, value in snap.items():
                 name = names.get(getattr(key, "value", key))
                 if name is not None:
@@ -261,8 +280,10 @@ class MemoryTracker:
             out["total"] += snap.get("Total", 0)
         return out
 
-    def peak(self) -> dict[str, int]:
-        return self._snapshot("peak")
+    def peak(self, device: torch.device | None = None) -> dict[str, int]:
+        """The peak by category: of `device` alone, or (None) each device's own peak, added up - which is what a
+        one-device (CPU) run has, and not a moment of a GPU run that also holds host memory."""
+        return self._snapshot("peak", device)
 
     def current(self) -> dict[str, int]:
         return self._snapshot("current")

@@ -57,13 +57,21 @@ def flat_grad_norm(parts: Iterable[tuple[torch.Tensor, bool]], topo: Topology, d
     """L2 norm of flat gradient buffers given as (tensor, tp_sharded): one fused `vector_norm` per buffer (no
     temporaries), sharded squares summed over tp, everything over pp, and over `dp_group` when the buffers are
     dp-partitioned (ZeRO's owned chunks). Collectives: one all-reduce of 2 numbers over dp (if given), one over
-    tp, one over pp."""
+    tp, one over pp.
+
+    Each buffer's norm is taken where it lives: ZeRO-Offload's fp32 gradients on the host add up there, and only
+    their two sums go to the device (one 2-element copy per step), never the gradients themselves (moving them
+    cost a host-to-device copy of every owned fp32 gradient per step, found on fake CUDA)."""
     parts = list(parts)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t, _ in parts) else torch.float32
-    sq = torch.zeros(2, dtype=dtype, device=topo.device)  # [tp-sharded, replicated]
+    sums: dict[torch.device, torch.Tensor] = {}  # device -> [tp-sharded, replicated] squares of its buffers
     for t, sharded in parts:
         if t.numel():
-            sq[0 if sharded else 1] += torch.linalg.vector_norm(t.to(topo.device), dtype=dtype).square()
+            at = sums.setdefault(t.device, torch.zeros(2, dtype=dtype, device=t.device))
+            at[0 if sharded else 1] += torch.linalg.vector_norm(t, dtype=dtype).square()
+    sq = torch.zeros(2, dtype=dtype, device=topo.device)
+    for at in sums.values():
+        sq += at.to(topo.device)
     if dp_group is not None:
         all_reduce(sq, dp_group, ledger=ledger)
     if topo.tp_group is not None:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from megazoo.parallel import accelerator
+
 MESH_DIMS = ("pp", "dp", "tp")
 CP_MESH_DIMS = ("pp", "dp", "cp", "tp")
 CP_ATTENTION = ("all_to_all", "ring")
@@ -176,9 +178,9 @@ def local_device(local_rank: int = 0) -> torch.device:
     """The device of the process with this node-local rank (torchrun's LOCAL_RANK, Slurm's SLURM_LOCALID): GPU
     `local_rank` when CUDA exists, else the CPU. The caller (an entry point) reads the environment; never the
     global rank modulo the GPU count, which breaks as soon as a scheduler places ranks differently."""
-    if not torch.cuda.is_available():
+    if not accelerator.cuda_available():
         return torch.device("cpu")
-    count = torch.cuda.device_count()
+    count = accelerator.cuda_device_count()
     if not 0 <= local_rank < count:
         raise ValueError(f"LOCAL_RANK = {local_rank} but this node has {count} visible GPU(s) (CUDA_VISIBLE_DEVICES): "
                          f"start at most {count} processes per node, or set CUDA_VISIBLE_DEVICES='' to run on CPU")
@@ -189,7 +191,7 @@ def backend_device() -> torch.device:
     """The device the initialised default process group communicates on: the current GPU for NCCL (set by
     init_distributed), the CPU for gloo, even when CUDA exists (gloo tests must not push CUDA tensors)."""
     if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return accelerator.current_device()
     return torch.device("cpu")
 
 
@@ -217,7 +219,7 @@ def init_distributed(rank: int, world_size: int, store: dist.Store | None = None
     kwargs = dict(backend=default_backend(dev), rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
     if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+        accelerator.set_device(dev)
         kwargs["device_id"] = dev
     if store is not None:
         kwargs["store"] = store

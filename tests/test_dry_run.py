@@ -111,6 +111,15 @@ def test_fp16_offload_runs_and_substitutes_only_the_host_reads(tmp_path):
     assert any("loss_scaler.py" in site for site in m.host_reads)  # the overflow verdict: a placeholder
 
 
+def test_foreach_adamw_reads_no_step_count_on_the_host(tmp_path):
+    """torch's foreach AdamW read each step count with .item(): the dry run's placeholder 0 made its bias
+    correction 1 - beta1^0 = 0 and the step died dividing by it (ZeroDivisionError). kernels.adamw = "foreach" now
+    runs ForeachAdamW, whose corrections are tensors."""
+    res = load(_recipe(tmp_path, stage=1), ["kernels.adamw=foreach"])
+    m = run_role(res, roles(res)[0]).measured
+    assert not any("optimizer" in site or "adam" in site for site in m.host_reads), m.host_reads
+
+
 def test_flops_count_matches_the_formula(tmp_path):
     path = _recipe(tmp_path, dp=1, tp=2, pp=2, stage=0)
     res = load(path)

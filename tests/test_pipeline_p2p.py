@@ -155,7 +155,7 @@ def test_pipeline_times_come_from_cuda_events_on_a_gpu(monkeypatch):
             return end.ms - self.ms
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    stats = PipelineStats(cuda=True)
+    stats = PipelineStats(device=torch.device("cuda"))
     whole = stats.start()          # t = 0 ms
     compute = stats.start()        # t = 10
     stats.stop(compute, busy=True)  # t = 20: 10 ms busy

@@ -34,7 +34,7 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer, tensors: list[torch.Tens
     on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")  # step lives with t
     for t in tensors:
         if t not in optimizer.state or not optimizer.state[t]:
-            step = torch.tensor(0.0, device=t.device if on_device else "cpu")
+            step = torch.zeros((), device=t.device if on_device else "cpu")  # no host data: fake-CUDA safe
             optimizer.state[t] = {"step": step, "exp_avg": torch.zeros_like(t),
                                   "exp_avg_sq": torch.zeros_like(t)}
 

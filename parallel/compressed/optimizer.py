@@ -66,7 +66,7 @@ class CompressedAdam(DataParallelAdamW):
                     view = flat[offset:offset + p.numel()].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
-                    step = torch.tensor(0.0, device=p.device if on_device else "cpu")
+                    step = torch.zeros((), device=p.device if on_device else "cpu")
                     self.optimizer.state[p] = {"step": step, "exp_avg": m[offset:offset + p.numel()].view_as(p),
                                                "exp_avg_sq": v[offset:offset + p.numel()].view_as(p)}
                     if p in decayed:

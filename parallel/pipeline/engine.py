@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from megazoo.parallel import accelerator
 from megazoo.parallel.pipeline.p2p import Step, is_local, post
 from megazoo.parallel.pipeline.schedules import stage_of
 from megazoo.parallel.pipeline.split_backward import PendingWeightGradient, backward_input, backward_weight
@@ -33,7 +34,7 @@ class PipelineStats:
     On a GPU the times come from CUDA events (host clocks would time kernel launches, not kernels) and are
     resolved when read, after the step; on the CPU from the host clock."""
 
-    cuda: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     max_live_micro_batches: int = 0  # activations held at once (forwards without their backward yet)
     _busy: float = 0.0
     _total: float = 0.0
@@ -41,14 +42,11 @@ class PipelineStats:
     _kinds: dict = field(default_factory=dict)  # "F" / "B" / "W" -> compute seconds (B unsplit: the whole backward)
 
     def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        event = accelerator.timing_event(self.device)
+        return time.perf_counter() if event is None else event  # no event on the CPU: the host clock
 
     def stop(self, started, busy: bool, kind: str | None = None) -> None:
-        if not self.cuda:
+        if self.device.type != "cuda":
             self._add(time.perf_counter() - started, busy, kind)
             return
         self._pending.append((started, self.start(), busy, kind))
@@ -100,7 +98,7 @@ class PipelineEngine:
         self.v = len(chunks)
         self.stages = topo.pp * self.v
         self.hidden, self.dtype, self.loss_fn = hidden_size, activation_dtype, loss_fn
-        self.stats = PipelineStats(cuda=topo.device.type == "cuda")
+        self.stats = PipelineStats(device=topo.device)
 
     def _stage(self, chunk: int) -> int:
         return stage_of(chunk, self.topo.pp, self.topo.pp_rank, self.placement)

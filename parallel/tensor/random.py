@@ -17,18 +17,12 @@ from typing import Callable
 
 import torch
 
+from megazoo.parallel import accelerator
+
 TP_SEED_OFFSET = 2718
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+_get_state, _set_state = accelerator.rng_state, accelerator.set_rng_state
 
 
 class TPRNGTracker:
@@ -37,10 +31,7 @@ class TPRNGTracker:
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         saved = _get_state(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
-        else:
-            torch.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
+        accelerator.manual_seed(seed + TP_SEED_OFFSET + tp_rank, self.device)
         self._state = _get_state(self.device)
         _set_state(saved, self.device)
 
@@ -88,4 +79,4 @@ def seed_default_stream(seed: int, device: torch.device | str = "cpu") -> None:
     """Seed the replicated (default) stream: identical on every rank that passes the same seed."""
     torch.manual_seed(seed)
     if torch.device(device).type == "cuda":
-        torch.cuda.manual_seed(seed)
+        accelerator.manual_seed(seed, torch.device(device))

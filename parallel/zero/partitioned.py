@@ -11,7 +11,6 @@ states are the plain fp32 Adam 4 + 4 + 8 bytes per parameter (planner.FP32_ADAM)
 from __future__ import annotations
 
 import time
-import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megazoo.parallel import accelerator
 from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state
 from megazoo.parallel.collectives import CommLedger, reduce_scatter_flat
 from megazoo.parallel.fake_world import same_memory
@@ -78,10 +78,9 @@ class GradientReducer:
         if not callable(owned_grad) and out.device != owned_grad.device and out.device.type == "cuda":
             # ZeRO-Offload: copy the reduced chunk into pinned host memory without blocking the backward that
             # called us; the CPU add happens once the copy's event has completed (at the latest in drain()).
-            staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            staging = accelerator.pinned_empty(out.shape, out.dtype)
             staging.copy_(out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            event = accelerator.copy_event(out.device)
             self._host_adds.append((event, staging, owned_grad))
         elif callable(owned_grad):
             if not owned_grad(out, 1.0 / self.dp):
@@ -120,13 +119,7 @@ def host_tensor(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     cudaHostRegister on exactly its own bytes: torch's pinned allocator rounds every block up to a power of two,
     which for ZeRO-Offload's fp32 masters and moments can cost up to 2x the host memory they need."""
     tensor = torch.empty(shape, dtype=dtype)
-    if not pin or tensor.numel() == 0:
-        return tensor
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)) != 0:
-        return tensor.pin_memory()  # registration refused (e.g. a locked-memory limit): torch's allocator
-    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())  # unpin when it is freed
-    return tensor
+    return accelerator.pin_in_place(tensor) if pin else tensor
 
 
 class PartitionedOptimizer:
@@ -156,7 +149,7 @@ class PartitionedOptimizer:
         self.comm = CommLedger()
         self.offload = offload
         state_device = torch.device("cpu") if offload == "cpu" else topo.device
-        pin = offload == "cpu" and torch.cuda.is_available()
+        pin = offload == "cpu" and topo.device.type == "cuda"
         # fp32 masters of the owned chunks (fp64 when the model is fp64, for parity tests), and their gradients.
         # An fp32/fp64 chunk on the state device is its own master (aliased: updated in place, never copied).
         self.masters, self.owned_grads = [], []
@@ -240,9 +233,16 @@ class PartitionedOptimizer:
 
     @torch.no_grad()
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        """Scale every owned gradient by min(1, max_norm / norm). The factor is moved once per (device, dtype):
+        under ZeRO-Offload the gradients are on the host and the norm on the GPU, and a move per bucket was one
+        blocking device-to-host copy each (found on fake CUDA)."""
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        moved: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         for g in self.gradients():
-            g.mul_(coef.to(g.device, g.dtype))
+            key = (g.device, g.dtype)
+            if key not in moved:
+                moved[key] = coef.to(g.device, g.dtype)
+            g.mul_(moved[key])
 
     @torch.no_grad()
     def update_owned(self, lr: float) -> None:

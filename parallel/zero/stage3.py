@@ -146,7 +146,7 @@ class ZeroStage3(PartitionedOptimizer):
         """First step only: every dp rank must be at the same (unit, operation), else fail with a message
         instead of hanging or crashing in mismatched collectives. Collective: a tiny all-gather over dp."""
         code = 2 * unit.index + OPS.index(op)
-        mine = torch.tensor([code], dtype=torch.int64, device=self.topo.device)
+        mine = torch.full((1,), code, dtype=torch.int64, device=self.topo.device)
         everyone = torch.empty(self.topo.grad_size, dtype=torch.int64, device=self.topo.device)
         all_gather_flat(everyone, mine, self.dp_group)
         if (everyone != code).any():

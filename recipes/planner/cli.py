@@ -262,6 +262,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="with --recipe: run one real training step per pipeline role at the recipe's full "
                              "world size on fake tensors, and report measured memory, communication and FLOPs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="with --dry-run: the device of the fake tensors (cuda: a fake CUDA device in a fresh "
+                             "interpreter, built on first use with g++; every CUDA call it stubs is listed as not "
+                             "executed)")
     plan_fit_cli.add_arguments(parser)
 
 

@@ -60,6 +60,7 @@ class StepMeasurement:
     flops: int
     host_reads: dict[str, int] = field(default_factory=dict)  # call site -> placeholder reads (dry run only)
     by_group: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (op, "mesh_dp"...) -> count, bytes
+    copies: dict[str, list[int]] = field(default_factory=dict)  # host <-> device: [count, bytes, blocking count]
 
 
 @dataclass
@@ -194,28 +195,57 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
                   later_grads=None if offload else zero.gradients)
         with StepRecorder(placeholders=placeholders) as rec, flop_counter() as flops:
             trainer.train_step(0)
-        peak = mem.peak()
-    host_bytes = peak["optimizer"] if offload else 0
-    if offload:
-        peak["total"] -= host_bytes
+        device = trainer.topo.device
+        if device.type == "cpu":  # one memory: the offloaded states are taken out of it
+            peak = mem.peak()
+            host_bytes = peak["optimizer"] if offload else 0
+            peak["total"] -= host_bytes
+        else:  # the GPU's own peak; ZeRO-Offload's host memory (states, staging) at the host's own peak
+            peak = mem.peak(device)
+            host_bytes = mem.peak(torch.device("cpu"))["total"] if offload else 0
     return StepMeasurement(peak, host_bytes, rec.summary(), rec.trace, flops.get_total_flops(),
-                           dict(rec.host_reads), dict(rec.by_group))
+                           dict(rec.host_reads), dict(rec.by_group), dict(rec.copies))
 
 
-def run_role(res: Resolved, role: Role) -> RoleResult:
-    """One role's whole training step in a fake world of the recipe's size."""
+def fake_cuda_kernels(res: Resolved) -> tuple[Resolved, list[str]]:
+    """The recipe as the dry run runs it on fake CUDA, and a note per op swapped: Triton and apex kernels launch
+    on real device memory (they are not torch ops with fake implementations yet), so where the recipe's choice
+    resolves to one on CUDA the op runs torch's implementation instead."""
+    from megazoo.kernels.dispatch import OPS, resolve_op
+
+    kernels, swapped = res.recipe.kernels, {}
+    for op in OPS:
+        if op == "adamw" and res.recipe.zero.offload == "cpu":
+            continue  # ZeRO-Offload's AdamW runs on the host's fp32 masters
+        name = resolve_op(op, kernels.choice(), torch.device("cuda")).name
+        if name in ("triton", "apex"):
+            swapped[op] = name
+    if not swapped:
+        return res, []
+    fields = {op: "torch" for op in swapped}
+    note = ("fake CUDA runs torch's " + ", ".join(swapped) + " in place of " +
+            ", ".join(f"{name} ({op})" for op, name in swapped.items()) +
+            ": those kernels launch on real device memory (not yet torch ops with fake implementations)")
+    return replace(res, recipe=replace(res.recipe, kernels=replace(kernels, **fields))), [note]
+
+
+def run_role(res: Resolved, role: Role, device: str = "cpu") -> RoleResult:
+    """One role's whole training step in a fake world of the recipe's size, on fake `device` tensors ("cuda":
+    only in a process with the fake CUDA shim, recipes/planner/dry_run_cuda.py)."""
     from megazoo.recipes.training.trainer import Trainer
 
     par = res.recipe.parallel
     start = time.perf_counter()
     res, _ = gpu_kernels(res)  # the kernels that keep what the GPU's keep
+    if device == "cuda":
+        res, _ = fake_cuda_kernels(res)
     with fake_process_group(role.rank, par.dp * par.tp * par.pp):
-        topo = Topology.build(par.dp, par.tp, par.pp, device="cpu")
+        topo = Topology.build(par.dp, par.tp, par.pp, device=device)
         with fake_tensors():
             measured = measure_step(lambda: Trainer(res, topo, shaped_data(res)),
                                     offload=res.recipe.zero.offload == "cpu", placeholders=True)
     return RoleResult(role, measured, time.perf_counter() - start)
 
 
-def dry_run(res: Resolved, only: Callable[[Role], bool] | None = None) -> list[RoleResult]:
-    return [run_role(res, role) for role in roles(res) if only is None or only(role)]
+def dry_run(res: Resolved, only: Callable[[Role], bool] | None = None, device: str = "cpu") -> list[RoleResult]:
+    return [run_role(res, role, device) for role in roles(res) if only is None or only(role)]

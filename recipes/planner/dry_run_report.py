@@ -32,7 +32,7 @@ from megazoo.recipes.planner.fit import PRECISION_BYTES, activation_spec, parse_
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
-EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 3, 2
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE, EXIT_STEP_FAILED = 0, 3, 2, 1
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_gather": lambda n: (n - 1) / n}
 
@@ -107,8 +107,10 @@ def role_dict(res: Resolved, r: RoleResult) -> dict:
             "relative_difference": rel(m.peak["total"], plan["total"]),
             "by_category": {k: v for k, v in m.peak.items() if k != "total"}, "host_bytes": m.host_bytes,
             "planned_by_category": {k: plan[k] for k in ("params", "grads", "optimizer", "activations", "buffers")},
-            "collectives": m.collectives, "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
-            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "flops": m.flops, "formula_flops": formula_flops(
+            "collectives": m.collectives, "by_group": [[op, desc, count, nbytes] for (op, desc), (count, nbytes)
+                                                       in sorted(m.by_group.items())],
+            "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
+            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
                 res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
 
 
@@ -134,8 +136,11 @@ def to_text(res: Resolved, rep: dict) -> str:
              f"ZeRO-{res.recipe.zero.stage}{' + CPU offload' if res.recipe.zero.offload == 'cpu' else ''}, "
              f"{t.precision}, micro-batch {t.micro_batch} x grad_accum {t.grad_accum}, seq {t.seq_len}: one "
              f"training step per role on fake tensors and a fake process group ({rep['seconds']:.1f} s)",
-             "  data: zero token batches of the recipe's shape (no corpus read); device: CPU kernels "
-             "(GB = 1e9 bytes)"] + [f"  note: {note}" for note in rep.get("notes", [])]
+             f"  data: zero token batches of the recipe's shape (no corpus read); device: "
+             f"{rep.get('device', 'CPU kernels')} (GB = 1e9 bytes)"] + [f"  note: {note}" for note in rep.get("notes", [])]
+    if "not_executed" in rep:
+        lines.append("  not executed: CUDA runtime calls the fake device answered instead (call x count: answer):")
+        lines += [f"    {row['kind']}: {row['call']} x {row['count']}: {row['answer']}" for row in rep["not_executed"]]
     for row in rep["roles"]:
         c, p = row["by_category"], row["planned_by_category"]
         n = len(row["ranks"])
@@ -155,6 +160,8 @@ def to_text(res: Resolved, rep: dict) -> str:
                          f"{col['bytes'] / GB:.4f} GB")
         lines.append(f"  dp ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
                      f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
+        for way, (count, nbytes, blocking) in sorted(row.get("copies", {}).items()):
+            lines.append(f"  {way.replace('_', '-')} copies: {count} x, {nbytes / GB:.4f} GB, {blocking} blocking")
         lines.append(f"  FLOPs: {row['flops']:.4g} counted vs {row['formula_flops']:.4g} by formula "
                      f"({_pct(rel(row['flops'], row['formula_flops']))})")
         for site, count in row["placeholders"].items():
@@ -198,7 +205,19 @@ def run(args) -> int:
         print(f"megazoo plan: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     start = time.perf_counter()
-    rep = report(res, dry_run(res), gb, 0.0)
+    if getattr(args, "device", "cpu") == "cuda":  # in a fresh interpreter with the fake CUDA shim
+        from megazoo.parallel.fake_cuda import FakeCudaUnavailable
+        from megazoo.recipes.planner.dry_run_cuda import run_jobs
+        try:
+            rep = run_jobs([{"recipe": str(args.recipe), "sets": list(args.set or []), "gpu_memory_gb": gb}])[0]
+        except FakeCudaUnavailable as err:
+            print(f"megazoo plan: error: --device cuda: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        if "error" in rep:  # the step itself raised on fake CUDA: a bug of the GPU path, not of the flags
+            print(f"megazoo plan: the training step failed on fake CUDA: {rep['error']}", file=sys.stderr)
+            return EXIT_STEP_FAILED
+    else:
+        rep = report(res, dry_run(res), gb, 0.0)
     rep["seconds"] = time.perf_counter() - start
     if args.json == "-":
         print(json.dumps(rep, indent=2))

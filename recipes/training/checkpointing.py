@@ -20,6 +20,7 @@ import torch
 
 from megazoo.data.tokenizer_store import tokenizer_record
 from megazoo.models.config import architecture_mismatches
+from megazoo.parallel import accelerator
 from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpoint, load_tensor_file, read_common,
                                             save_checkpoint, verify_checkpoint)
 from megazoo.parallel.checkpoint.load import load_views
@@ -67,7 +68,7 @@ def _rng_state(trainer: TrainingRun) -> dict:
     state = {"cpu": torch.get_rng_state(), "tp": trainer.model.rng.get_state(),
              "device": torch.tensor(list(trainer.topo.device.type.encode()), dtype=torch.uint8)}
     if trainer.topo.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(trainer.topo.device)
+        state["cuda"] = accelerator.rng_state(trainer.topo.device)
     return state
 
 
@@ -80,7 +81,7 @@ def _set_rng_state(trainer: TrainingRun, rng: dict) -> None:
     torch.set_rng_state(rng["cpu"])
     trainer.model.rng.set_state(rng["tp"])
     if "cuda" in rng and trainer.topo.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], trainer.topo.device)
+        accelerator.set_rng_state(rng["cuda"], trainer.topo.device)
 
 
 def _optimizer_extras(trainer: TrainingRun) -> dict:

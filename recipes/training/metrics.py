@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from megazoo.data.fileio import atomic_write_text
+from megazoo.parallel import accelerator
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """On GPU the peak memory the caching allocator reserved (what the device really had to hold, fragmentation
     included; the Trainer resets it every step); on CPU the peak resident set size of this process."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device)
+        return accelerator.max_memory_reserved(device)
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib if sys.platform == "darwin" else kib * 1024
 

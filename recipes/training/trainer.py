@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megazoo.data.batches import GlobalBatchSampler
 from megazoo.models.weights import full_state_dict
+from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
 from megazoo.parallel.pipeline.p2p import evaluation_plan_for, plan_for
@@ -64,7 +65,7 @@ class Trainer:
         configure_matmuls(topo.device, t.tf32)
         # MFU: this rank's share of the model FLOPs of a step over the GPU's spec peak (none on CPU).
         self.flops_per_token = model_flops_per_token(res.model, t.seq_len, res.padded_vocab)
-        self.peak_flops = peak_flops(torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else None,
+        self.peak_flops = peak_flops(accelerator.device_name(topo.device),
                                      DTYPE_NAMES.get(precision.compute, ""))
         self.kernels = run_kernels(res, topo.device, precision)  # run() prints the choice as the log's first lines
         self.chunks = build_model(res, topo, device="meta" if res.recipe.zero.stage == 3 else None,
@@ -125,8 +126,7 @@ class Trainer:
         any rank is skipped everywhere (parameters untouched) and the scaler backs off.
         """
         start = time.perf_counter()
-        if self.topo.device.type == "cuda":  # peak memory per step, not since the process started
-            torch.cuda.reset_peak_memory_stats(self.topo.device)
+        accelerator.reset_peak_memory_stats(self.topo.device)  # peak memory per step, not since the start
         t, zero, stats = self.train_cfg, self.zero, self.engine.stats
         lr = lr_at(step, t, self.res.lr_decay_steps)
         zero.comm.reset()
