@@ -199,7 +199,7 @@ def test_llama_layout_at_tp_is_what_the_ranks_allocate(tp):
 
 
 def test_gqa_compat_message():
-    cfg = get_preset("llama-tiny").replace(n_head=12, n_kv_head=3, d_ff=48)  # tp 2: neither divides nor multiple
+    cfg = get_preset("llama-tiny").replace(n_head=12, n_kv_head=3, d_model=96, d_ff=48)  # tp 2: neither divides nor multiple
     check_parallel_compat(cfg, 3)
     check_parallel_compat(cfg, 6)
     with pytest.raises(ValueError, match=r"parallel.tp = 2 neither divides nor is a multiple of the 3 key/value "
