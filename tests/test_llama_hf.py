@@ -120,3 +120,39 @@ def test_unsupported_variants_are_refused():
     state.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\).*model.layers.1.mlp.up_proj.weight"):
         hf_to_megazoo_state(state, cfg)
+
+
+def _cli(argv):
+    import argparse
+
+    from megazoo.models.gpt2.convert_cli import register
+
+    parser = argparse.ArgumentParser(prog="megazoo")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_convert_cli_round_trip(family, tmp_path, capsys):
+    """HF dir -> `megazoo convert hf-to-megazoo` -> `megazoo-to-hf` -> transformers loads it: same class,
+    identical tensors, same logits."""
+    from safetensors.torch import load_file
+
+    source, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    hf_model(family).save_pretrained(str(source))
+    assert _cli(["convert", "hf-to-megazoo", str(source), "--out", str(ckpt)]) == 0
+    assert f"converted HF {family}" in capsys.readouterr().out
+    assert _cli(["convert", "megazoo-to-hf", str(ckpt), "--out", str(back)]) == 0
+    theirs, ours = load_file(str(source / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    assert type(reloaded) is type(hf_model(family))
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, hf_logits(family))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "bert"}')
+    assert _cli(["convert", "hf-to-megazoo", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "model_type 'bert' cannot be converted; valid: gpt2, llama, qwen2, mistral" in capsys.readouterr().err

@@ -1,5 +1,9 @@
 """`megazoo convert hf-to-megazoo HF_DIR --out DIR` and `megazoo convert megazoo-to-hf CKPT --out DIR`.
 
+GPT-2 directories convert through models/gpt2/hf.py, LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM
+ones (config.json's model_type) through models/llama/hf.py; an export picks the family the checkpoint's model
+config computes (GPT-2's block, or models/llama/hf.py's hf_family).
+
 megazoo checkpoints are the sharded, topology-independent ones of parallel/checkpoint: hf-to-megazoo writes a
 one-rank checkpoint (a checkpoints folder holding step_00000000) that loads into any layout, e.g. as
 `[checkpoint] load` of a fine-tuning recipe; megazoo-to-hf consolidates a checkpoint of any layout (ZeRO-3
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -100,14 +105,34 @@ def _model_config(common: dict) -> ModelConfig:
         raise CheckpointError(f"checkpoint model config is corrupt: {error!r}") from error
 
 
+def hf_model_type(hf_dir: str | Path) -> str:
+    """config.json's model_type ("gpt2", "llama", "qwen2", "mistral", ...), read without transformers."""
+    config = Path(hf_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
+    try:
+        return str(json.loads(config.read_text())["model_type"])
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"cannot read model_type from HF config {config}: {error!r}") from error
+
+
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
-    from megazoo.models.gpt2.hf import read_hf_dir
+    from megazoo.models.llama.hf import FAMILIES
 
     check_out_dir(args.out)  # checked before the (slow) read
+    model_type = hf_model_type(args.hf_dir)
+    if model_type == "gpt2":
+        from megazoo.models.gpt2.hf import read_hf_dir
+    elif model_type in FAMILIES:
+        from megazoo.models.llama.hf import read_hf_dir
+    else:
+        raise ValueError(f"{args.hf_dir}: HF model_type {model_type!r} cannot be converted; valid: gpt2, "
+                         f"{', '.join(FAMILIES)}")
     cfg, full_state = read_hf_dir(args.hf_dir)
     with staged_out_dir(args.out) as staging:
         write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging)
-    print(f"converted HF GPT-2 {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint {args.out}")
+    print(f"converted HF {model_type} {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint "
+          f"{args.out}")
     return 0
 
 
@@ -121,15 +146,20 @@ def export_tokenizer(checkpoint: str | Path, spec: str | None):
 
 
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
-    from megazoo.models.gpt2.hf import export_hf_dir
-
     check_out_dir(args.out)
     tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
+    cfg = load_consolidated_config(args.checkpoint)
+    if cfg.positions == "learned":  # the GPT-2 block
+        from megazoo.models.gpt2.hf import export_hf_dir
+        family = "GPT-2"
+    else:
+        from megazoo.models.llama.hf import export_hf_dir, hf_family
+        family = hf_family(cfg)  # refuses a config no HF family computes, before the read
     cfg, full_state = load_consolidated(args.checkpoint)
     with staged_out_dir(args.out) as staging:
         export_hf_dir(full_state, cfg, staging, tokenizer=tokenizer)
     what = "with its tokenizer" if tokenizer is not None else "without a tokenizer (none recorded or given)"
-    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF GPT-2 directory {args.out}, {what}")
+    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF {family} directory {args.out}, {what}")
     return 0
 
 
@@ -148,13 +178,16 @@ def _run(func):
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add `convert` (with `hf-to-megazoo` and `megazoo-to-hf`) to the `megazoo` command's subparsers."""
-    convert = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face GPT-2 and megazoo")
+    convert = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face (GPT-2, Llama, Qwen2, "
+                                    "Mistral) and megazoo")
     sub = convert.add_subparsers(dest="direction", required=True)
-    to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 directory -> consolidated megazoo checkpoint")
-    to_mz.add_argument("hf_dir", help="HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)")
+    to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 / Llama / Qwen2 / Mistral directory -> consolidated "
+                           "megazoo checkpoint")
+    to_mz.add_argument("hf_dir", help="HF directory (config.json + model.safetensors, its index, or pytorch_model.bin)")
     to_mz.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
     to_mz.set_defaults(func=_run(_hf_to_megazoo))
-    to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF GPT-2 directory + tokenizer")
+    to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF directory (GPT-2, or the "
+                           "Llama / Qwen2 / Mistral family its config computes) + tokenizer")
     to_hf.add_argument("checkpoint", help="megazoo checkpoint: a step_N directory or a checkpoints folder (its latest good one)")
     to_hf.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
     to_hf.add_argument("--tokenizer", default=None, metavar="TOK",

@@ -108,12 +108,13 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
 
 def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: Kernels) -> ZeroOptimizer:
     """The recipe's ZeRO stage over every chunk's parameters. With pp > 1 the embedding lives on the first and
-    the last stage (tied): its gradients are summed over the embedding group and counted once in the norm."""
+    the last stage when the head is tied: its gradients are summed over the embedding group and counted once in
+    the norm (an untied lm_head lives on the last stage only)."""
     t, zero, model = res.recipe.train, res.recipe.zero, chunks[0]
     named = [entry for chunk in chunks for entry in named_shards(chunk)]
     chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk.named_parameters()}
     tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage) \
-        if topo.pp > 1 else TiedParameters()
+        if topo.pp > 1 and res.model.tie_embeddings else TiedParameters()
     return build_zero(
         zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
