@@ -46,8 +46,9 @@ def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if not entries:
             raise CheckpointError(f"checkpoint {path} holds no weights for {name}")
         state[name] = _assemble(entries, files, name, path).float()
-    if "wte.weight" in state:
-        state["wte.weight"] = state["wte.weight"][: model["vocab_size"]]
+    for name in ("wte.weight", "lm_head.weight"):  # rows of the padded vocabulary (models/layout.py)
+        if name in state:
+            state[name] = state[name][: model["vocab_size"]]
     return model, state
 
 
