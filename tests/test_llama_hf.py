@@ -1,6 +1,7 @@
 """HF LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM <-> megazoo: logits equal transformers' own
 implementation (tiny configs, random weights, no download) to 1e-5 in fp32 at tp = 1 and tp = 2, and the
-conversion round trip (HF -> megazoo -> HF) gives identical tensors, in memory and through `megazoo convert`.
+conversion round trip (HF -> megazoo -> HF) gives identical tensors, in memory and through `megazoo convert`
+(which carries the HF directory's tokenizer inside the checkpoint and writes it back).
 
 The configs exercise what each family adds: Llama 3.1's llama3 rope scaling (its original context set below the
 test's length so every frequency band is hit) and an untied head; Qwen2's q/k/v bias and a tied head; Mistral's
@@ -10,6 +11,7 @@ sliding window shorter than the sequence. All use grouped-query attention (4 que
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 import torch
@@ -122,6 +124,19 @@ def test_unsupported_variants_are_refused():
         hf_to_megazoo_state(state, cfg)
 
 
+def tiny_tokenizer():
+    """A byte-level BPE of fewer than V ids with bos / eos, as an HF fast tokenizer (trained here, no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def main():\n    return tokens\n", "the quick brown fox jumps"] * 20, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
 def _cli(argv):
     import argparse
 
@@ -141,10 +156,21 @@ def test_convert_cli_round_trip(family, tmp_path, capsys):
 
     source, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
     hf_model(family).save_pretrained(str(source))
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(str(source))
     assert _cli(["convert", "hf-to-megazoo", str(source), "--out", str(ckpt)]) == 0
     assert f"converted HF {family}" in capsys.readouterr().out
+    theirs = load_file(str(source / "model.safetensors"))
+    shutil.rmtree(source)  # the checkpoint holds its own copy of the tokenizer
     assert _cli(["convert", "megazoo-to-hf", str(ckpt), "--out", str(back)]) == 0
-    theirs, ours = load_file(str(source / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert "with its tokenizer" in capsys.readouterr().out
+    # the tokenizer travelled with the checkpoint: same ids, and its end-of-text is the model's eos
+    exported = transformers.AutoTokenizer.from_pretrained(str(back))
+    text = "def main():\n    return tokens"
+    assert exported(text)["input_ids"] == tokenizer(text)["input_ids"]
+    config = transformers.AutoConfig.from_pretrained(str(back))
+    assert config.eos_token_id == tokenizer.eos_token_id
+    ours = load_file(str(back / "model.safetensors"))
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()

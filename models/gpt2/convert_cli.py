@@ -129,11 +129,37 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.hf_dir}: HF model_type {model_type!r} cannot be converted; valid: gpt2, "
                          f"{', '.join(FAMILIES)}")
     cfg, full_state = read_hf_dir(args.hf_dir)
+    tokenizer = _hf_tokenizer_files(args.hf_dir) if model_type != "gpt2" else []
     with staged_out_dir(args.out) as staging:
-        write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging)
+        record = None
+        if tokenizer:  # the checkpoint keeps its own copy; the record names where it will be after the rename
+            from megazoo.data.tokenizer_loading import load_hf_tokenizer
+            from megazoo.data.tokenizer_store import tokenizer_record
+
+            (staging / HF_TOKENIZER_DIR).mkdir()
+            for file in tokenizer:
+                shutil.copyfile(file, staging / HF_TOKENIZER_DIR / file.name)
+            record = tokenizer_record(load_hf_tokenizer(str(staging / HF_TOKENIZER_DIR)))
+            record["source"] = str(Path(args.out).resolve() / HF_TOKENIZER_DIR)
+        write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging, tokenizer=record)
+    what = "with its tokenizer" if tokenizer else "without a tokenizer (none in the HF directory)"
     print(f"converted HF {model_type} {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint "
-          f"{args.out}")
+          f"{args.out}, {what}")
     return 0
+
+
+# A Llama-family conversion copies the HF tokenizer here (beside the checkpoints' step directories).
+HF_TOKENIZER_DIR = "hf_tokenizer"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _hf_tokenizer_files(hf_dir: str | Path) -> list[Path]:
+    """The tokenizer files of an HF directory (none when it ships no tokenizer)."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer.model").is_file():
+        return []
+    return [hf_dir / name for name in _TOKENIZER_FILES if (hf_dir / name).is_file()]
 
 
 def export_tokenizer(checkpoint: str | Path, spec: str | None):
