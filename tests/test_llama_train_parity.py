@@ -3,7 +3,8 @@ warmup and clipping, per-step losses, grad norms and full parameters equal to on
 
 Grouped-query attention with 2 key/value heads (split at tp 2, replicated at tp 4), an untied head (which lives
 on the last pipeline stage only), RMSNorm, rotary with llama3 scaling, SwiGLU and q/k/v bias; a tied variant
-through the pipeline too (its embedding is summed over the first and last stage).
+through the pipeline too (its embedding is summed over the first and last stage). Activation checkpointing and
+context parallelism (ring and all-to-all; rotary at each load-balanced chunk's own positions) too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _run(model: str, parallel: dict, train: dict, zero: dict | None = None):
     par = res.recipe.parallel
 
     def work():
-        trainer = Trainer(res, Topology.build(par.dp, par.tp, par.pp))
+        trainer = Trainer(res, Topology.build(par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention))
         result = trainer.fit()
         return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
                 "params": trainer.full_state_dict()}
@@ -56,7 +57,12 @@ def test_reference_learns():
     ("untied", {"dp": 2, "tp": 2}, {"micro_batch": 4}, {"stage": 1}),
     ("untied", {"dp": 2, "pp": 2, "schedule": "1f1b"}, {"micro_batch": 2, "grad_accum": 2}, {"stage": 2}),
     ("untied", {"dp": 2}, {"micro_batch": 4}, {"stage": 3}),
-])
+    ("untied", {"tp": 2}, {"micro_batch": 8, "activation_checkpointing": True}, None),
+    # context parallel: rotary at the load-balanced chunks' own positions
+    ("untied", {"cp": 2, "cp_attention": "ring"}, {"micro_batch": 8}, None),
+    ("untied", {"tp": 2, "cp": 2, "cp_attention": "all_to_all"}, {"micro_batch": 8}, None),
+], ids=["tp2", "tp4-kv-replicated", "pp2", "pp2-tied", "dp2-tp2-zero1", "dp2-pp2-zero2", "dp2-zero3",
+        "tp2-activation-checkpointing", "cp2-ring", "tp2-cp2-all-to-all"])
 def test_layout_equals_one_process(model, parallel, train, zero):
     for got in _run(model, parallel, train, zero):
         assert_same_training(got, reference(model))
