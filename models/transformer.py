@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from megazoo.kernels import Implementation, KernelChoice, kernels_for_model
-from megazoo.models.attention import Attention, residual_std  # noqa: F401  (residual_std: re-exported)
+from megazoo.models.attention import Attention
 from megazoo.models.config import ModelConfig
 from megazoo.models.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp
@@ -54,7 +54,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder stage: optional embedding, blocks `layers` (global indices), optional final LN + tied head.
+    """A decoder stage: optional embedding, blocks `layers` (global indices), optional final norm + head (tied to
+    the embedding, or its own `lm_head` when model.tie_embeddings is false).
 
     With the head, forward returns this rank's vocabulary shard of the logits, (b, s, V/tp); without it, the
     hidden states (b, s, d). Parameters are allocated uninitialised on `device` (use init_weights, or
