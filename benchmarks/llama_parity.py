@@ -4,7 +4,8 @@
 
 - fp32, against transformers' own LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM built from tiny
   configs with random weights (no download): max |logit difference| at tp 1, 2 (key/value heads split) and
-  4 (replicated), and the HF -> megazoo -> HF round trip (max |tensor difference|: 0 means identical);
+  4 (replicated), in two pipeline stages, under context parallelism cp 2 (ring, all-to-all), and the
+  HF -> megazoo -> HF round trip (max |tensor difference|: 0 means identical);
 - fp64, megazoo against itself in one process: max |difference| of logits and of every gradient at tp 2 and 4.
 The tests (tests/test_llama_hf.py, tests/test_llama_parallel.py) hold these below 1e-5 and 1e-10.
 """
@@ -53,6 +54,27 @@ def _logits(tp, cfg, full):
         return gather_from_tp_region(gpt_from_full_state(cfg, full, topo)(IDS), topo.tp_group)[..., :V]
 
 
+def _pp2(cfg, full):
+    from megazoo.models.gpt2.hf import load_full_state_into
+
+    first = GPT(cfg, Topology.solo(), layers=range(0, 1), with_head=False)
+    last = GPT(cfg, Topology.solo(), layers=range(1, 2), with_embedding=False)
+    for stage in (first, last):
+        load_full_state_into(stage, full)
+        stage.eval()
+    with torch.no_grad():
+        return last(first(IDS))[..., :V]
+
+
+def _cp2(cfg, full, algorithm):
+    from megazoo.parallel.context import positions
+
+    topo = Topology.build(dp=1, tp=1, cp=2, cp_attention=algorithm)
+    mine = positions(IDS.shape[1] // 2, 2, topo.cp_rank)
+    with torch.no_grad():
+        return mine, gpt_from_full_state(cfg, full, topo)(IDS[:, mine])[..., :V]
+
+
 def hf_rows() -> list[list[str]]:
     rows = []
     for family, make in FAMILIES.items():
@@ -66,6 +88,13 @@ def hf_rows() -> list[list[str]]:
             dev = max((o - ref).abs().max().item() for o in outs)
             kv = "" if tp == 1 else (" (kv split)" if 2 % tp == 0 else " (kv replicated)")
             rows.append([family, f"tp {tp}{kv}, fp32 logits vs transformers", f"{dev:.2e}"])
+        pp = (_pp2(cfg, full) - ref).abs().max().item()
+        rows.append([family, "pp 2 (blocks 0 | 1), fp32 logits vs transformers", f"{pp:.2e}"])
+        if not cfg.sliding_window:  # a window with cp > 1 is refused
+            for algorithm in ("ring", "all_to_all"):
+                outs = run_distributed(lambda a=algorithm: _cp2(cfg, full, a), 2)
+                dev = max((logits - ref[:, mine]).abs().max().item() for mine, logits in outs)
+                rows.append([family, f"cp 2 ({algorithm}), fp32 logits vs transformers", f"{dev:.2e}"])
         back = megazoo_to_hf_state(full, cfg)
         theirs = {k: v for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
         dev = max((back[k] - v).abs().max().item() for k, v in theirs.items())

@@ -1,5 +1,7 @@
 """HF LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM <-> megazoo: logits equal transformers' own
-implementation (tiny configs, random weights, no download) to 1e-5 in fp32 at tp = 1 and tp = 2, and the
+implementation (tiny configs, random weights, no download) to 1e-5 in fp32 at tp = 1 and tp = 2, split into two
+pipeline stages, and under context parallelism cp = 2 (ring and all-to-all; rotary at each rank's load-balanced
+chunks), and the
 conversion round trip (HF -> megazoo -> HF) gives identical tensors, in memory and through `megazoo convert`
 (which carries the HF directory's tokenizer inside the checkpoint and writes it back).
 
@@ -182,3 +184,45 @@ def test_convert_cli_round_trip(family, tmp_path, capsys):
     (bad / "config.json").write_text('{"model_type": "bert"}')
     assert _cli(["convert", "hf-to-megazoo", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "model_type 'bert' cannot be converted; valid: gpt2, llama, qwen2, mistral" in capsys.readouterr().err
+
+
+def _pp2_logits(cfg, full):
+    """The model split into two pipeline stages (blocks 0 | 1), the hidden states handed from one to the next."""
+    from megazoo.models.gpt2.hf import load_full_state_into
+    from megazoo.models.transformer import GPT
+
+    topo = Topology.solo()
+    first = GPT(cfg, topo, layers=range(0, 1), with_head=False)
+    last = GPT(cfg, topo, layers=range(1, 2), with_embedding=False)
+    for stage in (first, last):
+        load_full_state_into(stage, full)
+        stage.eval()
+    with torch.no_grad():
+        return last(first(IDS))[..., :V]
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_pipeline_stages_equal_transformers(family):
+    cfg, full = converted(family)
+    deviation = (_pp2_logits(cfg, full) - hf_logits(family)).abs().max().item()
+    assert deviation < TOL, f"{family} pp=2: max |logit difference| {deviation:.2e}"
+
+
+def _cp_logits(cfg, full, algorithm):
+    from megazoo.parallel.context import positions
+
+    topo = Topology.build(dp=1, tp=1, cp=2, cp_attention=algorithm)
+    model = gpt_from_full_state(cfg, full, topo)
+    mine = positions(IDS.shape[1] // 2, 2, topo.cp_rank)  # this rank's load-balanced chunks
+    with torch.no_grad():
+        return mine, model(IDS[:, mine])[..., :V]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # Mistral's window with cp > 1 is refused
+@pytest.mark.parametrize("algorithm", ["ring", "all_to_all"])
+def test_context_parallel_equals_transformers(family, algorithm):
+    cfg, full = converted(family)
+    ref = hf_logits(family)
+    for mine, logits in run_distributed(lambda: _cp_logits(cfg, full, algorithm), 2):
+        deviation = (logits - ref[:, mine]).abs().max().item()
+        assert deviation < TOL, f"{family} cp=2 {algorithm}: max |logit difference| {deviation:.2e}"
