@@ -89,7 +89,7 @@ def hf_rows() -> list[list[str]]:
             kv = "" if tp == 1 else (" (kv split)" if 2 % tp == 0 else " (kv replicated)")
             rows.append([family, f"tp {tp}{kv}, fp32 logits vs transformers", f"{dev:.2e}"])
         pp = (_pp2(cfg, full) - ref).abs().max().item()
-        rows.append([family, "pp 2 (blocks 0 | 1), fp32 logits vs transformers", f"{pp:.2e}"])
+        rows.append([family, "pp 2 (blocks 0 / 1), fp32 logits vs transformers", f"{pp:.2e}"])
         if not cfg.sliding_window:  # a window with cp > 1 is refused
             for algorithm in ("ring", "all_to_all"):
                 outs = run_distributed(lambda a=algorithm: _cp2(cfg, full, a), 2)
