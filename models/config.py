@@ -15,7 +15,9 @@ from megazoo.models.layout import parameter_layout
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style decoder: pre-LayerNorm blocks, learned positions, tanh-GELU MLP, tied embeddings."""
+    """A pre-norm decoder. The defaults are GPT-2's block (LayerNorm, learned positions, tanh-GELU MLP, biases
+    everywhere, tied embeddings); the architecture fields below give the Llama-style block (RMSNorm, rotary
+    positions, SwiGLU, grouped-query attention, untied head, Qwen2's qkv bias, Mistral's sliding window)."""
 
     name: str
     n_layer: int
@@ -29,6 +31,22 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     vocab_multiple: int = 128  # the padded vocabulary is a multiple of vocab_multiple * tp
+    # Architecture options (models/transformer.py, attention.py, mlp.py, rotary.py); the defaults are GPT-2's.
+    norm: str = "layernorm"  # "layernorm" (weight + bias) | "rmsnorm" (weight); eps: layer_norm_eps
+    positions: str = "learned"  # "learned" (wpe) | "rotary" (no weights; rope_* below)
+    mlp: str = "gelu"  # "gelu": d -> d_ff -> d, tanh-GELU | "swiglu": down(silu(gate(x)) * up(x))
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 means n_head
+    tie_embeddings: bool = True  # the output head is the input embedding (False: its own lm_head)
+    qkv_bias: bool = True  # bias of the query/key/value projections (GPT-2, Qwen2)
+    proj_bias: bool = True  # bias of the attention output projection
+    mlp_bias: bool = True  # biases of the MLP's matrices
+    sliding_window: int = 0  # a query sees this many positions, itself included (Mistral); 0: all earlier ones
+    rope_theta: float = 10000.0  # rotary base
+    rope_scaling: str = "none"  # "none" | "llama3" (Llama 3.1's frequency-dependent scaling, as HF computes it)
+    rope_factor: float = 8.0  # llama3: low frequencies divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high_freq_factor are kept
+    rope_original_positions: int = 8192  # llama3: the context the model was pretrained at
     # Block-sparse attention (models/sparse_attention.py): no weights, so none of these is an architecture field.
     attention: str = "dense"  # "dense" | "sparse"
     sparse_pattern: str = "fixed"  # "fixed" | "bigbird" | "sliding_window"
@@ -41,7 +59,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        for field in ("n_layer", "n_head", "d_model", "n_positions", "vocab_size", "d_ff", "vocab_multiple"):
+        if self.n_kv_head == 0:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        for field in ("n_layer", "n_head", "d_model", "n_positions", "vocab_size", "d_ff", "vocab_multiple",
+                      "n_kv_head"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{field} = {value!r} is invalid: it must be a positive integer")
@@ -50,7 +71,37 @@ class ModelConfig:
         for field in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise ValueError(f"model.{field} = {getattr(self, field)} must be in [0, 1)")
+        self._check_architecture()
         self._check_sparse()
+
+    def _check_architecture(self) -> None:
+        for field, valid in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS), ("rope_scaling", ROPE_SCALINGS)):
+            if getattr(self, field) not in valid:
+                raise ValueError(f"model.{field} = {getattr(self, field)!r} is invalid; valid: "
+                                 f"{', '.join(repr(v) for v in valid)}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_kv_head = {self.n_kv_head} does not divide model.n_head = {self.n_head}; "
+                             f"valid: {[k for k in range(1, self.n_head + 1) if self.n_head % k == 0]}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(f"model.positions = 'rotary' needs an even head dimension, got d_model / n_head = "
+                             f"{self.head_dim}")
+        for field in ("tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"model.{field} = {getattr(self, field)!r} is invalid: it must be true or false")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"model.sliding_window = {self.sliding_window!r} is invalid: it must be an integer "
+                             ">= 0 (0: no window)")
+        if self.sliding_window and self.attention != "dense":
+            raise ValueError("model.sliding_window needs model.attention = 'dense' (the sparse patterns have their "
+                             "own windows)")
+        if not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta = {self.rope_theta} is invalid: it must be positive")
+        if self.rope_scaling == "llama3" and not (self.rope_factor > 0 and self.rope_original_positions > 0
+                                                   and self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+            raise ValueError(f"model.rope_scaling = 'llama3' needs rope_factor > 0, rope_original_positions > 0 and "
+                             f"rope_high_freq_factor > rope_low_freq_factor > 0; got {self.rope_factor}, "
+                             f"{self.rope_original_positions}, {self.rope_high_freq_factor}, "
+                             f"{self.rope_low_freq_factor}")
 
     def _check_sparse(self) -> None:
         from megazoo.models.sparse_attention import PATTERNS
@@ -73,6 +124,12 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def fused_qkv(self) -> bool:
+        """Multi-head attention keeps GPT-2's fused [Q; K; V] projection (attn.c_attn); grouped-query attention
+        has attn.c_q and attn.c_kv ([K; V], n_kv_head heads each), so K/V can be replicated where tp > n_kv_head."""
+        return self.n_kv_head == self.n_head
+
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of vocab_multiple * tp (so every tp shard is whole and aligned)."""
         multiple = self.vocab_multiple * tp
@@ -89,19 +146,36 @@ class ModelConfig:
             raise ValueError(f"unknown model field(s) {sorted(unknown)}; valid: {model_fields()}")
         if "d_model" in changes and "d_ff" not in changes and self.d_ff == 4 * self.d_model:
             changes["d_ff"] = 0  # the MLP width follows d_model (4x) unless it was set on its own
+        if "n_head" in changes and "n_kv_head" not in changes and self.n_kv_head == self.n_head:
+            changes["n_kv_head"] = 0  # multi-head attention stays multi-head
         return dataclasses.replace(self, **changes)
 
 
-# The fields that change parameter shapes: two configs that differ in one of them cannot share weights.
-ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+MLPS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("none", "llama3")
+
+# The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.
+ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions", "n_kv_head", "norm",
+                       "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias")
+# Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
+_LATER_FIELDS = {"norm": "layernorm", "positions": "learned", "mlp": "gelu", "tie_embeddings": True,
+                 "qkv_bias": True, "proj_bias": True, "mlp_bias": True}
 
 
 def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
     """One message per architecture field in which two `dataclasses.asdict(ModelConfig)` dicts differ, e.g.
     "model.n_layer = 2 there, 12 here" (`saved`: a checkpoint's config, `mine`: the model about to load it)."""
     missing = "(not recorded)"
-    return [f"model.{field} = {saved.get(field, missing)} there, {mine.get(field, missing)} here"
-            for field in ARCHITECTURE_FIELDS if saved.get(field, missing) != mine.get(field, missing)]
+
+    def value(config: dict, field: str):
+        if field == "n_kv_head" and not config.get(field):  # not recorded (older checkpoints) or 0: n_head
+            return config.get("n_head", missing)
+        return config.get(field, _LATER_FIELDS.get(field, missing))
+
+    return [f"model.{field} = {value(saved, field)} there, {value(mine, field)} here"
+            for field in ARCHITECTURE_FIELDS if value(saved, field) != value(mine, field)]
 
 
 def model_fields() -> list[str]:
@@ -110,10 +184,10 @@ def model_fields() -> list[str]:
 
 def presets() -> dict[str, ModelConfig]:
     """Every registered preset, by name."""
-    from megazoo.models import gpt2, turing_nlg  # the families register themselves
+    from megazoo.models import gpt2, llama, turing_nlg  # the families register themselves
 
     registry: dict[str, ModelConfig] = {}
-    for family in (gpt2.PRESETS, turing_nlg.PRESETS):
+    for family in (gpt2.PRESETS, turing_nlg.PRESETS, llama.PRESETS):
         for cfg in family:
             assert cfg.name not in registry, f"preset {cfg.name} registered twice"
             registry[cfg.name] = cfg

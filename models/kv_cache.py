@@ -25,14 +25,16 @@ class LayerCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.append(self.layer, k, v)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the s new queries (positions past .. past + s - 1) over all past + s keys."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """Causal attention of the s new queries (positions past .. past + s - 1) over all past + s keys; with a
+        sliding `window`, query position p sees keys p - window + 1 .. p only."""
         past = self.cache.length
         s, total = q.shape[2], k.shape[2]
-        if past == 0:  # the prompt: the ordinary causal mask
+        if past == 0 and (not window or s <= window):  # the prompt: the ordinary causal mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         # query i (absolute position past + i) sees keys 0 .. past + i
-        mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        distance = torch.arange(past, past + s, device=q.device)[:, None] - torch.arange(total, device=q.device)
+        mask = (distance >= 0) & (distance < window) if window else distance >= 0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

@@ -43,39 +43,76 @@ class ParamSpec(NamedTuple):
         return math.prod(self.local_shape(tp))
 
 
-def block_parameters(cfg: ModelConfig, index: int) -> list[ParamSpec]:
-    """Block `index`: LayerNorms and row-parallel biases replicated; column-parallel weights and biases split on
-    dim 0 (QKV in 3 head-aligned sections); row-parallel weights split on dim 1 (their input)."""
-    d, f, h = cfg.d_model, cfg.d_ff, f"h.{index}."
-    return [ParamSpec(h + "ln_1.weight", (d,), None), ParamSpec(h + "ln_1.bias", (d,), None),
-            ParamSpec(h + "attn.c_attn.weight", (3 * d, d), 0, 3), ParamSpec(h + "attn.c_attn.bias", (3 * d,), 0, 3),
-            ParamSpec(h + "attn.c_proj.weight", (d, d), 1), ParamSpec(h + "attn.c_proj.bias", (d,), None),
-            ParamSpec(h + "ln_2.weight", (d,), None), ParamSpec(h + "ln_2.bias", (d,), None),
-            ParamSpec(h + "mlp.c_fc.weight", (f, d), 0), ParamSpec(h + "mlp.c_fc.bias", (f,), 0),
-            ParamSpec(h + "mlp.c_proj.weight", (d, f), 1), ParamSpec(h + "mlp.c_proj.bias", (d,), None)]
+def kv_split(cfg: ModelConfig, tp: int) -> bool:
+    """Whether the key/value heads of a grouped-query config are split over tp (tp divides n_kv_head); otherwise
+    (tp a multiple of n_kv_head) every rank holds all of them and uses the one its query heads share."""
+    return cfg.n_kv_head % tp == 0
+
+
+def _linear(name: str, out: int, inp: int, tp_dim: int, bias: bool, sections: int = 1) -> list[ParamSpec]:
+    """A column- (tp_dim 0) or row-parallel (tp_dim 1) linear layer, its bias split like its output rows (column)
+    or replicated (row; added after the all-reduce). tp_dim None: a replicated layer."""
+    sections = sections if tp_dim is not None else 1
+    params = [ParamSpec(name + ".weight", (out, inp), tp_dim, sections)]
+    if bias:
+        params.append(ParamSpec(name + ".bias", (out,), 0 if tp_dim == 0 else None, sections))
+    return params
+
+
+def _norm(cfg: ModelConfig, name: str) -> list[ParamSpec]:
+    d = cfg.d_model
+    return [ParamSpec(name + ".weight", (d,), None)] + \
+        ([ParamSpec(name + ".bias", (d,), None)] if cfg.norm == "layernorm" else [])
+
+
+def block_parameters(cfg: ModelConfig, index: int, tp: int = 1) -> list[ParamSpec]:
+    """Block `index`: norms and row-parallel biases replicated; column-parallel weights and biases split on dim 0
+    (GPT-2's fused QKV in 3 head-aligned sections, grouped-query [K; V] in 2, SwiGLU's [gate; up] in 2);
+    row-parallel weights split on dim 1 (their input). Grouped-query K/V is replicated where tp > n_kv_head."""
+    d, f, h, hd = cfg.d_model, cfg.d_ff, f"h.{index}.", cfg.head_dim
+    params = _norm(cfg, h + "ln_1")
+    if cfg.fused_qkv:
+        params += _linear(h + "attn.c_attn", 3 * d, d, 0, cfg.qkv_bias, 3)
+    else:
+        params += _linear(h + "attn.c_q", cfg.n_head * hd, d, 0, cfg.qkv_bias)
+        params += _linear(h + "attn.c_kv", 2 * cfg.n_kv_head * hd, d, 0 if kv_split(cfg, tp) else None,
+                          cfg.qkv_bias, 2)
+    params += _linear(h + "attn.c_proj", d, cfg.n_head * hd, 1, cfg.proj_bias)
+    params += _norm(cfg, h + "ln_2")
+    gated = cfg.mlp == "swiglu"
+    params += _linear(h + "mlp.c_fc", 2 * f if gated else f, d, 0, cfg.mlp_bias, 2 if gated else 1)
+    params += _linear(h + "mlp.c_proj", d, f, 1, cfg.mlp_bias)
+    return params
 
 
 def parameter_layout(cfg: ModelConfig, tp: int = 1, *, vocab: int | None = None, layers: range | None = None,
                      embedding: bool = True, head: bool = True) -> list[ParamSpec]:
     """Every parameter of one (pipeline stage of a) GPT, in the model's registration order.
 
-    `vocab`: rows of the word embedding; default the padded vocabulary at `tp` (what the model allocates), give
-    cfg.vocab_size for the true one (checkpoints, counts). `layers`, `embedding`, `head`: the blocks and ends a
-    pipeline stage holds (GPT's `layers`, `with_embedding`, `with_head`). The tied head owns its own reference to
-    the word embedding, so a last stage without the embedding still lists wte.weight.
+    `vocab`: rows of the word embedding (and of an untied head); default the padded vocabulary at `tp` (what the
+    model allocates), give cfg.vocab_size for the true one (checkpoints, counts). `layers`, `embedding`, `head`:
+    the blocks and ends a pipeline stage holds (GPT's `layers`, `with_embedding`, `with_head`). A tied head owns
+    its own reference to the word embedding, so a last stage without the embedding still lists wte.weight; an
+    untied head is lm_head.weight, column-parallel over the vocabulary.
     """
     d = cfg.d_model
     vocab = cfg.padded_vocab(tp) if vocab is None else vocab
     params = []
-    if embedding or head:
+    if embedding or (head and cfg.tie_embeddings):
         params.append(ParamSpec("wte.weight", (vocab, d), 0))
-    if embedding:
+    if embedding and cfg.positions == "learned":
         params.append(ParamSpec("wpe.weight", (cfg.n_positions, d), None))
     for i in range(cfg.n_layer) if layers is None else layers:
-        params += block_parameters(cfg, i)
+        params += block_parameters(cfg, i, tp)
     if head:
-        params += [ParamSpec("ln_f.weight", (d,), None), ParamSpec("ln_f.bias", (d,), None)]
+        params += _norm(cfg, "ln_f")
+        if not cfg.tie_embeddings:
+            params.append(ParamSpec("lm_head.weight", (vocab, d), 0))
     return params
+
+
+# Parameters whose rows are the (padded) vocabulary: trimmed to the true vocabulary in full states.
+VOCAB_PARAMETERS = ("wte.weight", "lm_head.weight")
 
 
 def divisors(n: int) -> list[int]:
@@ -85,19 +122,25 @@ def divisors(n: int) -> list[int]:
 def check_parallel_compat(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
     """Raise ValueError unless `cfg` can be split over `tp` tensor-parallel ranks and `pp` pipeline stages.
 
-    tp must divide the attention heads (a rank holds whole heads) and the MLP width; pp must not exceed the
-    blocks. The message names the field, the value and what would be valid.
+    tp must divide the attention heads (a rank holds whole heads) and the MLP width, and divide or be a multiple
+    of the key/value heads (split or replicated); pp must not exceed the blocks. The message names the field, the value and what would be valid.
     """
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"parallel.{name} = {value!r} is invalid: it must be an integer >= 1")
-    valid_tp = ", ".join(str(k) for k in divisors(cfg.n_head) if cfg.d_ff % k == 0)
+    valid_tp = ", ".join(str(k) for k in divisors(cfg.n_head) if cfg.d_ff % k == 0
+                         and (cfg.n_kv_head % k == 0 or k % cfg.n_kv_head == 0))
     if cfg.n_head % tp:
         raise ValueError(f"parallel.tp = {tp} does not divide the {cfg.n_head} attention heads of {cfg.name} "
                          f"(model.n_head = {cfg.n_head}, divisors {divisors(cfg.n_head)}); valid tp: {valid_tp}")
     if cfg.d_ff % tp:
         raise ValueError(f"parallel.tp = {tp} does not divide the MLP width of {cfg.name} "
                          f"(model.d_ff = {cfg.d_ff}); valid tp: {valid_tp}")
+    if cfg.n_kv_head % tp and tp % cfg.n_kv_head:
+        raise ValueError(f"parallel.tp = {tp} neither divides nor is a multiple of the {cfg.n_kv_head} key/value "
+                         f"heads of {cfg.name} (model.n_kv_head = {cfg.n_kv_head}): a rank's query heads must share "
+                         f"whole key/value heads (split when tp divides them, replicated when tp is a multiple); "
+                         f"valid tp: {valid_tp}")
     if pp > cfg.n_layer:
         raise ValueError(f"parallel.pp = {pp} is larger than the number of blocks of {cfg.name} "
                          f"(model.n_layer = {cfg.n_layer} blocks); valid pp: 1..{cfg.n_layer}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from megazoo.models.layout import VOCAB_PARAMETERS
+from megazoo.models.norms import RMSNorm
 from megazoo.models.transformer import GPT
 from megazoo.parallel.tensor import ShardSpec, VocabParallelEmbedding, named_shards, normal_shard_
 from megazoo.parallel.tensor.shards import full_state_dict as tp_full_state_dict
@@ -19,8 +21,9 @@ from megazoo.parallel.tensor.shards import full_state_dict as tp_full_state_dict
 def init_parameter_(model: GPT, module: nn.Module, name: str, param: torch.Tensor, spec: ShardSpec,
                     seed: int) -> None:
     """GPT-2 initialisation of one parameter shard, by its global `name`: N(0, 0.02) weights,
-    0.02/sqrt(2L) for residual projections, zero biases, unit LayerNorm, zero padded vocabulary rows."""
-    if isinstance(module, nn.LayerNorm):
+    0.02/sqrt(2L) for residual projections, zero biases, unit LayerNorm / RMSNorm, zero padded vocabulary rows
+    (of the embedding and of an untied head)."""
+    if isinstance(module, (nn.LayerNorm, RMSNorm)):
         param.fill_(1.0 if name.endswith("weight") else 0.0)
     elif name.endswith("bias"):
         param.zero_()
@@ -30,6 +33,10 @@ def init_parameter_(model: GPT, module: nn.Module, name: str, param: torch.Tenso
     if isinstance(module, VocabParallelEmbedding):
         # Padding ids are never inputs and their logits are masked: zero rows keep them inert.
         first_pad = model.cfg.vocab_size - module.vocab_start
+        if first_pad < param.shape[0]:
+            param[max(first_pad, 0):].zero_()
+    elif name == "lm_head.weight":  # column-parallel: this rank's rows of the padded vocabulary
+        first_pad = model.cfg.vocab_size - spec.ranges()[0][0] if spec.dim is not None else model.cfg.vocab_size
         if first_pad < param.shape[0]:
             param[max(first_pad, 0):].zero_()
 
@@ -48,17 +55,21 @@ def full_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Every parameter of this rank's stage as a full tensor (all-gathered over tp), the embedding without its
     padding rows. Under ZeRO-3 call it inside `zero.gathered()`."""
     full = tp_full_state_dict(model, model.topo.tp_group)
-    if "wte.weight" in full:
-        full["wte.weight"] = full["wte.weight"][: model.cfg.vocab_size]
+    for name in VOCAB_PARAMETERS:
+        if name in full:
+            full[name] = full[name][: model.cfg.vocab_size]
     return full
 
 
 def count_parameters(model: nn.Module, unpadded_vocab: int | None = None) -> int:
     """Number of parameters of this rank's shard (meta-device models too); with `unpadded_vocab`, the padded
-    vocabulary rows of the embedding are left out of the count."""
+    vocabulary rows of the embedding (and of an untied head) are left out of the count."""
     total = sum(p.numel() for p in model.parameters())
     if unpadded_vocab is not None and hasattr(model, "wte"):
         wte = model.wte
         pad_rows = max(0, wte.vocab_end - max(unpadded_vocab, wte.vocab_start))
         total -= pad_rows * wte.embedding_dim
+    if unpadded_vocab is not None and hasattr(model, "lm_head"):
+        start, end = model.lm_head.shard_specs["weight"].ranges()[0]
+        total -= max(0, end - max(unpadded_vocab, start)) * model.lm_head.in_features
     return total

@@ -176,7 +176,7 @@ COMMANDS = {
     "plan": ("ZeRO memory and communication plan per device", _plan),
     "eval": ("zero-shot WikiText-103 perplexity / LAMBADA accuracy; lm-eval tasks", _eval),
     "generate": ("continue a prompt with a checkpoint's model (KV cache)", _generate),
-    "convert": ("convert checkpoints between Hugging Face GPT-2 and megazoo", _convert),
+    "convert": ("convert checkpoints between Hugging Face (GPT-2, Llama, Qwen2, Mistral) and megazoo", _convert),
     "preprocess": ("tokenize jsonl/txt/parquet/datasets inputs into an indexed dataset (PREFIX.bin + .idx)",
                    _preprocess),
     "tokenizer": ("train a tokenizer on your corpus (bpe or sentencepiece)", _tokenizer),

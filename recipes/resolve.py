@@ -156,15 +156,17 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
     elif par.virtual_stages != 1:
         raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
                           "'interleaved' (or 'zbv' / 'dualpipev' with 2); valid with gpipe/1f1b/zb_h1: 1")
-    # "parameters" balancing counts the embeddings on the first stage and the tied head's copy on the last,
-    # in units of one block's parameters (block 0's: every block has the same shapes).
+    # "parameters" balancing counts the embeddings on the first stage and the head (the tied embedding's copy or
+    # an untied lm_head) on the last, in units of one block's parameters (block 0's: every block has the same
+    # shapes).
     numel = {p.name: p.numel for p in parameter_layout(cfg, vocab=cfg.vocab_size, layers=range(1))}
     per_block = sum(n for name, n in numel.items() if name.startswith("h.0."))
-    embeddings = numel["wte.weight"] + numel["wpe.weight"]
+    embeddings = numel["wte.weight"] + numel.get("wpe.weight", 0)
+    head = numel.get("lm_head.weight", numel["wte.weight"])
     try:
         stages = virtual_stage_layers(cfg.n_layer, par.pp, virtual=par.virtual_stages, method=par.partition,
                                       layers=par.layers or None, first_extra=embeddings / per_block,
-                                      last_extra=numel["wte.weight"] / per_block)
+                                      last_extra=head / per_block)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     if par.pp > 1 and recipe.zero.stage == 3:

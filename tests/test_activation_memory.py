@@ -91,3 +91,17 @@ def test_pipeline_in_flight_and_checkpointing():
     one_layer = layer_bytes(1024, 4, cfg.d_model, cfg.n_head)
     assert ckpt[0].total_bytes == pytest.approx(4 * (12 * 2 * 1024 * 4 * cfg.d_model + ckpt[0].extra_bytes)
                                                 + one_layer)
+
+
+@pytest.mark.parametrize("attention", ["reference", "torch"])
+def test_formula_matches_saved_tensors_for_the_llama_block(attention):
+    """RMSNorm, rotary, SwiGLU (d_ff = 3.5 h: 14 h per token instead of GELU's 8) and grouped-query attention."""
+    cfg = get_preset("llama-tiny").replace(n_layer=2, vocab_size=512, d_ff=448)
+    points = [(2, 64), (2, 128), (4, 64)]
+    measured = {p: measured_bytes(cfg, *p, attention) for p in points}
+    predicted = {p: predicted_bytes(cfg, *p, attention) for p in points}
+    for p in points:
+        assert abs(measured[p] / predicted[p] - 1) < TOLERANCE, (p, measured[p], predicted[p])
+    for a, b in ((points[0], points[1]), (points[0], points[2])):
+        grew, formula = measured[b] - measured[a], predicted[b] - predicted[a]
+        assert abs(grew / formula - 1) < TOLERANCE, (a, b, grew, formula)

@@ -47,3 +47,21 @@ def test_tf32_is_set_on_gpu_only():
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", "llama3.1-405b", "qwen2.5-72b", "mistral-7b",
+                                    "gpt2-117m"])
+def test_flops_count_the_layouts_matrices(preset):
+    """The matmul parameters behind 6 N are the blocks' 2-D weights of models/layout.py (SwiGLU's three matrices,
+    GQA's smaller K/V) plus the head; the attention term sees at most the sliding window."""
+    from megazoo.models.layout import parameter_layout
+    from megazoo.recipes.planner.flops import block_matmul_params
+
+    cfg = get_preset(preset)
+    matrices = sum(p.numel for p in parameter_layout(cfg, vocab=cfg.vocab_size)
+                   if p.name.startswith("h.") and len(p.shape) == 2)
+    assert cfg.n_layer * block_matmul_params(cfg) == matrices
+    seq = 8192
+    keys = min(seq, cfg.sliding_window or seq)
+    expected = 6 * (matrices + cfg.vocab_size * cfg.d_model) + 12 * cfg.n_layer * keys * cfg.d_model
+    assert model_flops_per_token(cfg, seq) == expected

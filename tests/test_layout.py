@@ -131,7 +131,9 @@ def test_model_resolver_and_planner_report_a_bad_layout_alike():
 
 def test_architecture_fields_are_model_fields():
     assert set(ARCHITECTURE_FIELDS) <= set(model_fields())
-    assert set(ARCHITECTURE_FIELDS) == {"n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions"}
+    assert set(ARCHITECTURE_FIELDS) == {"n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions",
+                                        "n_kv_head", "norm", "positions", "mlp", "tie_embeddings", "qkv_bias",
+                                        "proj_bias", "mlp_bias"}
 
 
 def test_architecture_mismatches():
@@ -143,9 +145,63 @@ def test_architecture_mismatches():
     assert architecture_mismatches(base, other) == []
     assert architecture_mismatches(small, base) == [
         "model.n_layer = 2 there, 12 here", "model.n_head = 4 there, 12 here", "model.d_model = 128 there, 768 here",
-        "model.d_ff = 512 there, 3072 here", "model.n_positions = 256 there, 1024 here"]
+        "model.d_ff = 512 there, 3072 here", "model.n_positions = 256 there, 1024 here",
+        "model.n_kv_head = 4 there, 12 here"]
     wider = dataclasses.asdict(get_preset("gpt2-117m").replace(d_ff=1000, vocab_size=300))
     assert architecture_mismatches(base, wider) == ["model.d_ff = 3072 there, 1000 here",
                                                     "model.vocab_size = 50257 there, 300 here"]
     old = {k: v for k, v in base.items() if k != "d_ff"}
     assert architecture_mismatches(old, base) == ["model.d_ff = (not recorded) there, 3072 here"]
+    # a checkpoint from before the architecture options has GPT-2's block: it matches a GPT-2 config
+    before = {k: v for k, v in base.items() if k not in ("norm", "positions", "mlp", "n_kv_head", "tie_embeddings",
+                                                          "qkv_bias", "proj_bias", "mlp_bias")}
+    assert architecture_mismatches(before, base) == []
+    llama = dataclasses.asdict(get_preset("llama-tiny"))
+    gpt = dataclasses.asdict(get_preset("llama-tiny").replace(norm="layernorm", n_kv_head=4))
+    assert architecture_mismatches(llama, gpt) == ["model.n_kv_head = 2 there, 4 here",
+                                                   "model.norm = rmsnorm there, layernorm here"]
+
+
+# ---- the Llama-style layout: GQA split or replicated over tp, SwiGLU, untied head -------------------------------
+
+LLAMA = get_preset("llama-tiny").replace(vocab_size=300, n_layer=2)
+
+
+def test_llama_layout_names_and_shapes():
+    shapes = {p.name: (p.shape, p.tp_dim, p.sections) for p in parameter_layout(LLAMA, vocab=300)}
+    d, hd = LLAMA.d_model, LLAMA.head_dim
+    assert shapes["h.0.attn.c_q.weight"] == ((4 * hd, d), 0, 1)
+    assert shapes["h.0.attn.c_kv.weight"] == ((2 * 2 * hd, d), 0, 2)  # [K; V] of 2 key/value heads
+    assert shapes["h.1.mlp.c_fc.weight"] == ((2 * 344, d), 0, 2)  # [gate; up]
+    assert shapes["lm_head.weight"] == ((300, d), 0, 1) and "wpe.weight" not in shapes
+    assert not any(name.endswith("bias") for name in shapes) and "ln_f.weight" in shapes
+    # tp 4 > 2 key/value heads: c_kv replicated on every rank
+    assert {p.name: p.tp_dim for p in parameter_layout(LLAMA, 4)}["h.0.attn.c_kv.weight"] is None
+    qwen = get_preset("qwen2.5-7b")
+    names = {p.name for p in parameter_layout(qwen)}
+    assert "h.0.attn.c_q.bias" in names and "h.0.attn.c_kv.bias" in names and "h.0.attn.c_proj.bias" not in names
+
+
+def _llama_allocated(tp: int, pp: int):
+    topo = Topology.build(dp=1, tp=tp)
+    return [_allocated(GPT(LLAMA, topo, layers=layers, with_embedding=rank == 0, with_head=rank == pp - 1,
+                           device=torch.device("meta")))
+            for rank, layers in enumerate(uniform_stage_layers(LLAMA.n_layer, pp))]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama_layout_at_tp_is_what_the_ranks_allocate(tp):
+    pp = 2
+    described = [_described(LLAMA, tp, layers=layers, embedding=rank == 0, head=rank == pp - 1)
+                 for rank, layers in enumerate(uniform_stage_layers(LLAMA.n_layer, pp))]
+    for measured in run_distributed(_llama_allocated, tp, tp, pp):
+        assert measured == described
+
+
+def test_gqa_compat_message():
+    cfg = get_preset("llama-tiny").replace(n_head=12, n_kv_head=3, d_model=96, d_ff=48)  # tp 2: neither divides nor multiple
+    check_parallel_compat(cfg, 3)
+    check_parallel_compat(cfg, 6)
+    with pytest.raises(ValueError, match=r"parallel.tp = 2 neither divides nor is a multiple of the 3 key/value "
+                                         r"heads .*model.n_kv_head = 3.*valid tp: 1, 3, 6, 12$"):
+        check_parallel_compat(cfg, 2)

@@ -45,7 +45,8 @@ def _resolved(name: str, tmp_path: Path, extra: tuple[str, ...] = ()):
 
 def test_every_zoo_recipe_is_listed():
     zoo = {p.name for p in FOLDER.glob("*.toml")} - {"demo.toml", "demo_tp2.toml", "finetune.toml",
-                                                      "long-context.toml"}  # tests/test_context_model.py
+                                                      "long-context.toml",  # tests/test_context_model.py
+                                                      "llama-demo.toml"}  # tests/test_llama_demo.py
     assert zoo == set(ZOO)
 
 

@@ -1,5 +1,9 @@
 """`megazoo convert hf-to-megazoo HF_DIR --out DIR` and `megazoo convert megazoo-to-hf CKPT --out DIR`.
 
+GPT-2 directories convert through models/gpt2/hf.py, LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM
+ones (config.json's model_type) through models/llama/hf.py; an export picks the family the checkpoint's model
+config computes (GPT-2's block, or models/llama/hf.py's hf_family).
+
 megazoo checkpoints are the sharded, topology-independent ones of parallel/checkpoint: hf-to-megazoo writes a
 one-rank checkpoint (a checkpoints folder holding step_00000000) that loads into any layout, e.g. as
 `[checkpoint] load` of a fine-tuning recipe; megazoo-to-hf consolidates a checkpoint of any layout (ZeRO-3
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -102,20 +107,52 @@ def _model_config(common: dict) -> ModelConfig:
         raise CheckpointError(f"checkpoint model config is corrupt: {error!r}") from error
 
 
+def hf_model_type(hf_dir: str | Path) -> str:
+    """config.json's model_type ("gpt2", "llama", "qwen2", "mistral", ...), read without transformers."""
+    config = Path(hf_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
+    try:
+        return str(json.loads(config.read_text())["model_type"])
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"cannot read model_type from HF config {config}: {error!r}") from error
+
+
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
-    from megazoo.models.gpt2.hf import read_hf_dir
+    from megazoo.models.llama.hf import FAMILIES
 
     check_out_dir(args.out)  # checked before the (slow) read
+    model_type = hf_model_type(args.hf_dir)
+    if model_type == "gpt2":
+        from megazoo.models.gpt2.hf import read_hf_dir
+    elif model_type in FAMILIES:
+        from megazoo.models.llama.hf import read_hf_dir
+    else:
+        raise ValueError(f"{args.hf_dir}: HF model_type {model_type!r} cannot be converted; valid: gpt2, "
+                         f"{', '.join(FAMILIES)}")
     cfg, full_state = read_hf_dir(args.hf_dir)
+    tokenizer = _hf_tokenizer_files(args.hf_dir) if model_type != "gpt2" else []
     try:
         with staged_out_dir(args.out) as staging:
-            write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging)
+            record = None
+            if tokenizer:  # the checkpoint keeps its own copy; the record names where it will be after the rename
+                from megazoo.data.tokenizer_loading import load_hf_tokenizer
+                from megazoo.data.tokenizer_store import tokenizer_record
+
+                (staging / HF_TOKENIZER_DIR).mkdir()
+                for file in tokenizer:
+                    shutil.copyfile(file, staging / HF_TOKENIZER_DIR / file.name)
+                record = tokenizer_record(load_hf_tokenizer(str(staging / HF_TOKENIZER_DIR)))
+                record["source"] = str(Path(args.out).resolve() / HF_TOKENIZER_DIR)
+            write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging, tokenizer=record)
             if args.verify:  # the checkpoint as written, read back, against the HF source
                 _verified(*load_consolidated(staging), args.hf_dir)
     except ConversionRefused as refused:
         print(f"megazoo: convert hf-to-megazoo: {refused}", file=sys.stderr)
         return 1
-    print(f"converted HF GPT-2 {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint {args.out}")
+    what = "with its tokenizer" if tokenizer else "without a tokenizer (none in the HF directory)"
+    print(f"converted HF {model_type} {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint "
+          f"{args.out}, {what}")
     return 0
 
 
@@ -132,6 +169,19 @@ def _verified(cfg: ModelConfig, full_state: dict[str, torch.Tensor], hf_dir: str
         raise ConversionRefused("the converted model does not compute the same logits as its source (table "
                                 "above): refused, nothing written to --out")
 
+# A Llama-family conversion copies the HF tokenizer here (beside the checkpoints' step directories).
+HF_TOKENIZER_DIR = "hf_tokenizer"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _hf_tokenizer_files(hf_dir: str | Path) -> list[Path]:
+    """The tokenizer files of an HF directory (none when it ships no tokenizer)."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer.model").is_file():
+        return []
+    return [hf_dir / name for name in _TOKENIZER_FILES if (hf_dir / name).is_file()]
+
 
 def export_tokenizer(checkpoint: str | Path, spec: str | None):
     """The tokenizer an export writes: --tokenizer (a spec, or "none"), else the one the checkpoint records."""
@@ -143,10 +193,15 @@ def export_tokenizer(checkpoint: str | Path, spec: str | None):
 
 
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
-    from megazoo.models.gpt2.hf import export_hf_dir
-
     check_out_dir(args.out)
     tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
+    cfg = load_consolidated_config(args.checkpoint)
+    if cfg.positions == "learned":  # the GPT-2 block
+        from megazoo.models.gpt2.hf import export_hf_dir
+        family = "GPT-2"
+    else:
+        from megazoo.models.llama.hf import export_hf_dir, hf_family
+        family = hf_family(cfg)  # refuses a config no HF family computes, before the read
     cfg, full_state = load_consolidated(args.checkpoint)
     try:
         with staged_out_dir(args.out) as staging:
@@ -157,7 +212,7 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
         print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
         return 1
     what = "with its tokenizer" if tokenizer is not None else "without a tokenizer (none recorded or given)"
-    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF GPT-2 directory {args.out}, {what}")
+    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF {family} directory {args.out}, {what}")
     return 0
 
 
@@ -180,14 +235,17 @@ def _run(func):
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add `convert` (with `hf-to-megazoo` and `megazoo-to-hf`) to the `megazoo` command's subparsers."""
-    convert = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face GPT-2 and megazoo")
+    convert = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face (GPT-2, Llama, Qwen2, "
+                                    "Mistral) and megazoo")
     sub = convert.add_subparsers(dest="direction", required=True)
-    to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 directory -> consolidated megazoo checkpoint")
-    to_mz.add_argument("hf_dir", help="HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)")
+    to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 / Llama / Qwen2 / Mistral directory -> consolidated "
+                           "megazoo checkpoint")
+    to_mz.add_argument("hf_dir", help="HF directory (config.json + model.safetensors, its index, or pytorch_model.bin)")
     to_mz.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
     to_mz.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     to_mz.set_defaults(func=_run(_hf_to_megazoo))
-    to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF GPT-2 directory + tokenizer")
+    to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF directory (GPT-2, or the "
+                           "Llama / Qwen2 / Mistral family its config computes) + tokenizer")
     to_hf.add_argument("checkpoint", help="megazoo checkpoint: a step_N directory or a checkpoints folder (its latest good one)")
     to_hf.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
     to_hf.add_argument("--tokenizer", default=None, metavar="TOK",

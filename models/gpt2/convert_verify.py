@@ -66,9 +66,9 @@ def megazoo_logits(cfg: ModelConfig, full_state: dict[str, torch.Tensor], ids: t
 
 @torch.no_grad()
 def hf_dir_logits(hf_dir: str | Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM  # GPT2LMHeadModel, or the Llama family's class config.json names
 
-    model = GPT2LMHeadModel.from_pretrained(str(hf_dir), torch_dtype=torch.float64, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float64, attn_implementation="eager")
     return model.eval()(ids).logits
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.layout import parameter_layout
+from megazoo.models.layout import VOCAB_PARAMETERS, parameter_layout
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import named_shards
 from megazoo.parallel.tensor import shard_of
@@ -123,7 +123,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
 def load_full_state_into(model: GPT, full_state: dict[str, torch.Tensor]) -> None:
     """Copy this rank's shard of every parameter of `model` (any tp, any pipeline stage) from a full state.
 
-    The embedding is padded with zero rows from the true to the model's padded vocabulary (as init_weights
+    The embedding (and an untied head) is padded with zero rows from the true to the model's padded vocabulary (as init_weights
     does: padding ids are never inputs and their logits are masked). Names of other stages are ignored.
     """
     missing = [name for name, _, _ in named_shards(model) if name not in full_state]
@@ -131,7 +131,7 @@ def load_full_state_into(model: GPT, full_state: dict[str, torch.Tensor]) -> Non
         raise ValueError(f"full state lacks {len(missing)} parameter(s) of the model, e.g. {missing[:8]}")
     for name, param, spec in named_shards(model):
         full = full_state[name]
-        if name == "wte.weight" and full.shape[0] < spec.global_shape[0]:
+        if name in VOCAB_PARAMETERS and full.shape[0] < spec.global_shape[0]:
             full = torch.cat([full, full.new_zeros(spec.global_shape[0] - full.shape[0], full.shape[1])])
         param.copy_(shard_of(full.to(param.dtype), spec))
 

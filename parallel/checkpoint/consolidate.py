@@ -47,15 +47,20 @@ def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if not entries:
             raise CheckpointError(f"checkpoint {path} holds no weights for {name}")
         state[name] = _assemble(entries, files, name, path).float()
-    if "wte.weight" in state:
-        state["wte.weight"] = state["wte.weight"][: model["vocab_size"]]
+    for name in ("wte.weight", "lm_head.weight"):  # rows of the padded vocabulary (models/layout.py)
+        if name in state:
+            state[name] = state[name][: model["vocab_size"]]
     return model, state
 
 
-def write_full_checkpoint(full_state: dict[str, torch.Tensor], model: dict, out: str | Path) -> Path:
-    """Write full tensors as a one-rank checkpoint under the checkpoints folder `out` (step 0, weights only)."""
+def write_full_checkpoint(full_state: dict[str, torch.Tensor], model: dict, out: str | Path,
+                          tokenizer: dict | None = None) -> Path:
+    """Write full tensors as a one-rank checkpoint under the checkpoints folder `out` (step 0, weights only);
+    `tokenizer`: a tokenizer record (data/tokenizer_store.py) for common.json, so the checkpoint carries it."""
     views = [StateView(name, ShardSpec(tuple(t.shape)), "param", 0, t.numel(), t.detach().reshape(-1))
              for name, t in full_state.items()]
     layout = {"dp": 1, "tp": 1, "pp": 1, "virtual_stages": 1, "zero_stage": 0, "stage_layers": None}
     common = {"step": 0, "optimizer_steps": 0, "scaler": None, "recipe": None, "global_batch": None, "model": model}
+    if tokenizer is not None:
+        common["tokenizer"] = tokenizer
     return save_checkpoint(out, 0, views, extras={}, common=common, layout=layout, keep=1)

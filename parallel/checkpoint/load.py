@@ -99,7 +99,7 @@ def load_views(path: str | Path, views: list[StateView], *, kinds: tuple[str, ..
         if (view.name, source) not in cache:
             cache = {k: v for k, v in cache.items() if k[0] == view.name}  # one parameter at a time
             full = _assemble(by_key[(view.name, source)], files, view.name, path)
-            if view.name.endswith("wte.weight"):  # the padded vocabulary depends on tp
+            if view.name.endswith(("wte.weight", "lm_head.weight")):  # the padded vocabulary depends on tp
                 full = _fit_rows(full, view.spec.global_shape[0])
             cache[(view.name, source)] = full
         try:

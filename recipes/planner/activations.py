@@ -10,7 +10,9 @@ layer of sequence s, micro-batch b, hidden h, a heads stores, with 16-bit activa
 Itemised (so other element sizes follow; e = bytes per activation element, m = bytes per dropout mask element,
 r = bytes per element of the residual stream):
     replicated over tp:  the inputs of the 2 LayerNorms (2r) and of QKV / fc1 (2e) + 2 residual dropout masks (2m)
-    sharded over tp:     Q, K, V (3e), the attention output projection input (e), the GELU input (4e), fc2 input (4e)
+    sharded over tp:     Q, K, V (3e), the attention output projection input (e), the GELU input (4e), fc2 input (4e);
+                         SwiGLU: [gate; up] (2 d_ff / h e), silu(gate) and c_proj's input (d_ff / h e each);
+                         grouped-query K / V are kept repeated to every query head (what the kernel receives)
     attention scores:    a s^2 b (softmax output e + dropout mask m + dropout output e), sharded over tp; with
                          fused (flash / SDPA) attention no scores are stored, only the fp32 log-sum-exp
                          (4 a s b; its output is laid out as the projection's input, so it is counted once).
@@ -53,6 +55,8 @@ class ActivationSpec:
     attn_dropout: bool = True  # attention-probability dropout active (p > 0)
     residual_bytes: int = 0  # the residual stream's element (0: element_bytes; 4 under autocast of fp32 params)
     weight_copies: bool = False  # autocast of fp32 parameters: every matmul keeps its weight's 16-bit cast
+    mlp_elements: float = 8.0  # MLP activations per token, in units of h (GELU: 2 d_ff / h; SwiGLU: 4 d_ff / h)
+    block_weights: float = 12.0  # matmul weight elements of one block, in units of h^2 (weight_copies)
 
     @property
     def residual(self) -> int:
@@ -63,9 +67,15 @@ class ActivationSpec:
                   *, autocast_fp32_params: bool = False) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
+        from megazoo.recipes.planner.flops import block_matmul_params
+
         amp = autocast_fp32_params and element_bytes < 4
+        h = cfg.d_model
+        # GELU keeps its input and fc2's (d_ff each); SwiGLU keeps [gate; up] (2 d_ff), silu(gate) and the
+        # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
+        mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
-                              4 if amp else 0, amp)
+                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h))
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -77,9 +87,11 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
     e = spec.element_bytes
     m_drop = spec.mask_bytes if spec.dropout else 0
     replicated = 2 * spec.residual + 2 * e + 2 * m_drop
-    sharded = 12 * e
+    # Q, K, V (as the attention kernel keeps them: grouped-query K / V repeated to every query head), the output
+    # projection's input, and the MLP's.
+    sharded = (4 + spec.mlp_elements) * e
     sbh = s * b * h
-    weights = e * 12 * h * h / t if spec.weight_copies else 0.0  # QKV, projection, fc1, fc2 weights' 16-bit casts
+    weights = e * spec.block_weights * h * h / t if spec.weight_copies else 0.0  # the matmul weights' 16-bit casts
     if spec.flash_attention:
         scores = 4 * a * s * b / t  # its fp32 log-sum-exp (its output is the projection input, counted above)
     else:

@@ -13,11 +13,22 @@ from megazoo.models.config import ModelConfig
 from megazoo.recipes.planner.gpus import gpu_by_device_name
 
 
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """Weights one block multiplies by: Q and the output projection (d x n_head hd each), K and V (d x n_kv_head hd
+    each: grouped-query attention's are smaller), and the MLP's 2 (GELU) or 3 (SwiGLU: gate, up, down)
+    d x d_ff matrices. GPT-2: 4 d^2 + 2 d d_ff."""
+    d, hd = cfg.d_model, cfg.head_dim
+    mlp_matrices = 3 if cfg.mlp == "swiglu" else 2
+    return 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + mlp_matrices * d * cfg.d_ff
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, vocab: int | None = None) -> float:
-    """Training FLOPs per token: 6 x matmul parameters (blocks + the output head) + 12 x L x s x d."""
+    """Training FLOPs per token: 6 x matmul parameters (blocks + the output head, tied or not) + 12 x L x s' x
+    n_head hd, with s' the keys a query sees: the sequence, or at most the sliding window."""
     d, vocab = cfg.d_model, vocab or cfg.vocab_size
-    matmul_params = cfg.n_layer * (4 * d * d + 2 * d * cfg.d_ff) + vocab * d
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * seq_len * d
+    matmul_params = cfg.n_layer * block_matmul_params(cfg) + vocab * d
+    keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
+    return 6.0 * matmul_params + 12.0 * cfg.n_layer * keys * cfg.n_head * cfg.head_dim
 
 
 def peak_flops(device_name: str | None, dtype_name: str) -> float | None:

@@ -114,7 +114,8 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
 
 def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: Kernels) -> ZeroOptimizer:
     """The recipe's ZeRO stage over every chunk's parameters. With pp > 1 the embedding lives on the first and
-    the last stage (tied): its gradients are summed over the embedding group and counted once in the norm."""
+    the last stage when the head is tied: its gradients are summed over the embedding group and counted once in
+    the norm (an untied lm_head lives on the last stage only)."""
     t, zero, model = res.recipe.train, res.recipe.zero, chunks[0]
     named, seen = [], set()
     for chunk in chunks:  # a parameter shared by two chunks (zbv's tied embedding on rank 0) is listed once
@@ -130,7 +131,7 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     # group); under zbv's V both ends are on rank 0 and share one parameter: nothing to sum, but it still gets a
     # bucket of its own: its gradient hook fires in both chunks' W, and a bucket shared with one chunk's other
     # parameters would be completed (ZeRO-2: copied, then overwritten) by one W without the other's part.
-    if topo.pp == 1:
+    if topo.pp == 1 or not res.model.tie_embeddings:  # an untied lm_head shares nothing with the embedding
         tied = TiedParameters()
     elif placement(res.recipe.parallel.schedule) == "v":
         tied = TiedParameters(frozenset({"wte.weight"}), None, counted_in_norm=True)

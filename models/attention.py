@@ -1,0 +1,167 @@
+"""Causal self-attention over this rank's heads: GPT-2's fused multi-head attention or grouped-query attention.
+
+Multi-head (n_kv_head = n_head): one fused projection `c_attn`, column-parallel in 3 sections, rank r holding
+[Q_r; K_r; V_r] for whole heads. Grouped-query (n_kv_head < n_head, Ainslie et al. 2023): `c_q` for the n_head
+query heads and `c_kv` ([K; V], n_kv_head heads each); query head i uses key/value head i // (n_head / n_kv_head).
+Under tensor parallelism (models/layout.py: kv_split):
+- tp divides n_kv_head: c_kv is column-parallel in 2 sections; rank r's n_head / tp query heads use exactly its
+  n_kv_head / tp key/value heads.
+- tp a multiple of n_kv_head: every rank holds all of c_kv (replicated, as a norm weight) and projects only the
+  one key/value head its query heads share. Its weight passes through copy_to_tp_region, so backward all-reduces
+  the weight's gradient over tp (each rank's covers only its own head's rows): the replicated copies get the
+  full, identical gradient.
+Either way the input goes through one copy_to_tp_region (identity forward, all-reduce of dx in backward) shared by
+the query and key/value projections, and c_proj is row-parallel (all-reduce in forward): the same collectives as
+GPT-2's attention.
+
+Rotary positions are applied to q and k after the projection, at the tokens' positions in the whole sequence
+(the context-parallel chunks' own, past the decoding cache). A sliding window (Mistral) lets a query see the
+`sliding_window` positions ending at itself. Shapes: b batch, s sequence, h local query heads, g local key/value
+heads, hd head dim, d d_model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megazoo.kernels import Implementation, kernels_for_model
+from megazoo.models.config import ModelConfig
+from megazoo.models.kv_cache import LayerCache
+from megazoo.models.layout import check_parallel_compat, kv_split
+from megazoo.models.rotary import apply_rotary, rotary_tables
+from megazoo.models.sparse_attention import SparseAttention
+from megazoo.parallel.context import context_attention, positions
+from megazoo.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPRNGTracker, copy_to_tp_region
+from megazoo.parallel.topology import Topology
+
+
+def residual_std(cfg: ModelConfig) -> float:
+    """GPT-2's scaled init of the projections that write into the residual stream: 0.02 / sqrt(2 n_layer)."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layer)
+
+
+class ReplicatedKV(nn.Module):
+    """[K; V] of all n_kv_head heads on every tp rank (tp a multiple of n_kv_head); `forward` projects one head.
+
+    Same parameter name, global shape and initial values as the column-parallel c_kv of a tp that divides the
+    heads (initialisation depends on name and global shape only), so checkpoints move between the two."""
+
+    def __init__(self, cfg: ModelConfig, group, *, head: int, device=None, dtype=None):
+        super().__init__()
+        self.group, self.head, self.init_std = group, head, cfg.init_std
+        self.n_kv_head, self.head_dim = cfg.n_kv_head, cfg.head_dim
+        out = 2 * cfg.n_kv_head * cfg.head_dim
+        self.weight = nn.Parameter(torch.empty(out, cfg.d_model, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out, device=device, dtype=dtype)) if cfg.qkv_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> [K_head; V_head] (b, s, 2 hd)
+        # Backward all-reduces the weight's (and bias's) gradient over tp: this rank's covers its head's rows only.
+        weight = copy_to_tp_region(self.weight, self.group).view(2, self.n_kv_head, self.head_dim, -1)
+        weight = weight[:, self.head].reshape(2 * self.head_dim, -1)
+        bias = None
+        if self.bias is not None:
+            bias = copy_to_tp_region(self.bias, self.group).view(2, self.n_kv_head, self.head_dim)
+            bias = bias[:, self.head].reshape(-1)
+        return F.linear(x, weight, bias)
+
+
+def sliding_window_attention(kernel, window: int):
+    """(q, k, v, dropout_p) -> y: causal attention in which query i sees keys i - window + 1 .. i. Sequences no
+    longer than the window are plain causal attention (the model's kernel)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        s = q.shape[2]
+        if s <= window:
+            return kernel(q, k, v, dropout_p)
+        i = torch.arange(s, device=q.device)
+        distance = i[:, None] - i[None, :]  # query - key
+        mask = (distance >= 0) & (distance < window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+    return attend
+
+
+class Attention(nn.Module):
+    """Causal self-attention over this rank's n_head / tp query heads (and their key/value heads)."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
+                 kernels: Mapping[str, Implementation] | None = None):
+        super().__init__()
+        check_parallel_compat(cfg, topo.tp)
+        self.cfg, self.topo = cfg, topo
+        self.n_local_heads = cfg.n_head // topo.tp  # from the shard, never from a global
+        split = kv_split(cfg, topo.tp)
+        self.n_local_kv = cfg.n_kv_head // topo.tp if split else 1
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.attn_dropout
+        self.rng = rng
+        # (q, k, v, dropout_p) -> y, causal: the dense kernel, or the block-sparse pattern of model.attention =
+        # "sparse". cp > 1: q, k, v hold this rank's chunks of the sequence, and the kernel is wrapped in
+        # all-to-all (Ulysses) or ring attention over the cp group (parallel/context).
+        kernel = kernels_for_model(kernels)["attention"].fn if cfg.attention == "dense" else \
+            SparseAttention.from_config(cfg, topo.device)
+        if cfg.sliding_window:
+            if topo.cp > 1:
+                raise ValueError(f"model.sliding_window = {cfg.sliding_window} with parallel.cp = {topo.cp} is not "
+                                 "supported yet; valid: parallel.cp = 1 or model.sliding_window = 0")
+            kernel = sliding_window_attention(kernel, cfg.sliding_window)
+        self.attend = context_attention(kernel, topo.cp_group, topo.cp_attention)
+        d, hd, group = cfg.d_model, cfg.head_dim, topo.tp_group
+        if cfg.fused_qkv:
+            # Fused QKV, column-parallel in 3 sections: rank r holds [Q_r; K_r; V_r] for whole heads.
+            self.c_attn = ColumnParallelLinear(d, 3 * d, group, sections=3, bias=cfg.qkv_bias,
+                                               init_std=cfg.init_std, device=device, dtype=dtype)
+        else:
+            self.c_q = ColumnParallelLinear(d, cfg.n_head * hd, group, bias=cfg.qkv_bias, init_std=cfg.init_std,
+                                            device=device, dtype=dtype)
+            if split:  # rank r holds [K_r; V_r], its n_kv_head / tp heads
+                self.c_kv = ColumnParallelLinear(d, 2 * cfg.n_kv_head * hd, group, sections=2, bias=cfg.qkv_bias,
+                                                 init_std=cfg.init_std, device=device, dtype=dtype)
+            else:  # the one head shared by this rank's query heads
+                head = topo.tp_rank // (topo.tp // cfg.n_kv_head)
+                self.c_kv = ReplicatedKV(cfg, group, head=head, device=device, dtype=dtype)
+        self.c_proj = RowParallelLinear(cfg.n_head * hd, d, group, bias=cfg.proj_bias, init_std=residual_std(cfg),
+                                        device=device, dtype=dtype)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (b, s, h hd), k and v (b, s, g hd)."""
+        if self.cfg.fused_qkv:
+            return self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
+        x = copy_to_tp_region(x, self.topo.tp_group)  # one all-reduce of dx in backward, for q and kv
+        q = F.linear(x, self.c_q.weight, self.c_q.bias)
+        kv = self.c_kv(x) if isinstance(self.c_kv, ReplicatedKV) else F.linear(x, self.c_kv.weight, self.c_kv.bias)
+        return (q, *kv.split(self.n_local_kv * self.head_dim, dim=-1))
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
+        b, s, _ = x.shape
+        q, k, v = self._project(x)
+        q = q.view(b, s, self.n_local_heads, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
+        k, v = (t.view(b, s, self.n_local_kv, self.head_dim).transpose(1, 2) for t in (k, v))  # (b, g, s, hd)
+        if self.cfg.positions == "rotary":
+            past = 0 if cache is None else cache.cache.length
+            pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)
+            cos, sin = rotary_tables(self.cfg, pos, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:  # decoding (models/kv_cache.py): this rank's heads, past positions included
+            k, v = cache.append(k, v)  # the cache holds the g key/value heads, not their repeats
+            y = cache.attend(q, *self._repeat_kv(k, v), window=self.cfg.sliding_window)
+            return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))
+        k, v = self._repeat_kv(k, v)
+        p = self.dropout if self.training else 0.0
+        # Attention probabilities belong to this rank's heads only: their dropout draws from the tp stream.
+        with self.rng.fork() if p > 0 else contextlib.nullcontext():
+            y = self.attend(q, k, v, p)  # (b, h, s, hd)
+        return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))
+
+    def _repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, g, s, hd) -> (b, h, s, hd): each key/value head repeated for the query heads that share it."""
+        group = self.n_local_heads // self.n_local_kv
+        if group == 1:
+            return k, v
+        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

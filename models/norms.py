@@ -1,0 +1,56 @@
+"""The block's normalisation: GPT-2's LayerNorm (through the kernel dispatch) or Llama's RMSNorm."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+from megazoo.kernels import Implementation, LayerNorm
+from megazoo.models.config import ModelConfig
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """HF LlamaRMSNorm's arithmetic; backward recomputes the normalised input from x and the per-row 1/rms, so
+    only those two are kept (as LayerNorm keeps its input and statistics), not the normalised copy autograd would
+    keep for the weight's gradient (one more b x s x d tensor per norm)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        stats = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(stats.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (stats * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(rstd.dtype) * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_normed = (grad * weight).to(rstd.dtype)
+        # d/dx of x * rstd(x): rstd (g - n mean(g n)), n the normalised input
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32 (fp64 for fp64 inputs) and the weight applied
+    in the input dtype, as Hugging Face's LlamaRMSNorm. No bias. Replicated over tp: every rank normalises the
+    full hidden vector, so its gradient is identical on every tp rank."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, kernels: Mapping[str, Implementation], device=None, dtype=None) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
+    return LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, fn=kernels["layer_norm"].fn, device=device, dtype=dtype)
