@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from megazoo.kernels import OPS, PREFER, KernelChoice, KernelError, resolve_kernels  # noqa: E402
 from megazoo.kernels.availability import triton_interpreted  # noqa: E402
 from megazoo.kernels.dispatch import REGISTRY  # noqa: E402
-from megazoo.models.config import ModelConfig, get_preset  # noqa: E402
+from megazoo.models.config import ModelConfig
+from megazoo.models.presets import get_preset  # noqa: E402
 from megazoo.models.transformer import GPT  # noqa: E402
 from megazoo.models.weights import init_weights  # noqa: E402
 from megazoo.parallel.topology import Topology  # noqa: E402

@@ -113,7 +113,7 @@ def _fp64(tp, cfg):
 
 
 def fp64_rows() -> list[list[str]]:
-    from megazoo.models.config import get_preset
+    from megazoo.models.presets import get_preset
 
     cfg = get_preset("llama-tiny").replace(n_layer=2, vocab_size=V, d_model=64, n_head=4, n_kv_head=2, d_ff=96,
                                            n_positions=64, qkv_bias=True, sliding_window=8,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megazoo.kernels import KernelChoice  # noqa: E402
-from megazoo.models.config import get_preset  # noqa: E402
+from megazoo.models.presets import get_preset  # noqa: E402
 from megazoo.models.transformer import GPT  # noqa: E402
 from megazoo.models.weights import init_weights  # noqa: E402
 from megazoo.parallel.context import split_sequence  # noqa: E402

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.zero_launch import GiB, launch, mem_available, peak_rss  # noqa: F401 (zero3_construction)
-from megazoo.models.config import ModelConfig, get_preset
+from megazoo.models.config import ModelConfig
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.topology import Topology

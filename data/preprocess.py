@@ -35,7 +35,7 @@ from megazoo.data.corpus_inputs import (JSONL_SUFFIXES, TEXT_SUFFIXES, Preproces
                                         Record, check_inputs, input_bytes, iter_records, parse_record)
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
 from megazoo.data.tokenizer import Tokenizer
-from megazoo.data.tokenizer_loading import load_tokenizer  # noqa: F401  (load_tokenizer: re-exported, its home moved)
+from megazoo.data.tokenizer_loading import load_tokenizer
 
 CHUNK_DOCS = 256  # a chunk ends at this many records (lines / .txt files) or CHUNK_BYTES, whichever is first
 CHUNK_BYTES = 1 << 17  # big enough to amortise inter-process pickling, small enough to balance the workers

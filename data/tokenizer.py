@@ -3,12 +3,10 @@
 `Tokenizer` (the protocol), `BPETokenizer` (a `tokenizers` byte-level BPE) and `HFTokenizer` (any
 `transformers` tokenizer) live here; GPT-2's own BPE files and sentencepiece models have their modules
 (data/gpt2_bpe.py, data/sentencepiece_tokenizer.py), and `load_tokenizer(spec)`, which turns a user's tokenizer
-argument into any of them, lives in data/tokenizer_loading.py (above all of them, so no import circle). It is
-still reachable as `megazoo.data.tokenizer.load_tokenizer` (loaded on first use), as are `check_tokenizer_spec`
-and `load_hf_tokenizer`.
+argument into any of them, lives in data/tokenizer_loading.py, above all of them: import it from there (this
+module imports nothing of the loader, not even lazily, so the tokenizer modules and their loader form no circle).
 """
 
-import importlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -141,14 +139,3 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-# The loader factory moved to data/tokenizer_loading.py (it imports gpt2_bpe and sentencepiece_tokenizer, which
-# import this module); its names stay reachable from here, imported on first use.
-_MOVED_TO_LOADING = ("check_tokenizer_spec", "load_hf_tokenizer", "load_tokenizer")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_LOADING:
-        return getattr(importlib.import_module("megazoo.data.tokenizer_loading"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -180,22 +180,3 @@ def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
 
 def model_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(ModelConfig)]
-
-
-def presets() -> dict[str, ModelConfig]:
-    """Every registered preset, by name."""
-    from megazoo.models import gpt2, llama, turing_nlg  # the families register themselves
-
-    registry: dict[str, ModelConfig] = {}
-    for family in (gpt2.PRESETS, turing_nlg.PRESETS, llama.PRESETS):
-        for cfg in family:
-            assert cfg.name not in registry, f"preset {cfg.name} registered twice"
-            registry[cfg.name] = cfg
-    return registry
-
-
-def get_preset(name: str) -> ModelConfig:
-    registry = presets()
-    if name not in registry:
-        raise ValueError(f"model.preset = {name!r} is not a known preset; valid: {', '.join(registry)}")
-    return registry[name]

@@ -15,10 +15,32 @@ Pure arithmetic on the config's fields (no torch), so a 1T-parameter preset is d
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from megazoo.models.config import ModelConfig
+
+class ModelConfig(Protocol):
+    """The fields of models/config.py's ModelConfig that the layout reads. The config imports this module (its
+    num_parameters counts this layout), so the layout describes what it needs instead of importing it back."""
+
+    name: str
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_model: int
+    d_ff: int
+    head_dim: int
+    n_positions: int
+    vocab_size: int
+    norm: str
+    positions: str
+    mlp: str
+    fused_qkv: bool
+    tie_embeddings: bool
+    qkv_bias: bool
+    proj_bias: bool
+    mlp_bias: bool
+
+    def padded_vocab(self, tp: int = 1) -> int: ...
 
 
 class ParamSpec(NamedTuple):

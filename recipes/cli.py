@@ -85,7 +85,7 @@ def _restarts(text: str) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from megazoo.models.config import presets
+    from megazoo.models.presets import presets
     print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'vocab':>8}{'parameters':>18}")
     for name, cfg in presets().items():
         print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}{cfg.vocab_size:>8,}"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from megazoo.data.indexed_formats import check_indexed
 from megazoo.data.tokenizer_loading import check_tokenizer_spec, tokenizer_vocab_size
-from megazoo.models.config import ModelConfig, get_preset
+from megazoo.models.config import ModelConfig
+from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
 from megazoo.parallel.context.layout import check_context_layout
 from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megazoo.kernels.dispatch import KernelChoice
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.planner.activations import (ActivationSpec, checkpoint_bytes, in_flight, korthikanti, layer_bytes,

@@ -76,7 +76,7 @@ def test_ring_refuses_indivisible_sequence_but_any_heads():
 
 
 def test_planner_counts_activations_per_cp_rank():
-    from megazoo.models.config import get_preset
+    from megazoo.models.presets import get_preset
     from megazoo.recipes.planner.activations import ActivationSpec, layer_bytes, stage_activations
     from megazoo.recipes.planner.fit import recipe_layout
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.recipes.planner.zero import (GB, MIXED_ADAM, PlanError, megazoo_state_memory,
                                            model_state_memory)
 from megazoo.recipes.planner import cli as plan_cli

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.recipes.planner.flops import model_flops_per_token, peak_flops
 from megazoo.recipes.planner.gpus import GPUS
 from megazoo.recipes.training.model_setup import configure_matmuls

@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.generation import check_sampling, decode, full_logits, pick
 from megazoo.models.kv_cache import KVCache
 from megazoo.models.transformer import GPT

@@ -17,7 +17,7 @@ from harness import run_distributed  # noqa: E402
 from megazoo.kernels import OPS, KernelChoice, KernelError, implementations, model_defaults, resolve_kernels  # noqa: E402
 from megazoo.kernels.dispatch import resolve_op  # noqa: E402
 from megazoo.kernels.availability import module_exists  # noqa: E402
-from megazoo.models.config import get_preset  # noqa: E402
+from megazoo.models.presets import get_preset  # noqa: E402
 from megazoo.models.transformer import GPT  # noqa: E402
 from megazoo.models.weights import init_weights  # noqa: E402
 from megazoo.parallel.tensor import gather_from_tp_region, gather_full, named_shards  # noqa: E402

@@ -14,8 +14,8 @@ import torch
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
-from megazoo.models.config import (ARCHITECTURE_FIELDS, ModelConfig, architecture_mismatches, get_preset,
-                                   model_fields, presets)
+from megazoo.models.config import ARCHITECTURE_FIELDS, ModelConfig, architecture_mismatches, model_fields
+from megazoo.models.presets import get_preset, presets
 from megazoo.models.gpt2.hf import expected_shapes
 from megazoo.models.layout import check_parallel_compat, divisors, parameter_layout
 from megazoo.models.transformer import GPT

@@ -5,7 +5,7 @@ and tp = 4 (replicated), fp64 to 1e-10. The cache holds the key/value heads, not
 import torch
 from harness import run_distributed
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.generation import decode, full_logits
 from megazoo.models.kv_cache import KVCache
 from megazoo.models.transformer import GPT

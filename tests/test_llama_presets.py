@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.llama.hf import config_from_hf
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import count_parameters

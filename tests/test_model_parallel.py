@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import full_state_dict, init_weights
 from megazoo.parallel.tensor import TPRNGTracker, gather_from_tp_region, gather_full, named_shards

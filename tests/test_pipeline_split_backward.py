@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.pipeline.split_backward import backward_input, backward_weight

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.planner.cost_model import CostModel, search, step_time
 from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from megazoo.models.config import ModelConfig, get_preset, presets
+from megazoo.models.config import ModelConfig
+from megazoo.models.presets import get_preset, presets
 from megazoo.parallel.pipeline.partition import uniform_stage_layers
 from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, PlanError, StateBytes, buffer_memory,
                                            communication_volume, format_sig, model_state_memory, plan)

@@ -7,7 +7,8 @@ The tp = 4 shard counts use 4 real gloo ranks (real tp groups, meta tensors), so
 import pytest
 from harness import run_distributed
 
-from megazoo.models.config import ModelConfig, get_preset, presets
+from megazoo.models.config import ModelConfig
+from megazoo.models.presets import get_preset, presets
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import count_parameters, named_shards
 from megazoo.parallel.topology import Topology
@@ -121,7 +122,7 @@ def test_meta_model_cannot_be_initialised():
 
 
 def test_overriding_d_model_keeps_the_mlp_at_four_times():
-    from megazoo.models.config import get_preset
+    from megazoo.models.presets import get_preset
     cfg = get_preset("gpt2-tiny").replace(d_model=64)
     assert cfg.d_ff == 256
     assert get_preset("gpt2-tiny").replace(d_model=64, d_ff=100).d_ff == 100

@@ -22,7 +22,7 @@ from megazoo.kernels import KernelChoice, resolve_kernels
 from megazoo.kernels.attention import attention_sdpa
 from megazoo.kernels.dispatch import resolve_op
 from megazoo.kernels.recompute_attention import attention_recompute
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT, Block
 from megazoo.models.weights import init_weights
 from megazoo.parallel.tensor.random import TPRNGTracker

@@ -12,7 +12,7 @@ from recipe_helpers import tiny_recipe, tiny_resolved
 
 from megazoo.kernels.attention import attention_reference
 from megazoo.models import sparse_attention
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.sparse_attention import (SparseAttention, block_layout, block_sparse_attention,
                                              flex_sparse_attention, masked_dense_attention, token_mask)

@@ -109,3 +109,59 @@ def test_every_package_folder_is_installed_under_megazoo():
                for top in PACKAGES for p in (REPO / top).rglob("__init__.py") if "__pycache__" not in p.parts}
     assert set(config["packages"]) == folders
     assert config["package-dir"] == {f"megazoo.{top}": top for top in PACKAGES}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the megazoo modules it imports (top-level and function-level; `from pkg import sub` names the
+    submodule when `sub` is one, else the package)."""
+    modules = {}
+    for path in _sources(*PACKAGES):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules["megazoo." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("megazoo."):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                found |= subs or {node.module}
+                if len(subs) < len(node.names):
+                    found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("megazoo.")}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_import_circles():
+    """Each module imports only what sits below it: no set of modules imports each other in a loop (the issue-26
+    circles were data's tokenizers and their loader, the two indexed formats, models' config / presets / layout,
+    and the trainer with its checkpointing)."""
+    graph, circles = _import_graph(), []
+    index, low, stack, on_stack = {}, {}, [], set()
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, "modules that import each other in a loop:\n" + "\n".join(map(str, circles))

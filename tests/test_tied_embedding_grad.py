@@ -9,7 +9,7 @@ F.embedding path (tp = 2 is covered by the model-parallel parity tests, which bu
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.topology import Topology

@@ -88,7 +88,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             raise UsageError(f"--tp {tp} / --pp {pp} need --model; with --params give the per-device count "
                              "(valid: --tp 1 --pp 1)")
         return plan(_count("--params", args.params), dp, stages, **common)
-    from megazoo.models.config import presets
+    from megazoo.models.presets import presets
     registry = presets()
     if args.model not in registry:
         raise UsageError(f"--model {args.model!r} is not a known preset; valid: {', '.join(registry)}")
@@ -214,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
     """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags. With a GPU (--gpu-memory,
     --gpu), a recipe or --search: the fit verdict / the layouts that fit (recipes/planner/fit_cli.py; 0 fits, 3 not)."""
     if args.dry_run:  # the real training step on a fake world of the recipe's size (recipes/planner/dry_run.py)
-        from megazoo.recipes.planner import dry_run_report
-        return dry_run_report.run(args)
+        from megazoo.recipes.planner import dry_run_cli
+        return dry_run_cli.run(args)
     if plan_fit_cli.wanted(args):
         try:
             return plan_fit_cli.run(args)

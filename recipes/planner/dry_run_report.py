@@ -19,20 +19,14 @@ Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the pl
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-from pathlib import Path
-
 from megazoo.models.layout import parameter_layout
 from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
 from megazoo.recipes.planner.activations import stage_activations
-from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, dry_run, gpu_kernels, load, stated_gpu
-from megazoo.recipes.planner.fit import PRECISION_BYTES, activation_spec, parse_gpu, recipe_layout, state_memory
+from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, gpu_kernels
+from megazoo.recipes.planner.fit import PRECISION_BYTES, activation_spec, recipe_layout, state_memory
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
-EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE, EXIT_STEP_FAILED = 0, 3, 2, 1
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_gather": lambda n: (n - 1) / n}
 
@@ -170,60 +164,3 @@ def to_text(res: Resolved, rep: dict) -> str:
     worst = max(r["measured_peak_bytes"] for r in rep["roles"])
     lines += ["", f"fits: {verdict} (largest measured peak {_gb(worst)} GB of {rep['gpu_memory_gb']:g} GB)"]
     return "\n".join(lines)
-
-
-class DryRunUsageError(Exception):
-    """Bad flags (exit 2); the message names the flag."""
-
-
-def capacity(args) -> float:
-    if args.gpu_memory and args.gpu:
-        raise DryRunUsageError("--gpu-memory and --gpu: give one of them, not both")
-    text = args.gpu_memory or args.gpu or stated_gpu(args.recipe)
-    if not text:
-        raise DryRunUsageError(f"--gpu-memory: {args.recipe} names no GPU in its header; give --gpu-memory GB")
-    try:
-        return parse_gpu(text)[0]
-    except ValueError as err:
-        raise DryRunUsageError(str(err).replace("--gpu-memory", "--gpu" if args.gpu else "--gpu-memory")) from None
-
-
-def run(args) -> int:
-    """The `plan --dry-run` subcommand: 0 fits, 3 does not, 2 on bad flags."""
-    try:
-        if not args.recipe:
-            raise DryRunUsageError("--dry-run needs --recipe RECIPE.toml")
-        if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
-            raise DryRunUsageError(f"--json {args.json}: its directory does not exist")
-        gb = capacity(args)
-        from megazoo.recipes.config import RecipeError
-        try:
-            res = load(args.recipe, args.set or [])
-        except RecipeError as err:
-            raise DryRunUsageError(f"--recipe {args.recipe}: {err}") from None
-    except DryRunUsageError as err:
-        print(f"megazoo plan: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    start = time.perf_counter()
-    if getattr(args, "device", "cpu") == "cuda":  # in a fresh interpreter with the fake CUDA shim
-        from megazoo.parallel.fake_cuda import FakeCudaUnavailable
-        from megazoo.recipes.planner.dry_run_cuda import run_jobs
-        try:
-            rep = run_jobs([{"recipe": str(args.recipe), "sets": list(args.set or []), "gpu_memory_gb": gb}])[0]
-        except FakeCudaUnavailable as err:
-            print(f"megazoo plan: error: --device cuda: {err}", file=sys.stderr)
-            return EXIT_USAGE
-        if "error" in rep:  # the step itself raised on fake CUDA: a bug of the GPU path, not of the flags
-            print(f"megazoo plan: the training step failed on fake CUDA: {rep['error']}", file=sys.stderr)
-            return EXIT_STEP_FAILED
-    else:
-        rep = report(res, dry_run(res), gb, 0.0)
-    rep["seconds"] = time.perf_counter() - start
-    if args.json == "-":
-        print(json.dumps(rep, indent=2))
-    else:
-        print(to_text(res, rep))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rep, indent=2))
-            print(f"json: {args.json}")
-    return EXIT_FITS if rep["fits"] else EXIT_DOES_NOT_FIT

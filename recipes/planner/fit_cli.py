@@ -73,7 +73,7 @@ def _from_recipe(args):
 
 
 def _from_flags(args):
-    from megazoo.models.config import presets
+    from megazoo.models.presets import presets
     registry = presets()
     if args.model not in registry:
         raise FitUsageError(f"--model {args.model!r} is not a known preset; valid: {', '.join(registry)}")

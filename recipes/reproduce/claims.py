@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megazoo.models.config import presets
+from megazoo.models.presets import presets
 from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import GB
 from megazoo.recipes.planner.cost_model import CostModel, step_time

@@ -17,7 +17,7 @@ from megazoo.data.tokenizer import Tokenizer
 from megazoo.data.blending import BlendedDataset, blend_counts
 from megazoo.data.gpt_dataset import GPTDataset
 from megazoo.data.indexed_formats import open_indexed
-from megazoo.data.preprocess import load_tokenizer
+from megazoo.data.tokenizer_loading import load_tokenizer
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import Resolved

@@ -16,7 +16,7 @@ from megazoo.kernels.bias_gelu import bias_gelu_reference
 from megazoo.kernels.cross_entropy import cross_entropy_reference
 from megazoo.kernels.layer_norm import layer_norm_reference
 from megazoo.kernels.optimizer import adamw_reference
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 
 pytestmark = pytest.mark.cuda
 

@@ -8,7 +8,7 @@ allocator's peak during backward holds one vocabulary x dim gradient less than p
 import pytest
 import torch
 
-from megazoo.models.config import get_preset
+from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.topology import Topology
