@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from megazoo.models.layout import parameter_layout
 
 
+# Block-sparse attention's layouts (models/sparse_attention.py builds them; named here so that checking a config
+# needs no torch).
+SPARSE_PATTERNS = ("fixed", "bigbird", "sliding_window")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A pre-norm decoder. The defaults are GPT-2's block (LayerNorm, learned positions, tanh-GELU MLP, biases
@@ -104,12 +109,11 @@ class ModelConfig:
                              f"{self.rope_low_freq_factor}")
 
     def _check_sparse(self) -> None:
-        from megazoo.models.sparse_attention import PATTERNS
         if self.attention not in ("dense", "sparse"):
             raise ValueError(f"model.attention = {self.attention!r} is invalid; valid: 'dense', 'sparse'")
-        if self.sparse_pattern not in PATTERNS:
+        if self.sparse_pattern not in SPARSE_PATTERNS:
             raise ValueError(f"model.sparse_pattern = {self.sparse_pattern!r} is invalid; valid: "
-                             f"{', '.join(repr(p) for p in PATTERNS)}")
+                             f"{', '.join(repr(p) for p in SPARSE_PATTERNS)}")
         for field, low in (("sparse_block", 1), ("sparse_local_blocks", 1), ("sparse_global_blocks", 0),
                            ("sparse_random_blocks", 0), ("sparse_seed", 0)):
             value = getattr(self, field)

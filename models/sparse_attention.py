@@ -28,7 +28,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-PATTERNS = ("fixed", "bigbird", "sliding_window")
+from megazoo.models.config import SPARSE_PATTERNS
+
+PATTERNS = SPARSE_PATTERNS  # stated in models/config.py, which checks a config without torch
 
 
 def block_layout(pattern: str, num_blocks: int, local: int, global_: int = 0, random: int = 0,

@@ -10,7 +10,8 @@ from harness import run_distributed
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from megazoo.eval.scoring import gpt_logits_fn
-from megazoo.models.gpt2.convert_cli import CheckpointError, load_consolidated, register, save_consolidated
+from megazoo.models.gpt2.convert_cli import load_consolidated, register, save_consolidated
+from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.models.gpt2.hf import (config_from_hf, config_to_hf, export_hf_dir, gpt_from_full_state, hf_to_megazoo_state,
                             import_hf_dir, megazoo_to_hf_state)
 from megazoo.models.weights import full_state_dict

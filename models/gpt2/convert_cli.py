@@ -32,15 +32,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from megazoo.models.config import ModelConfig
-from megazoo.parallel.checkpoint.consolidate import read_common, read_full_state, resolve_checkpoint, write_full_checkpoint
-from megazoo.parallel.checkpoint.io import CheckpointError
+
+if TYPE_CHECKING:  # torch and the checkpoint modules load when a conversion runs, not for `megazoo convert --help`
+    import torch
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
     """Refuse an existing non-empty `out_dir` (or a file there), so no earlier result is ever overwritten."""
+    from megazoo.parallel.checkpoint.io import CheckpointError
+
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"output directory {out_dir} exists and is not empty: choose a new --out "
@@ -84,6 +87,8 @@ def staged_out_dir(out_dir: str | Path):
 
 def save_consolidated(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path) -> Path:
     """Write full weights as a megazoo checkpoint folder `out_dir` (which must be empty or absent)."""
+    from megazoo.parallel.checkpoint.consolidate import write_full_checkpoint
+
     out_dir = ensure_empty_out_dir(out_dir)
     write_full_checkpoint(full_state, dataclasses.asdict(cfg), out_dir)
     return out_dir
@@ -91,16 +96,22 @@ def save_consolidated(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out
 
 def load_consolidated_config(ckpt_dir: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint (cheap: the weights are not read)."""
+    from megazoo.parallel.checkpoint.consolidate import read_common, resolve_checkpoint
+
     return _model_config(read_common(resolve_checkpoint(ckpt_dir)))
 
 
 def load_consolidated(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, full fp32 state) of a checkpoint of any layout, after verifying every file."""
+    from megazoo.parallel.checkpoint.consolidate import read_full_state
+
     model, state = read_full_state(ckpt_dir)
     return _model_config({"model": model}), state
 
 
 def _model_config(common: dict) -> ModelConfig:
+    from megazoo.parallel.checkpoint.io import CheckpointError
+
     try:
         return ModelConfig(**common["model"])
     except (KeyError, TypeError) as error:
@@ -119,6 +130,7 @@ def hf_model_type(hf_dir: str | Path) -> str:
 
 
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
+    from megazoo.parallel.checkpoint.consolidate import write_full_checkpoint
     from megazoo.models.llama.hf import FAMILIES
 
     check_out_dir(args.out)  # checked before the (slow) read
