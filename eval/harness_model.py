@@ -17,6 +17,8 @@ logits' vocabulary shards).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from lm_eval.api.model import TemplateLM
@@ -26,6 +28,8 @@ from tqdm import tqdm
 from megazoo.eval.lm_eval_protocol import rolling_windows, score_pairs
 from megazoo.models.generation import decode, full_logits
 from megazoo.models.kv_cache import KVCache
+
+LOG = logging.getLogger(__name__)
 
 STOP, PLAIN, CACHED = 0, 1, 2  # header ops: end serving; a forward without / with the KV cache
 
@@ -146,7 +150,15 @@ class MegazooLM(TemplateLM):
             max_new = int(kwargs.pop("max_gen_toks", self._max_gen_toks))
             sample = kwargs.pop("do_sample", False) and kwargs.get("temperature", 1.0) > 0
             temperature = float(kwargs.pop("temperature", 1.0)) if sample else 0.0
-            prompt = self.tok_encode(context)[-max(1, self.max_length - max_new):]  # lm-eval's left truncation
+            if max_new >= self.max_length:  # lm-eval's own hf model refuses this too (an assertion there)
+                raise ValueError(f"max_gen_toks = {max_new} leaves no room for the prompt in the model's "
+                                 f"{self.max_length}-token context; give max_gen_toks < {self.max_length} "
+                                 "(--gen-kwargs max_gen_toks=N, or the task's generation_kwargs)")
+            encoded, room = self.tok_encode(context), self.max_length - max_new
+            if len(encoded) > room:  # lm-eval's left truncation, said as lm-eval says it
+                LOG.warning(f"Left truncation applied. Original sequence length was {len(encoded)}, truncating to "
+                            f"last {room} tokens. Some content will be lost.")
+            prompt = encoded[-room:]
             eos = self.eot_token_id
 
             def stop(new: list[int]) -> bool:

@@ -89,3 +89,45 @@ def test_without_lm_eval_the_error_names_the_extra(setup, capsys, monkeypatch):
     assert megazoo(["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--tasks", "lambada_openai"]) == 2
     err = capsys.readouterr().err
     assert "megazoo[eval]" in err and err.count("\n") == 1
+
+
+class _Ids:
+    """A tokenizer of space-separated integers (ids < 97): enough for the adapter's generate_until."""
+
+    eod_id = 0
+
+    def encode(self, text):
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _tiny_adapter():
+    import torch
+
+    from megazoo.eval.harness_model import MegazooLM
+    from megazoo.models.presets import get_preset
+    from megazoo.models.transformer import GPT
+    from megazoo.models.weights import init_weights
+    from megazoo.parallel.topology import Topology
+
+    cfg = get_preset("gpt2-tiny").replace(vocab_size=97, dropout=0.0, attn_dropout=0.0, n_layer=1, n_positions=16)
+    model = GPT(cfg, Topology.solo(), dtype=torch.float64)
+    init_weights(model, 5)
+    return MegazooLM.from_parts(model.eval(), _Ids())
+
+
+def test_max_gen_toks_at_or_past_the_context_is_refused_and_truncation_is_said(caplog):
+    """max_gen_toks >= the context kept 1 prompt token silently; lm-eval's hf model refuses it, and warns when a
+    prompt is cut to fit."""
+    from lm_eval.api.instance import Instance
+
+    lm = _tiny_adapter()
+    long_prompt = " ".join(str(i % 90 + 1) for i in range(14))
+    with pytest.raises(ValueError, match="max_gen_toks = 16 leaves no room for the prompt in the model's 16-token"):
+        lm.generate_until([Instance("generate_until", {}, (long_prompt, {"max_gen_toks": 16}), 0)])
+    with caplog.at_level("WARNING"):
+        out = lm.generate_until([Instance("generate_until", {}, (long_prompt, {"max_gen_toks": 4, "until": []}), 0)])
+    assert len(out) == 1
+    assert "Left truncation applied. Original sequence length was 14, truncating to last 12 tokens" in caplog.text
