@@ -48,6 +48,9 @@ def test_autotokenizer_loads_the_trained_tokenizer_with_the_same_ids(exported):
     assert theirs.encode(TEXT, add_special_tokens=False) == ours.encode(TEXT)
     assert theirs.decode(ours.encode(TEXT)) == TEXT
     assert theirs.eos_token_id == theirs.bos_token_id == theirs.pad_token_id == ours.eod_id
+    # a class both transformers majors load (5.x saves "TokenizersBackend", which 4.x does not have; the project
+    # declares transformers>=4.40): checked by hand under 4.57 too (closing note of issue 26)
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     config = json.loads((out / "config.json").read_text())
     generation = json.loads((out / "generation_config.json").read_text())
     for record in (config, generation):

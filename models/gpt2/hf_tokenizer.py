@@ -100,3 +100,19 @@ def save_hf_tokenizer(tokenizer, out_dir: str | Path, max_length: int) -> None:
     else:
         raise ValueError(f"cannot export a tokenizer of type {type(tokenizer).__name__}")
     hf.save_pretrained(str(out_dir))
+    _name_a_class_every_transformers_loads(out_dir / "tokenizer_config.json")
+
+
+# transformers 5 saves a fast tokenizer as "TokenizersBackend", a class transformers 4.x does not have (the
+# project declares transformers>=4.40); "PreTrainedTokenizerFast" is the same class in 5.x (an alias) and the
+# class 4.x writes, so both majors load the exported directory (tests/test_export_tokenizer.py, on both).
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def _name_a_class_every_transformers_loads(config_path: Path) -> None:
+    import json
+
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
