@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
 
@@ -51,9 +52,19 @@ def check(args: argparse.Namespace, with_tasks: bool = True):
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     if not tasks:
         raise ValueError(f"--tasks {args.tasks!r} names no task: give T1,T2,...")
-    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value} is invalid: it must be a positive integer")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} is invalid: it must be a positive integer")
+    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit == int(args.limit))):
+        raise ValueError(f"--limit {args.limit:g} is invalid: a whole number of documents (>= 1) or a fraction of "
+                         "each task (0 < limit < 1), as lm-eval takes it")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot {args.num_fewshot} is invalid: use 0 or more")
+    if args.log_samples and not args.output_path:
+        raise ValueError("--log-samples needs --output-path DIR (where the samples are written), as lm-eval's")
+    if args.output_path and Path(args.output_path).exists() and any(Path(args.output_path).iterdir()):
+        raise ValueError(f"--output-path {args.output_path} holds files already: give a new or empty folder "
+                              "(nothing is overwritten)")
+    _gen_kwargs(args.gen_kwargs)  # a malformed one fails here, before any weights are read
     if args.bootstrap_iters < 0:
         raise ValueError(f"--bootstrap-iters {args.bootstrap_iters} is invalid: use 0 (no stderr) or more")
     if args.include_path is not None and not os.path.isdir(args.include_path):
@@ -82,8 +93,13 @@ def run(args: argparse.Namespace, topo) -> dict | None:
     forward = TPForward(model) if topo.tp > 1 else None
     try:
         lm = MegazooLM.from_parts(model, opened.tokenizer, forward, batch_size=args.batch_size)
-        output = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager,
-                                         bootstrap_iters=args.bootstrap_iters)
+        seeds = {} if args.seed is None else dict(random_seed=args.seed, numpy_random_seed=args.seed,
+                                                   torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+        limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
+        output = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                         bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot,
+                                         gen_kwargs=_gen_kwargs(args.gen_kwargs), log_samples=args.log_samples,
+                                         **seeds)
     finally:
         if forward is not None:
             forward.close()
@@ -92,17 +108,55 @@ def run(args: argparse.Namespace, topo) -> dict | None:
         from megazoo.eval.scoring import write_result_json
 
         write_result_json(output["results"], args.json)
+    if args.output_path:
+        _write_output(output, Path(args.output_path), args.log_samples)
     return output
+
+
+def _gen_kwargs(text: str | None) -> dict | None:
+    """--gen-kwargs "temperature=0,max_gen_toks=32" (lm-eval's form) as a dict; ValueError naming a bad part."""
+    if not text:
+        return None
+    parsed = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--gen-kwargs {text!r}: {part!r} is not KEY=VALUE (e.g. temperature=0,max_gen_toks=32)")
+        value = value.strip()
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        parsed[key.strip()] = {"True": True, "False": False}.get(value, value) if isinstance(value, str) else value
+    return parsed
+
+
+def _write_output(output: dict, folder: Path, samples: bool) -> None:
+    """--output-path: results.json (lm-eval's results, configs and versions) and, with --log-samples, one
+    samples_TASK.jsonl per task (every document's request, response and metrics), written atomically."""
+    import json
+
+    from megazoo.data.fileio import atomic_write_text
+
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {key: output[key] for key in ("results", "configs", "versions", "n-shot") if key in output}
+    atomic_write_text(folder / "results.json", json.dumps(record, indent=2, default=str) + "\n")
+    for task, rows in (output.get("samples") or {}).items() if samples else ():
+        atomic_write_text(folder / f"samples_{task}.jsonl",
+                          "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
 def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--checkpoint", str(args.checkpoint), "--tasks", args.tasks, "--tp", str(args.tp),
             "--batch-size", str(args.batch_size), "--bootstrap-iters", str(args.bootstrap_iters)]
     for flag, value in (("--tokenizer", args.tokenizer), ("--include-path", args.include_path),
-                        ("--limit", args.limit), ("--json", args.json)):
+                        ("--limit", args.limit), ("--json", args.json), ("--num-fewshot", args.num_fewshot),
+                        ("--gen-kwargs", args.gen_kwargs), ("--seed", args.seed), ("--output-path", args.output_path)):
         if value is not None:
             argv += [flag, str(value)]
-    return argv
+    return argv + (["--log-samples"] if args.log_samples else [])
 
 
 def _pin_checkpoint(args: argparse.Namespace) -> None:
@@ -125,7 +179,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward (default 8)")
     parser.add_argument("--include-path", default=None, metavar="DIR", help="more lm-eval task yamls (first)")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="the first N documents per task")
+    parser.add_argument("--limit", type=float, default=None, metavar="N",
+                        help="the first N documents per task, or a fraction of each task when 0 < N < 1")
+    parser.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                        help="few-shot examples per prompt (default: each task's own)")
+    parser.add_argument("--gen-kwargs", default=None, metavar="K=V,...",
+                        help="generation arguments for generate_until tasks, e.g. temperature=0,max_gen_toks=32")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="one seed for lm-eval's python, numpy, torch and few-shot draws (default: lm-eval's)")
+    parser.add_argument("--output-path", default=None, metavar="DIR",
+                        help="write results.json here (a new or empty folder), and with --log-samples every sample")
+    parser.add_argument("--log-samples", action="store_true",
+                        help="with --output-path: samples_TASK.jsonl, each document's request, response, metrics")
     parser.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
                         help="lm-eval's bootstrap iterations for standard errors (default 100000; 0: none)")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="write lm-eval's results object here")

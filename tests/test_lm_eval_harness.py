@@ -76,12 +76,33 @@ def test_cli_tp2_equals_tp1_and_writes_lm_evals_results(setup, tmp_path, capsys)
     (["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
     (["--tasks", "lambada_openai", "--tp", "3"], "--tp 3 must be a positive divisor"),
     (["--tasks", "lambada_openai", "--limit", "0"], "--limit 0 is invalid"),
+    (["--tasks", "lambada_openai", "--limit", "2.5"], "--limit 2.5 is invalid"),
+    (["--tasks", "lambada_openai", "--gen-kwargs", "temperature"], "'temperature' is not KEY=VALUE"),
+    (["--tasks", "lambada_openai", "--log-samples"], "--log-samples needs --output-path DIR"),
+    (["--tasks", "lambada_openai", "--num-fewshot", "-1"], "--num-fewshot -1 is invalid"),
 ])
 def test_bad_input_is_one_line_and_exit_2(setup, capsys, extra, message):
     args = ["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--include-path", str(setup["tasks"]), *extra]
     assert megazoo(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_lm_evals_own_flags_fraction_fewshot_seed_and_samples(setup, tmp_path):
+    """--limit as a fraction, --num-fewshot, --seed, --gen-kwargs and --output-path with --log-samples, as lm-eval
+    takes them: half of the local LAMBADA slice, its samples written one JSON line each."""
+    out = tmp_path / "out"
+    args = ["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--tasks", "lambada_openai",
+            "--include-path", str(setup["tasks"]), "--bootstrap-iters", "0", "--limit", "0.5", "--num-fewshot", "0",
+            "--seed", "7", "--gen-kwargs", "temperature=0", "--output-path", str(out), "--log-samples"]
+    assert megazoo(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    everything = len(setup["ours"]["samples"]["lambada_openai"])
+    half = results["results"]["lambada_openai"]["sample_len"]
+    assert half == int(everything * 0.5) > 0 and results["n-shot"]["lambada_openai"] == 0
+    lines = (out / "samples_lambada_openai.jsonl").read_text().splitlines()
+    assert len(lines) == half and {"doc_id", "resps"} <= set(json.loads(lines[0]))
+    assert megazoo(args) == 2  # the folder holds results now: nothing is overwritten
 
 
 def test_without_lm_eval_the_error_names_the_extra(setup, capsys, monkeypatch):
