@@ -88,7 +88,13 @@ class MegazooLM(TemplateLM):
             if checkpoint is None:
                 raise ValueError("model_args needs checkpoint=PATH (a checkpoints/ folder or one step_N directory)")
             opened = open_checkpoint(checkpoint, tokenizer, report=lambda message: None)
-            target = device or local_device(0)
+            from megazoo.parallel import accelerator
+
+            target = torch.device(device) if device else local_device(0)
+            if target.type == "cuda" and not accelerator.cuda_available():
+                # lm-eval's command line sends device="cuda" unless told otherwise; without CUDA, run here
+                LOG.warning(f"device {device!r} asked for, but CUDA is not available: running on the CPU")
+                target = local_device(0)
             model = load_gpt(opened, Topology.solo(target))
             parts = (model, opened.tokenizer, None)
         self.model, self.tokenizer, forward = parts

@@ -152,3 +152,18 @@ def test_max_gen_toks_at_or_past_the_context_is_refused_and_truncation_is_said(c
         out = lm.generate_until([Instance("generate_until", {}, (long_prompt, {"max_gen_toks": 4, "until": []}), 0)])
     assert len(out) == 1
     assert "Left truncation applied. Original sequence length was 14, truncating to last 12 tokens" in caplog.text
+
+
+def test_lm_evals_own_command_line_runs_the_megazoo_model(setup, tmp_path):
+    """`megazoo-lm-eval --model megazoo ...` (eval/lm_eval_main.py): lm-eval's CLI, our model registered; the
+    first two LAMBADA documents score as the adapter scores them in-process."""
+    out = subprocess.run([sys.executable, "-m", "megazoo.eval.lm_eval_main", "--model", "megazoo", "--model_args",
+                          f"checkpoint={setup['ckpts']}", "--tasks", "lambada_openai", "--include_path",
+                          str(setup["tasks"]), "--limit", "2", "--output_path",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "lambada_openai" in out.stdout and "perplexity" in out.stdout
+    (result,) = (tmp_path / "out").rglob("results_*.json")
+    limited = json.loads(result.read_text())["results"]["lambada_openai"]
+    first_two = [s["resps"][0][0][0] for s in setup["ours"]["samples"]["lambada_openai"][:2]]
+    assert limited["perplexity,none"] == pytest.approx(2.718281828459045 ** (-sum(first_two) / 2), rel=1e-6)
