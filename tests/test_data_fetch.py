@@ -120,8 +120,11 @@ def test_a_damaged_cached_file_is_downloaded_again(mirror, tmp_path, capsys):
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
 def test_a_stop_mid_download_leaves_no_partial_file(mirror, tmp_path, signum, code):
     mirror.faults["lambada/lambada_test.jsonl"] = "stall"
+    # SIGINT as a terminal delivers it: a suite started in the background (CI, `make test &`) passes SIGINT on as
+    # ignored, and Python then never raises KeyboardInterrupt, so the child gets the default disposition back.
     proc = subprocess.Popen([sys.executable, "-m", "megazoo.data.fetch_cli", "fetch", "lambada", "--dir",
-                             str(tmp_path), "--mirror", mirror.url], stderr=subprocess.PIPE, text=True)
+                             str(tmp_path), "--mirror", mirror.url], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     folder, deadline = tmp_path / "lambada", time.monotonic() + 60
     while not any(name.endswith(".tmp") for name in _left(folder)):  # the download has begun
         assert proc.poll() is None and time.monotonic() < deadline, "fetch never started downloading"
