@@ -37,7 +37,7 @@ INJECTED = "tests.test_dry_run_cuda:cpu_tensor_in_the_mlp"
 @contextlib.contextmanager
 def cpu_tensor_in_the_mlp():
     """A device bug: the MLP adds a bias made on the CPU (as `torch.zeros(d)` without device= would be)."""
-    from megazoo.models.transformer import MLP
+    from megazoo.models.mlp import MLP
 
     forward = MLP.forward
 
