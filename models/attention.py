@@ -37,7 +37,9 @@ from megazoo.models.layout import check_parallel_compat, kv_split
 from megazoo.models.rotary import apply_rotary, rotary_tables
 from megazoo.models.sparse_attention import SparseAttention
 from megazoo.parallel.context import context_attention, positions
-from megazoo.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPRNGTracker, copy_to_tp_region
+from megazoo.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, SequenceParallel, TPRNGTracker,
+                                    copy_to_tp_region)
+from megazoo.parallel.tensor.sequence import plain
 from megazoo.parallel.topology import Topology
 
 
@@ -60,15 +62,19 @@ class ReplicatedKV(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, cfg.d_model, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out, device=device, dtype=dtype)) if cfg.qkv_bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> [K_head; V_head] (b, s, 2 hd)
-        # Backward all-reduces the weight's (and bias's) gradient over tp: this rank's covers its head's rows only.
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's head's rows of [K; V] (and bias). Backward all-reduces the weight's (and bias's) gradient
+        over tp: this rank's covers its head's rows only."""
         weight = copy_to_tp_region(self.weight, self.group).view(2, self.n_kv_head, self.head_dim, -1)
         weight = weight[:, self.head].reshape(2 * self.head_dim, -1)
         bias = None
         if self.bias is not None:
             bias = copy_to_tp_region(self.bias, self.group).view(2, self.n_kv_head, self.head_dim)
             bias = bias[:, self.head].reshape(-1)
-        return F.linear(x, weight, bias)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> [K_head; V_head] (b, s, 2 hd)
+        return F.linear(x, *self.head_weights())
 
 
 def sliding_window_attention(kernel, window: int):
@@ -91,9 +97,13 @@ class Attention(nn.Module):
     """Causal self-attention over this rank's n_head / tp query heads (and their key/value heads)."""
 
     def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
-                 kernels: Mapping[str, Implementation] | None = None):
+                 kernels: Mapping[str, Implementation] | None = None,
+                 sequence_parallel: SequenceParallel | None = None):
         super().__init__()
         check_parallel_compat(cfg, topo.tp)
+        # x enters as this rank's s / tp positions under sequence parallelism (all-gathered into the projections)
+        self.sequence_parallel = sequence_parallel if sequence_parallel is not None else plain(topo.tp_group)
+        sp = self.sequence_parallel
         self.cfg, self.topo = cfg, topo
         self.n_local_heads = cfg.n_head // topo.tp  # from the shard, never from a global
         split = kv_split(cfg, topo.tp)
@@ -116,7 +126,8 @@ class Attention(nn.Module):
         if cfg.fused_qkv:
             # Fused QKV, column-parallel in 3 sections: rank r holds [Q_r; K_r; V_r] for whole heads.
             self.c_attn = ColumnParallelLinear(d, 3 * d, group, sections=3, bias=cfg.qkv_bias,
-                                               init_std=cfg.init_std, device=device, dtype=dtype)
+                                               init_std=cfg.init_std, device=device, dtype=dtype,
+                                               sequence_parallel=sp)
         else:
             self.c_q = ColumnParallelLinear(d, cfg.n_head * hd, group, bias=cfg.qkv_bias, init_std=cfg.init_std,
                                             device=device, dtype=dtype)
@@ -127,20 +138,21 @@ class Attention(nn.Module):
                 head = topo.tp_rank // (topo.tp // cfg.n_kv_head)
                 self.c_kv = ReplicatedKV(cfg, group, head=head, device=device, dtype=dtype)
         self.c_proj = RowParallelLinear(cfg.n_head * hd, d, group, bias=cfg.proj_bias, init_std=residual_std(cfg),
-                                        device=device, dtype=dtype)
+                                        device=device, dtype=dtype, sequence_parallel=sp)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (b, s, h hd), k and v (b, s, g hd)."""
         if self.cfg.fused_qkv:
             return self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
-        x = copy_to_tp_region(x, self.topo.tp_group)  # one all-reduce of dx in backward, for q and kv
-        q = F.linear(x, self.c_q.weight, self.c_q.bias)
-        kv = self.c_kv(x) if isinstance(self.c_kv, ReplicatedKV) else F.linear(x, self.c_kv.weight, self.c_kv.bias)
+        kv = self.c_kv.head_weights() if isinstance(self.c_kv, ReplicatedKV) else (self.c_kv.weight, self.c_kv.bias)
+        # x enters the tp region once for q and kv: one all-reduce of dx in backward (under sequence parallelism
+        # one all-gather of x in forward, one more and a reduce-scatter of dx in backward)
+        q, kv = self.sequence_parallel.linears(x, (self.c_q.weight, self.c_q.bias), kv)
         return (q, *kv.split(self.n_local_kv * self.head_dim, dim=-1))
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
-        b, s, _ = x.shape
-        q, k, v = self._project(x)
+        q, k, v = self._project(x)  # sequence parallelism: x (b, s/tp, d), q k v over the whole s
+        b, s = q.shape[:2]
         q = q.view(b, s, self.n_local_heads, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
         k, v = (t.view(b, s, self.n_local_kv, self.head_dim).transpose(1, 2) for t in (k, v))  # (b, g, s, hd)
         if self.cfg.positions == "rotary":

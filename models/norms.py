@@ -6,9 +6,12 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from megazoo.kernels import Implementation, LayerNorm
+from megazoo.kernels.layer_norm import in_input_dtype, layer_norm_torch
 from megazoo.models.config import ModelConfig
+from megazoo.parallel.tensor import SequenceParallel
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -41,16 +44,41 @@ class RMSNorm(nn.Module):
     in the input dtype, as Hugging Face's LlamaRMSNorm. No bias. Replicated over tp: every rank normalises the
     full hidden vector, so its gradient is identical on every tp rank."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None,
+                 sequence_parallel: SequenceParallel | None = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.sequence_parallel = eps, sequence_parallel
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        weight = self.weight if self.sequence_parallel is None else self.sequence_parallel.replicated(self.weight)
+        return _RMSNormFunction.apply(x, weight, self.eps)
 
 
-def make_norm(cfg: ModelConfig, kernels: Mapping[str, Implementation], device=None, dtype=None) -> nn.Module:
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm over this rank's s / tp positions (sequence parallelism): the same parameters and arithmetic, the
+    weight and bias passed through `replicated` so their partial gradients are all-reduced over tp in backward."""
+
+    def __init__(self, dim: int, eps: float, *, fn, sequence_parallel: SequenceParallel, device=None, dtype=None):
+        super().__init__(dim, eps=eps, fn=fn, device=device, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = (p if p is None else self.sequence_parallel.replicated(p) for p in (self.weight, self.bias))
+        if self.fn is layer_norm_torch:  # nn.LayerNorm's own call, in x's dtype
+            return in_input_dtype(F.layer_norm(x, self.normalized_shape, weight, bias, self.eps), x)
+        return self.fn(x, weight, bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig, kernels: Mapping[str, Implementation], device=None, dtype=None,
+              sequence_parallel: SequenceParallel | None = None) -> nn.Module:
+    """The config's norm; `sequence_parallel` (enabled): one that normalises this rank's positions only."""
+    if not (sequence_parallel and sequence_parallel.enabled):
+        sequence_parallel = None
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype)
+        return RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps, device=device, dtype=dtype,
+                       sequence_parallel=sequence_parallel)
+    if sequence_parallel is not None:
+        return SequenceParallelLayerNorm(cfg.d_model, cfg.layer_norm_eps, fn=kernels["layer_norm"].fn,
+                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
     return LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, fn=kernels["layer_norm"].fn, device=device, dtype=dtype)

@@ -33,24 +33,36 @@ from megazoo.models.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp
 from megazoo.models.norms import make_norm
 from megazoo.parallel.context import all_reduce_count, positions
-from megazoo.parallel.tensor import ColumnParallelLinear, TPRNGTracker, VocabParallelEmbedding
+from megazoo.parallel.tensor import ColumnParallelLinear, SequenceParallel, TPRNGTracker, VocabParallelEmbedding
+from megazoo.parallel.tensor.sequence import plain
 from megazoo.parallel.topology import Topology
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
-                 kernels: Mapping[str, Implementation] | None = None):
+                 kernels: Mapping[str, Implementation] | None = None,
+                 sequence_parallel: SequenceParallel | None = None):
         super().__init__()
         kernels = kernels_for_model(kernels)
-        self.ln_1 = make_norm(cfg, kernels, device=device, dtype=dtype)
-        self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype, kernels=kernels)
-        self.ln_2 = make_norm(cfg, kernels, device=device, dtype=dtype)
-        self.mlp = make_mlp(cfg, topo, device=device, dtype=dtype, kernels=kernels)
-        self.dropout = nn.Dropout(cfg.dropout)  # residual stream is replicated: default stream
+        sp = sequence_parallel if sequence_parallel is not None else plain(topo.tp_group)
+        self.sequence_parallel, self.rng = sp, rng
+        self.ln_1 = make_norm(cfg, kernels, device=device, dtype=dtype, sequence_parallel=sp)
+        self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
+        self.ln_2 = make_norm(cfg, kernels, device=device, dtype=dtype, sequence_parallel=sp)
+        self.mlp = make_mlp(cfg, topo, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # The residual stream is replicated over tp (default stream: the same mask on every rank), or, under
+        # sequence parallelism, this rank's own positions (the tp stream: each rank its own mask, as Megatron).
+        if not (self.sequence_parallel.active and self.training and self.dropout.p > 0):
+            return self.dropout(x)
+        with self.rng.fork():
+            return self.dropout(x)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
-        return x + self.dropout(self.mlp(self.ln_2(x)))
+        x = x + self._drop(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
+        return x + self._drop(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
@@ -74,26 +86,41 @@ class GPT(nn.Module):
         self.with_embedding, self.with_head = with_embedding, with_head
         self.activation_checkpointing = activation_checkpointing
         self.rng = rng if rng is not None else TPRNGTracker(0, topo.tp_rank, topo.device)
+        # one set of region boundaries for every layer: sequence-parallel (topo.sequence_parallel) or plain tp
+        self.sequence_parallel = SequenceParallel(topo.tp_group, topo.sequence_parallel)
+        sp = self.sequence_parallel
         self.vocab_padded = cfg.padded_vocab(topo.tp)
         tied = cfg.tie_embeddings
         if with_embedding or (with_head and tied):  # a tied head reuses wte
             self.wte = VocabParallelEmbedding(self.vocab_padded, cfg.d_model, topo.tp_group,
                                               init_std=cfg.init_std, device=device, dtype=dtype,
-                                              tied_head=with_embedding and with_head and tied)
+                                              tied_head=with_embedding and with_head and tied,
+                                              sequence_parallel=sp)
         if with_embedding:
             if cfg.positions == "learned":  # rotary positions have no weights (models/rotary.py, in attention)
                 self.wpe = nn.Embedding(cfg.n_positions, cfg.d_model, device=device, dtype=dtype)
             self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleDict({str(i): Block(cfg, topo, self.rng, device=device, dtype=dtype, kernels=self.kernels)
-                                for i in self.layers})
+        self.h = nn.ModuleDict({str(i): Block(cfg, topo, self.rng, device=device, dtype=dtype, kernels=self.kernels,
+                                              sequence_parallel=sp) for i in self.layers})
         if with_head:
-            self.ln_f = make_norm(cfg, self.kernels, device=device, dtype=dtype)
+            self.ln_f = make_norm(cfg, self.kernels, device=device, dtype=dtype, sequence_parallel=sp)
             if not tied:  # untied head: column-parallel over the padded vocabulary (identity fwd, dx all-reduce bwd)
                 self.lm_head = ColumnParallelLinear(cfg.d_model, self.vocab_padded, topo.tp_group, bias=False,
-                                                    init_std=cfg.init_std, device=device, dtype=dtype)
+                                                    init_std=cfg.init_std, device=device, dtype=dtype,
+                                                    sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """`cache` (decoding, eval mode): x holds only the new positions, which follow the cached ones."""
+        """`cache` (decoding, eval mode): x holds only the new positions, which follow the cached ones.
+
+        Sequence parallelism: a stage's hidden-state input and output hold this rank's s / tp positions (the
+        embedding's output is split after its all-reduce and dropout; the head all-gathers them back); decoding
+        runs plain tensor parallelism."""
+        if cache is not None and self.sequence_parallel.enabled:
+            with self.sequence_parallel.suspended():
+                return self._forward(x, cache)
+        return self._forward(x, cache)
+
+    def _forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         past = 0 if cache is None else cache.length
         if self.with_embedding:  # x: token ids (b, s)
             s = x.shape[1]
@@ -104,7 +131,7 @@ class GPT(nn.Module):
             if self.cfg.positions == "learned":
                 pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)  # the chunks' own positions
                 x = x + self.wpe(pos)
-            x = self.drop(x)
+            x = self.sequence_parallel.shard(self.drop(x))  # split after dropout: the same mask as without sp
         if cache is not None:
             cache.check_room(x.shape[1])
             for i, block in self.h.items():

@@ -80,6 +80,8 @@ class Topology:
     cp_group: dist.ProcessGroup | None = None
     cp_attention: str = "all_to_all"  # how attention crosses the cp split: "all_to_all" (Ulysses) | "ring"
     dp_cp_group: dist.ProcessGroup | None = None  # dp x cp ranks of this (pp, tp) position; only set when both > 1
+    # Norm, dropout and residual regions hold s / tp positions per tp rank (parallel/tensor/sequence.py)
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -115,11 +117,21 @@ class Topology:
         return cls(device=torch.device(device))
 
     @classmethod
+    def of(cls, layout, device: str | torch.device | None = None) -> "Topology":
+        """`build` from a layout description (a recipe's [parallel]: dp, tp, pp, cp, cp_attention,
+        sequence_parallel); the one place that maps its fields onto the mesh."""
+        return cls.build(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, cp_attention=layout.cp_attention,
+                         sequence_parallel=layout.sequence_parallel)
+
+    @classmethod
     def build(cls, dp: int, tp: int = 1, pp: int = 1, device: str | torch.device | None = None, *, cp: int = 1,
-              cp_attention: str = "all_to_all") -> "Topology":
+              cp_attention: str = "all_to_all", sequence_parallel: bool = False) -> "Topology":
         """Build the mesh over the default process group (which the launcher initialised)."""
         if cp_attention not in CP_ATTENTION:
             raise ValueError(f"parallel.cp_attention = {cp_attention!r} is invalid; valid: {', '.join(CP_ATTENTION)}")
+        if sequence_parallel and tp == 1:
+            raise ValueError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it splits the sequence over "
+                             "the tensor-parallel group); valid: set parallel.tp >= 2 or sequence_parallel = false")
         if not dist.is_initialized():
             if dp * tp * pp * cp == 1:
                 return cls.solo(device or "cpu")
@@ -166,12 +178,13 @@ class Topology:
             device=device, mesh=mesh, dp_group=group("dp", dp), tp_group=group("tp", tp), pp_group=group("pp", pp),
             pp_ranks=tuple(int(r) for r in grid[:, dp_rank, cp_rank, tp_rank]), embedding_group=embedding_group,
             cp=cp, cp_rank=cp_rank, cp_group=group("cp", cp), cp_attention=cp_attention, dp_cp_group=dp_cp_group,
+            sequence_parallel=sequence_parallel,
         )
 
     def describe(self) -> str:
         cp = f" cp {self.cp_rank}/{self.cp} ({self.cp_attention})" if self.cp > 1 else ""
         return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}{cp} "
-                f"tp {self.tp_rank}/{self.tp} on {self.device}")
+                f"tp {self.tp_rank}/{self.tp}{' (sequence parallel)' if self.sequence_parallel else ''} on {self.device}")
 
 
 def local_device(local_rank: int = 0) -> torch.device:

@@ -73,6 +73,9 @@ class ParallelSection:
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
+    # Sequence parallelism inside the tp group (Megatron's sequence_parallel): the norm, dropout and residual regions
+    # hold seq_len / (cp x tp) positions per rank, all-gather / reduce-scatter replace tp's all-reduce. Needs tp >= 2.
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,13 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
                              cfg.attention)
     except ValueError as err:
         raise RecipeError(str(err)) from None
+    if par.sequence_parallel and par.tp < 2:
+        raise RecipeError(f"parallel.sequence_parallel = true with parallel.tp = {par.tp}: it splits the sequence over "
+                          "the tensor-parallel group; valid: parallel.tp >= 2, or sequence_parallel = false")
+    if par.sequence_parallel and (recipe.train.seq_len // par.cp) % par.tp:
+        raise RecipeError(f"parallel.sequence_parallel: train.seq_len = {recipe.train.seq_len} / cp {par.cp} is not "
+                          f"divisible by parallel.tp = {par.tp}; valid: a seq_len that is a multiple of cp x tp "
+                          f"({par.cp * par.tp})")
 
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches"):
         _positive(f"train.{name}", getattr(train, name))

@@ -31,7 +31,7 @@ def _train_cp(parallel: dict, train: dict, zero: dict | None = None):
     par = res.recipe.parallel
 
     def work():
-        topo = Topology.build(par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention)
+        topo = Topology.of(par)
         return dict(parity._train(res, topo), cp=(topo.cp, topo.cp_rank, topo.cp_attention))
 
     results = run_distributed(work, res.world_size)

@@ -35,7 +35,7 @@ def _run(model: str, parallel: dict, train: dict, zero: dict | None = None):
     par = res.recipe.parallel
 
     def work():
-        trainer = Trainer(res, Topology.build(par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention))
+        trainer = Trainer(res, Topology.of(par))
         result = trainer.fit()
         return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
                 "params": trainer.full_state_dict()}

@@ -127,8 +127,10 @@ class PipelineEngine:
                 if t.send:
                     buffers.append(outbox.pop(t.identity))
                 else:
-                    ids = micro_batches[t.micro][0]
-                    inbox[t.identity] = torch.empty((*ids.shape, self.hidden), dtype=self.dtype,
+                    b, s = micro_batches[t.micro][0].shape
+                    if self.topo.sequence_parallel:  # a stage's hidden states are its tp rank's s / tp positions
+                        s //= self.topo.tp
+                    inbox[t.identity] = torch.empty((b, s, self.hidden), dtype=self.dtype,
                                                     device=self.topo.device)  # (b, s, d)
                     buffers.append(inbox[t.identity])
             post(step.transfers, buffers, self.topo.pp_ranks)

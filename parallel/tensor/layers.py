@@ -13,8 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazoo.parallel.tensor.comms import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+from megazoo.parallel.tensor.comms import (gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
+from megazoo.parallel.tensor.sequence import SequenceParallel, plain
 from megazoo.parallel.tensor.shards import ShardSpec
 from megazoo.parallel.topology import group_rank, group_size
 
@@ -30,11 +31,15 @@ class ColumnParallelLinear(nn.Module):
 
     Forward: copy_to_tp_region (identity; all-reduce of dx in backward), local matmul, optionally all-gather
     of y. With `sections` > 1 the output is that many equal blocks (fused QKV), each split across ranks.
+    `sequence_parallel` (parallel/tensor/sequence.py, active): x is this rank's s / tp positions, all-gathered
+    along the sequence in forward (dx reduce-scattered in backward) in place of copy_to_tp_region.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True, sections: int = 1,
-                 gather_output: bool = False, init_std: float = 0.02, device=None, dtype=None):
+                 gather_output: bool = False, init_std: float = 0.02, device=None, dtype=None,
+                 sequence_parallel: SequenceParallel | None = None):
         super().__init__()
+        self.sequence_parallel = sequence_parallel if sequence_parallel is not None else plain(group)
         tp, rank = group_size(group), group_rank(group)
         _divide(out_features, sections * tp, f"output features of a column-parallel layer (x {sections} sections)")
         if gather_output and sections > 1:
@@ -50,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out/tp) or (..., out)
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        (y,) = self.sequence_parallel.linears(x, (self.weight, self.bias))
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -58,12 +63,16 @@ class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split along its input columns: rank r multiplies its slice of x.
 
     Forward: (optional scatter of x), local matmul giving a partial sum, all-reduce over tp (identity in
-    backward), then the replicated bias, added once after the reduction.
+    backward), then the replicated bias, added once after the reduction. `sequence_parallel` (active): a
+    reduce-scatter along the sequence in place of the all-reduce (all-gather in backward), the bias added to this
+    rank's positions and its gradient all-reduced over tp.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
-                 input_is_parallel: bool = True, init_std: float = 0.02, device=None, dtype=None):
+                 input_is_parallel: bool = True, init_std: float = 0.02, device=None, dtype=None,
+                 sequence_parallel: SequenceParallel | None = None):
         super().__init__()
+        self.sequence_parallel = sequence_parallel if sequence_parallel is not None else plain(group)
         tp, rank = group_size(group), group_rank(group)
         _divide(in_features, tp, "input features of a row-parallel layer")
         self.group, self.input_is_parallel, self.init_std = group, input_is_parallel, init_std
@@ -79,8 +88,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in/tp) -> (..., out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
+        y = self.sequence_parallel.leave(F.linear(x, self.weight))
+        return y + self.sequence_parallel.replicated(self.bias) if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -101,8 +110,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, *, init_std: float = 0.02,
-                 device=None, dtype=None, tied_head: bool = False):
+                 device=None, dtype=None, tied_head: bool = False, sequence_parallel: SequenceParallel | None = None):
         super().__init__()
+        # the tied head's input: all-gathered along the sequence under sequence parallelism (see head)
+        self.sequence_parallel = sequence_parallel if sequence_parallel is not None else plain(group)
         self.tied_head = tied_head
         self._shared: _TiedGradient | None = None  # this forward's lookup -> its head
         tp, rank = group_size(group), group_rank(group)
@@ -134,8 +145,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h) -> this rank's vocabulary shard (b, s, V/tp)
         """The tied output head, logits = x W^T. Collectives: none in forward; dx is summed over tp in backward
-        (copy_to_tp_region)."""
-        x = copy_to_tp_region(x, self.group)
+        (copy_to_tp_region). Sequence parallelism: x (b, s/tp, d) is all-gathered in forward, dx reduce-scattered."""
+        x = self.sequence_parallel.enter(x)
         shared, self._shared = self._shared, None
         if shared is None or not self._fused():
             return F.linear(x, self.weight)

@@ -79,14 +79,19 @@ class ActivationSpec:
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
-                cp: int = 1) -> float:
+                cp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes one transformer layer stores for backward on one tp rank (Korthikanti et al. 2022, eq. 1-2).
     Context parallelism (cp > 1): `s` is this rank's share of the sequence (s / cp tokens); the attention scores
     are a / cp heads over the whole sequence (all-to-all) - a s (s cp) b / t, an upper bound for the ring, which
-    keeps only the log-sum-exp."""
+    keeps only the log-sum-exp. Sequence parallelism (the paper's eq. 4, s b h (34 / t + 5 a s / (h t))): the
+    norm inputs and dropout masks are this rank's s / tp positions, and so are the QKV / fc1 inputs, which
+    parallel/tensor/sequence.py keeps as the norm's output shard (r bytes: fp32 under autocast) and all-gathers
+    again in backward."""
     e = spec.element_bytes
     m_drop = spec.mask_bytes if spec.dropout else 0
     replicated = 2 * spec.residual + 2 * e + 2 * m_drop
+    if sequence_parallel:
+        replicated = (4 * spec.residual + 2 * m_drop) / t
     # Q, K, V (as the attention kernel keeps them: grouped-query K / V repeated to every query head), the output
     # projection's input, and the MLP's.
     sharded = (4 + spec.mlp_elements) * e
@@ -141,14 +146,17 @@ class StageActivations:
 def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, stage_layers: list[int],
                       *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                       virtual: int = 1, spec: ActivationSpec | None = None,
-                      vocab: int | None = None, cp: int = 1) -> list[StageActivations]:
+                      vocab: int | None = None, cp: int = 1,
+                      sequence_parallel: bool = False) -> list[StageActivations]:
     """Activation bytes of every pipeline stage (`stage_layers`: blocks per stage) on one tp rank; with
-    context parallelism `cp`, on one cp rank (seq_len / cp tokens of every sequence)."""
+    context parallelism `cp`, on one cp rank (seq_len / cp tokens of every sequence). `sequence_parallel`:
+    the layers' norm regions and checkpointed inputs, and the final norm's input, are s / tp long."""
     spec = spec or ActivationSpec.for_model(cfg)
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
-    full = layer_bytes(s, b, h, a, tp, spec, cp)
-    kept = checkpoint_bytes(s, b, h, spec) if checkpointing else full
+    split = tp if sequence_parallel else 1
+    full = layer_bytes(s, b, h, a, tp, spec, cp, sequence_parallel)
+    kept = checkpoint_bytes(s, b, h, spec) / split if checkpointing else full
     pp = len(stage_layers)
     out = []
     for rank, n in enumerate(stage_layers):
@@ -156,7 +164,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if rank == 0 and spec.dropout:
             extra += spec.mask_bytes * s * b * h
         if rank == pp - 1:
-            extra += (spec.residual + e) * s * b * h + (e + (4 if e < 4 else 0)) * s * b * vocab / tp
+            # the final norm's input (s / tp long under sequence parallelism) and the head's (gathered)
+            extra += (spec.residual / split + e) * s * b * h + (e + (4 if e < 4 else 0)) * s * b * vocab / tp
             if spec.weight_copies:  # the tied head's 16-bit cast of its vocabulary shard, kept for backward
                 extra += e * vocab / tp * h
         out.append(StageActivations(rank, n, in_flight(schedule, pp, rank, micro_batches, virtual), kept,

@@ -240,7 +240,7 @@ def run_role(res: Resolved, role: Role, device: str = "cpu") -> RoleResult:
     if device == "cuda":
         res, _ = fake_cuda_kernels(res)
     with fake_process_group(role.rank, par.dp * par.tp * par.pp):
-        topo = Topology.build(par.dp, par.tp, par.pp, device=device)
+        topo = Topology.build(par.dp, par.tp, par.pp, device=device, sequence_parallel=par.sequence_parallel)
         with fake_tensors():
             measured = measure_step(lambda: Trainer(res, topo, shaped_data(res)),
                                     offload=res.recipe.zero.offload == "cpu", placeholders=True)

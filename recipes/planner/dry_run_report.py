@@ -43,7 +43,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
-                             spec=activation_spec(cfg, layout, 1, no_scores), cp=layout.cp)
+                             spec=activation_spec(cfg, layout, 1, no_scores), cp=layout.cp,
+                             sequence_parallel=layout.sequence_parallel)
     st = shard.stages[pp_stage]
     mem = state_memory(st.numel, layout)  # megazoo's optimizers' bytes, as `megazoo plan` counts them
     buffers = BufferConfig(layout.bucket, layout.bucket)

@@ -55,6 +55,7 @@ class Layout:
     bucket: int = DEFAULT_BUCKET
     flash_attention: bool = False
     cp: int = 1  # context parallelism: each sequence split over cp ranks
+    sequence_parallel: bool = False  # norm / dropout regions split over tp (activations.py)
 
     @property
     def gpus(self) -> int:
@@ -67,7 +68,8 @@ class Layout:
     def describe(self) -> str:
         extras = (", activation checkpointing" if self.checkpointing else "") + (
             ", optimizer offloaded to CPU" if self.offload else "") + (", flash attention" if self.flash_attention
-                                                                        else "")
+                                                                        else "") + (
+            ", sequence parallel" if self.sequence_parallel else "")
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
         return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}{cp} = {self.gpus} GPUs, ZeRO-{self.zero}, micro-batch "
                 f"{self.micro_batch} x grad_accum {self.grad_accum} x dp = batch {self.global_batch}, seq "
@@ -155,7 +157,7 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
     acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
-                             spec=spec, cp=layout.cp)
+                             spec=spec, cp=layout.cp, sequence_parallel=layout.sequence_parallel)
     buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
@@ -198,7 +200,7 @@ def recipe_layout(resolved) -> Layout:
                   train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
                   tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
                   r.kernels.attention in ("", "torch", "recompute"),  # SDPA and "recompute": no scores kept
-                  cp=par.cp)
+                  cp=par.cp, sequence_parallel=par.sequence_parallel)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

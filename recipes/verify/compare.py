@@ -52,7 +52,7 @@ def _layout_ranks(res: Resolved, loss_scaling: bool) -> list[dict]:
     par = res.recipe.parallel
 
     def work():
-        topo = Topology.build(par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention)
+        topo = Topology.of(par)
         return _train(res, topo, loss_scaling)
 
     if res.world_size == 1:
