@@ -112,7 +112,7 @@ class ZeroSection:
 @dataclass(frozen=True)
 class OptimizerSection:
     """`[optimizer]`: AdamW, or a communication-compressed Adam for slow networks (parallel/compressed/, ZeRO stage
-    0 only). AdamW's lr, betas, eps and weight_decay stay in [train]; the compressed variants use them too."""
+    0 or 1). AdamW's lr, betas, eps and weight_decay stay in [train]; the compressed variants use them too."""
 
     name: str = "adamw"  # "adamw" | "onebit_adam" | "zero_one_adam"
     freeze_step: int = 100  # compressed: AdamW steps (full-precision all-reduce) before compression starts
