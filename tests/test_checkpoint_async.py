@@ -115,6 +115,9 @@ def test_kill_during_background_write_resumes_from_previous_checkpoint(tmp_path)
     run_dir, marker = tmp_path / "run", tmp_path / "writing"
     script = KILLED_RUN.format(tests=str(REPO / "tests"), marker=str(marker), small=SMALL, run_dir=str(run_dir))
     child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    # the reference, a run never killed, trained while the child starts
+    straight = Trainer(_resolved(tmp_path / "straight", steps=6), Topology.solo())
+    full = straight.fit()
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
@@ -136,8 +139,6 @@ def test_kill_during_background_write_resumes_from_previous_checkpoint(tmp_path)
     start = checkpointing.restore(resumed, report=lambda *_: None)
     assert start == 2
     tail = resumed.fit(start_step=start)
-    straight = Trainer(_resolved(tmp_path / "straight", steps=6), Topology.solo())
-    full = straight.fit()
     assert tail.losses == full.losses[2:]
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert all(a[k].equal(b[k]) for k in a)
