@@ -184,3 +184,28 @@ def test_corrupt_background_write_is_caught_by_verify_on_save(tmp_path, monkeypa
         checkpointing.wait_for_save(trainer)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text() == "step_00000001" and (root / "bad-step_00000002").is_dir()
+
+
+def test_stop_and_exception_wait_for_the_write_in_flight(tmp_path):
+    """A stop request (SIGTERM) saves and fit returns only once that save is published; an exception after an
+    async save waits for this rank's writer (no collective) so the checkpoint is still published."""
+    stopped = Trainer(_resolved(tmp_path / "stop", steps=4, every=0, async_save=True), Topology.solo())
+    result = stopped.fit(stop_requested=lambda: True)
+    root = tmp_path / "stop" / "checkpoints"
+    assert result.stopped_at == 1 and not checkpointing.async_saver(stopped).in_flight()
+    assert (root / "latest").read_text() == "step_00000001"
+    verify_checkpoint(root / "step_00000001")
+
+    failing = Trainer(_resolved(tmp_path / "crash", steps=4, every=1, async_save=True), Topology.solo())
+    real_step = failing.train_step
+
+    def train_step(step, **kwargs):
+        if step == 1:
+            raise RuntimeError("a rank failed")
+        return real_step(step, **kwargs)
+    failing.train_step = train_step
+    with pytest.raises(RuntimeError, match="a rank failed"):
+        failing.fit()
+    root = tmp_path / "crash" / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000001"
+    verify_checkpoint(root / "step_00000001")
