@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     result = run_distributed(_measure, args.dp, recipes, timeout_s=3000)[0]
     print(json.dumps({"preset": args.preset, "dp": args.dp, "per_step": result}, indent=1))
     print("| optimizer | step | kind | stage 0 bytes | stage 1 bytes | stage 0 / stage 1 | sent stage 0 | sent stage 1 |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in OPTIMIZERS:
         res = recipes[f"{name}/stage0"]
         o = res.recipe.optimizer
