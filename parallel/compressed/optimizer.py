@@ -19,7 +19,7 @@ Collectives per step: warm-up/"var": one all-reduce per bucket (stage 0's); "one
 bucket one all-to-all and one all-gather of uint8; "local": none. Gradient norm and clipping are stage 0's, on the
 gradients this rank holds (after warm-up: its local ones, so clipping is per rank).
 
-Memory beyond stage 0: the parameters move into flat buckets (no copy kept), moments padded to 8 x dp per bucket,
+Memory beyond stage 0: the parameters move into flat buckets padded to 8 x dp (no copy kept), moments padded alike,
 a worker error (bucket size) and a server error (bucket / dp) per bucket; 0/1 Adam adds a padded work buffer per
 bucket, and an anchor per bucket from var_freeze_step on.
 """
