@@ -140,8 +140,11 @@ class AsyncCheckpointSaver:
         files = [self._status_file(save, r) for r in range(save.world)]
         while True:
             if all(f.is_file() for f in files):
-                statuses = [json.loads(f.read_text()) for f in files]
-                break
+                try:
+                    statuses = [json.loads(f.read_text()) for f in files]
+                    break
+                except (OSError, ValueError):  # a failed save's directory removed under us: wait for stop
+                    pass
             if save.gathered is not None:
                 statuses = save.gathered
                 break
