@@ -115,7 +115,7 @@ class ZeroSection:
 @dataclass(frozen=True)
 class OptimizerSection:
     """`[optimizer]`: AdamW, or a communication-compressed Adam for slow networks (parallel/compressed/, ZeRO stage
-    0 only). AdamW's lr, betas, eps and weight_decay stay in [train]; the compressed variants use them too."""
+    0 or 1). AdamW's lr, betas, eps and weight_decay stay in [train]; the compressed variants use them too."""
 
     name: str = "adamw"  # "adamw" | "onebit_adam" | "zero_one_adam"
     freeze_step: int = 100  # compressed: AdamW steps (full-precision all-reduce) before compression starts
@@ -166,6 +166,10 @@ class CheckpointSection:
     # keeps the new one aside as bad-step_N and stops the run. false: skip the re-read (the damage is then found
     # when the checkpoint is loaded). Cost: benchmarks/checkpoint_verify.py.
     verify_on_save: bool = True
+    # true: the saving step returns once the state is copied to host memory; a background thread writes, verifies
+    # and publishes it with the same guarantees (parallel/checkpoint/async_save.py). The next save, the end of
+    # training or a stop waits for it and raises its error. Stall per save: benchmarks/checkpoint_async.py.
+    async_save: bool = False
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ def compression_of(recipe: Recipe) -> CompressionSettings | None:
 
 
 def _check_optimizer(recipe: Recipe) -> None:
-    """[optimizer]: a known name; a compressed one only where it composes (ZeRO stage 0, no offload, pp = cp = 1)."""
+    """[optimizer]: a known name; a compressed one only where it composes (ZeRO stage 0 or 1, no offload, pp = cp = 1)."""
     _choice("optimizer.name", recipe.optimizer.name, OPTIMIZERS)
     settings, par = compression_of(recipe), recipe.parallel
     if settings is None:

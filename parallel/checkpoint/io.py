@@ -24,7 +24,6 @@ both and load into any layout with a few lines of assembly (load.py).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -41,6 +40,7 @@ from megazoo.data.fileio import atomic_write_bytes
 from megazoo.data.fileio import file_sha256 as sha256_file
 from megazoo.parallel.checkpoint.readback import HashingWriter, drop_cached_pages, read_back_problem
 from megazoo.parallel.checkpoint.views import StateView
+from megazoo.parallel.checkpoint.write_errors import describe_write_error as _describe_write_error
 
 # Checkpoints of older megazoo versions (same format string, a pickled common.pt and no manifest.sha256) are
 # recognised by those files and refused. (Bumping FORMAT to /2 is planned: tests/test_hf_interop.py pins /1.)
@@ -85,29 +85,6 @@ def _from_rank0(value):
     return box[0]
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
-
-
-def _describe_write_error(err: BaseException, path: Path, needed: int) -> str:
-    """One line for a failed write; disk full is named as such (torch's C++ writer says only 'iostream error')."""
-    try:
-        free = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent).free
-    except OSError:
-        free = None
-    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-    full = full or (isinstance(err, RuntimeError) and ("iostream" in str(err) or "No space" in str(err)
-                                                      or (free is not None and free < needed)))
-    if full:
-        return (f"no space left on device writing {path} (needed ~{_human(needed)}, "
-                f"free {'?' if free is None else _human(free)})")
-    return f"cannot write {path}: {type(err).__name__}: {err}"
-
-
 class CheckpointReadBackError(CheckpointSaveError):
     """A file written for a checkpoint does not read back as the bytes meant (parallel/checkpoint/readback.py)."""
 
@@ -130,9 +107,26 @@ def _write_file(path: Path, write, needed: int, verify: bool = True) -> dict:
     return {"bytes": writer.bytes, "sha256": writer.hexdigest()}
 
 
-def _write_rank(tmp: Path, rank: int, views: list[StateView], extras: dict, common: dict | None,
-                verify: bool) -> dict:
-    """This rank's part of a save: its file (and rank 0's common.json), hashed here. Errors become a message."""
+def snapshot_views(views: list[StateView], host_copy=None) -> tuple[dict, list[dict]]:
+    """The pieces this rank writes, copied to host memory, and their index entries. `host_copy(t)` makes the
+    copy (async_save.py: into pinned memory on CUDA); default a plain copy to the CPU."""
+    pieces, index = {}, []
+    for i, view in enumerate(v for v in views if v.write):
+        key = str(i)
+        tensor = view.tensor.detach()
+        pieces[key] = host_copy(tensor) if host_copy is not None else tensor.to("cpu", copy=True)
+        index.append({
+            "key": key, "name": view.name, "kind": view.kind, "start": view.start, "stop": view.stop,
+            "global_shape": list(view.spec.global_shape), "tp_dim": view.spec.dim,
+            "tp_sections": view.spec.sections, "tp_rank": view.spec.rank, "tp_size": view.spec.size,
+            "dtype": str(view.tensor.dtype).removeprefix("torch.")})
+    return pieces, index
+
+
+def _write_rank(tmp: Path, rank: int, views: list[StateView] | tuple[dict, list[dict]], extras: dict,
+                common: dict | None, verify: bool) -> dict:
+    """This rank's part of a save: its file (and rank 0's common.json), hashed here. Errors become a message.
+    `views` may be a snapshot_views result already (the background writer of async_save.py)."""
     host = socket.gethostname()
     status = {"rank": rank, "host": host, "files": {}, "index": [], "error": None, "read_back": None}
     if not tmp.is_dir():
@@ -140,15 +134,7 @@ def _write_rank(tmp: Path, rank: int, views: list[StateView], extras: dict, comm
                            f"does not see it): {SHARED_FS_HINT}")
         return status
     try:
-        pieces = {}
-        for i, view in enumerate(v for v in views if v.write):
-            key = str(i)
-            pieces[key] = view.tensor.detach().to("cpu", copy=True)
-            status["index"].append({
-                "key": key, "name": view.name, "kind": view.kind, "start": view.start, "stop": view.stop,
-                "global_shape": list(view.spec.global_shape), "tp_dim": view.spec.dim,
-                "tp_sections": view.spec.sections, "tp_rank": view.spec.rank, "tp_size": view.spec.size,
-                "dtype": str(view.tensor.dtype).removeprefix("torch.")})
+        pieces, status["index"] = views if isinstance(views, tuple) else snapshot_views(views)
         needed = sum(p.numel() * p.element_size() for p in pieces.values()) + (1 << 16)
         filename = f"rank{rank:05d}.pt"
         status["files"][filename] = _write_file(tmp / filename, lambda f: torch.save(
@@ -202,13 +188,21 @@ def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extr
     CheckpointSaveError on every rank when any rank fails; the previous checkpoint stays the latest. With
     `verify` every rank re-reads its files before publication (readback.py): one that does not read back as
     written raises CheckpointReadBackError naming it, and the new checkpoint is kept aside as bad-step_N."""
-    rank, world = _world()
-    root = Path(root)
-    tmp = root / f".tmp-step_{step:08d}"
+    rank, _ = _world()
+    tmp = prepare_save_dir(root, step)
+    status = _write_rank(tmp, rank, views, extras, common if rank == 0 else None, verify)
+    return finish_save(root, tmp, step, status,
+                       lambda gathered: _publish(Path(root), tmp, step, gathered, layout, keep))
+
+
+def prepare_save_dir(root: str | Path, step: int) -> Path:
+    """Collective: rank 0 creates root/.tmp-step_N (removing debris of an interrupted save of that step);
+    every rank gets it, or the same CheckpointSaveError."""
+    tmp = Path(root) / f".tmp-step_{step:08d}"
     error = None
-    if rank == 0:
+    if _world()[0] == 0:
         try:
-            if tmp.exists():  # debris of an interrupted save of the same step
+            if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         except OSError as err:
@@ -216,7 +210,14 @@ def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extr
     error = _from_rank0(error)
     if error:
         raise CheckpointSaveError(error)
-    status = _write_rank(tmp, rank, views, extras, common if rank == 0 else None, verify)
+    return tmp
+
+
+def finish_save(root: str | Path, tmp: Path, step: int, status: dict, publish) -> Path:
+    """Collective, after every rank wrote (status: _write_rank's): gather the statuses; rank 0 calls
+    `publish(gathered)` (-> the published directory) when no rank failed; every rank raises the same error."""
+    rank, world = _world()
+    root = Path(root)
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, status)
@@ -226,7 +227,7 @@ def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extr
     final = None
     if rank == 0 and not errors:
         try:
-            final = _publish(root, tmp, step, gathered, layout, keep)
+            final = publish(gathered)
         except (CheckpointError, OSError) as err:
             errors.append(str(err))
     errors = _from_rank0(errors)  # rank 0's list (it may hold a publication error) on every rank

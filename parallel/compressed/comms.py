@@ -44,6 +44,18 @@ def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_er
     """Replace flat `x` (numel a multiple of 8 x N) by the compressed average over `group`, in place; update
     both error buffers (worker_error like x, server_error n / N). Collectives: one all-to-all and one
     all-gather of uint8 (signs + one scale per chunk). Returns x."""
+    gathered = compressed_average_packed(x, worker_error, server_error, group, ledger)
+    # every rank decodes the same bytes: the result is identical everywhere
+    x.view(gathered.shape[0], -1).copy_(decode(gathered, x.dtype))
+    return x
+
+
+@torch.no_grad()
+def compressed_average_packed(x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, group,
+                              ledger: CommLedger | None = None) -> torch.Tensor:
+    """compressed_all_reduce without its last decode: returns the all-gathered wire (N rows of packed signs +
+    scale, identical on every rank; `decode(wire, dtype).view(-1)` is the average). x is left holding
+    x + worker_error. 1-bit Adam at ZeRO-1 keeps its momentum in this form between steps (n / 8 bytes)."""
     world = dist.get_world_size(group) if group is not None else 1
     n = x.numel()
     if n % (8 * world) or worker_error.numel() != n or server_error.numel() != n // world:
@@ -68,6 +80,4 @@ def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_er
         gathered.copy_(server_wire)
     else:
         all_gather_flat(gathered, server_wire, group, ledger=ledger, kind=ALL_GATHER_KIND)
-    # every rank decodes the same bytes: the result is identical everywhere
-    x.view(world, c).copy_(decode(gathered, x.dtype))
-    return x
+    return gathered

@@ -19,7 +19,7 @@ Collectives per step: warm-up/"var": one all-reduce per bucket (stage 0's); "one
 bucket one all-to-all and one all-gather of uint8; "local": none. Gradient norm and clipping are stage 0's, on the
 gradients this rank holds (after warm-up: its local ones, so clipping is per rank).
 
-Memory beyond stage 0: the parameters move into flat buckets (no copy kept), moments padded to 8 x dp per bucket,
+Memory beyond stage 0: the parameters move into flat buckets padded to 8 x dp (no copy kept), moments padded alike,
 a worker error (bucket size) and a server error (bucket / dp) per bucket; 0/1 Adam adds a padded work buffer per
 bucket, and an anchor per bucket from var_freeze_step on.
 """
@@ -51,14 +51,16 @@ class CompressedAdam(DataParallelAdamW):
         world = self.reducer.size
         on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
         decayed = {p for g in self.optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
-        self.param_flats, self.m, self.v, self.decayed = [], [], [], []
+        self.param_flats, self.param_padded, self.m, self.v, self.decayed = [], [], [], [], []
         self.worker_error, self.server_error, self.work, self.anchor = [], [], [], []
         self.lrs = 0.0  # 0/1 Adam: sum of lr / bc1 since the last sync
         self.diverged = False  # 0/1 Adam: local steps since the last sync (replicas differ)
         with torch.no_grad():
             for params, grads in zip(self.reducer.params, self.reducer.flats):
                 n, padded = grads.numel(), padded_numel(grads.numel(), world)
-                flat = torch.empty(n, dtype=grads.dtype, device=grads.device)
+                # padded like the moments: ZeRO-1 (zero1.py) all-gathers the owned chunks of this buffer
+                padded_flat = torch.zeros(padded, dtype=grads.dtype, device=grads.device)
+                flat = padded_flat[:n]
                 m = torch.zeros(padded, dtype=grads.dtype, device=grads.device)
                 v = torch.zeros_like(m)
                 offset, views = 0, []
@@ -73,6 +75,7 @@ class CompressedAdam(DataParallelAdamW):
                         views.append(view)
                     offset += p.numel()
                 self.param_flats.append(flat)
+                self.param_padded.append(padded_flat)
                 self.m.append(m)
                 self.v.append(v)
                 self.decayed.append(views)

@@ -65,7 +65,8 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def decode(wire: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(k, c / 8 + element_size) uint8 -> (k, c) in `dtype`: each row's sign x scale."""
     size = torch.empty((), dtype=dtype).element_size()
-    scales = wire[:, -size:].contiguous().view(dtype)
+    # a fresh, aligned copy (one row's slice counts as contiguous, so .contiguous() would keep its odd offset)
+    scales = wire[:, -size:].reshape(-1).clone().view(dtype).view(-1, 1)
     return unpack_signs(wire[:, :-size], dtype).mul_(scales)
 
 

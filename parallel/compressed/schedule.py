@@ -47,10 +47,10 @@ def check_settings(s: CompressionSettings, *, dp: int, tp: int, pp: int, zero_st
     """Raise ValueError naming the [optimizer] (or other) field, its value and what is valid."""
     if s.name not in COMPRESSED:
         raise ValueError(f"optimizer.name = {s.name!r} is invalid; valid: {', '.join(map(repr, OPTIMIZERS))}")
-    if zero_stage != 0:
-        raise ValueError(f"optimizer.name = {s.name!r} needs zero.stage = 0 (plain data parallelism: every rank "
-                         f"holds the full momentum it compresses), got zero.stage = {zero_stage}; valid: "
-                         "zero.stage = 0, or optimizer.name = 'adamw'")
+    if zero_stage not in (0, 1):
+        raise ValueError(f"optimizer.name = {s.name!r} needs zero.stage = 0 or 1 (every rank compresses its full "
+                         f"local momentum or gradient, so gradients cannot be partitioned as stages 2-3 do), got "
+                         f"zero.stage = {zero_stage}; valid: zero.stage = 0 or 1, or optimizer.name = 'adamw'")
     if offload != "none":
         raise ValueError(f"optimizer.name = {s.name!r} does not run with zero.offload = {offload!r}; valid: 'none'")
     if pp != 1:

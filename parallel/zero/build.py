@@ -30,14 +30,15 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
     `adamw(groups, lr=, betas=, eps=)` builds the optimizer over what the rank owns (the caller passes the
     kernels' adamw op); default: torch's single-tensor loop, torch.optim.AdamW(foreach=False).
-    `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 only."""
+    `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 or 1."""
     adamw = adamw or _torch_adamw
     if compression is not None:
         from megazoo.parallel.compressed.optimizer import CompressedAdam  # imports stage0: not at module level
-        if stage != 0 or offload != "none":
-            raise ValueError(f"optimizer {compression.name!r} needs zero.stage = 0 without offload (got stage "
+        from megazoo.parallel.compressed.zero1 import CompressedAdamZero1
+        if stage not in (0, 1) or offload != "none":
+            raise ValueError(f"optimizer {compression.name!r} needs zero.stage = 0 or 1 without offload (got stage "
                              f"{stage}, offload {offload!r})")
-        return CompressedAdam(named, topo, settings=compression, lr=lr, betas=betas, eps=eps,
+        return (CompressedAdam if stage == 0 else CompressedAdamZero1)(named, topo, settings=compression, lr=lr, betas=betas, eps=eps,
                               weight_decay=weight_decay, tied=tied, adamw=adamw, bucket_elements=bucket_elements)
     if stage == 0:
         if offload != "none":

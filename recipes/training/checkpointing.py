@@ -21,6 +21,7 @@ import torch
 from megazoo.data.tokenizer_store import tokenizer_record
 from megazoo.models.config import architecture_mismatches
 from megazoo.parallel import accelerator
+from megazoo.parallel.checkpoint.async_save import AsyncCheckpointSaver
 from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpoint, load_tensor_file, read_common,
                                             save_checkpoint, verify_checkpoint)
 from megazoo.parallel.checkpoint.load import load_views
@@ -100,10 +101,36 @@ def save(trainer: TrainingRun, step: int) -> Path:
     if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizer_store.py)
         common["tokenizer"] = tokenizer_record(tokenizer)
     written_layout = layout(res)
-    return save_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
-                           extras={"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)},
-                           common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
-                           verify=res.recipe.checkpoint.verify_on_save)
+    write = save_checkpoint
+    if res.recipe.checkpoint.async_save:  # returns after the copy to host memory; see wait_for_save
+        write = async_saver(trainer).save
+    return write(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
+                 extras={"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)},
+                 common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
+                 verify=res.recipe.checkpoint.verify_on_save)
+
+
+def async_saver(trainer: TrainingRun) -> AsyncCheckpointSaver:
+    """The run's background checkpoint writer (checkpoint.async_save), made at its first save."""
+    saver = getattr(trainer, "checkpoint_saver", None)
+    if saver is None:
+        saver = trainer.checkpoint_saver = AsyncCheckpointSaver(trainer.topo.device)
+    return saver
+
+
+def wait_for_save(trainer: TrainingRun) -> None:
+    """Collective: the background save in flight (if any) is published, or its error raised on every rank."""
+    saver = getattr(trainer, "checkpoint_saver", None)
+    if saver is not None:
+        saver.wait()
+
+
+def abandon_save(trainer: TrainingRun, report=print) -> None:
+    """After an exception (no collective): wait for this rank's background write and report its error."""
+    saver = getattr(trainer, "checkpoint_saver", None)
+    error = saver.abandon() if saver is not None else None
+    if error:
+        report(f"megazoo: the background checkpoint save failed too: {error}")
 
 
 def load(trainer: TrainingRun, path: str | Path, *, load_optimizer: bool = True) -> int:
@@ -114,6 +141,7 @@ def load(trainer: TrainingRun, path: str | Path, *, load_optimizer: bool = True)
     mismatches = architecture_mismatches(common["model"], dataclasses.asdict(trainer.res.model))
     if mismatches:
         raise CheckpointError(f"checkpoint {path} is for a different model: {'; '.join(mismatches)}")
+    wait_for_save(trainer)  # a background save of this run may be writing the very checkpoint asked for
     load_views(path, state_views(trainer), kinds=None if load_optimizer else ("param", "master"), manifest=manifest)
     trainer.zero.after_load()
     if not load_optimizer:

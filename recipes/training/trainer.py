@@ -227,11 +227,27 @@ class Trainer:
         checkpoint every checkpoint.every steps and at the end. When `stop_requested()` turns true on any rank
         (SIGTERM: preemption), the step in progress finishes, a checkpoint is saved and training stops."""
         t, result = self.train_cfg, TrainResult()
-        every, at_end = self.res.recipe.checkpoint.every, self.res.recipe.checkpoint.at_end
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            self._train_steps(result, bar, start_step, log, stop_requested)
+            checkpointing.wait_for_save(self)  # checkpoint.async_save: the last save is published (or raises)
+        except BaseException:
+            checkpointing.abandon_save(self)  # this rank's background write finishes; no collective
+            raise
+        if bar is not None:
+            bar.close()
+        if result.stopped_at is None:
+            result.val_loss = self.evaluate()
+            result.sample = self.sample()
+        return result
+
+    def _train_steps(self, result: TrainResult, bar, start_step: int, log: MetricsLog | None,
+                     stop_requested: Callable[[], bool] | None) -> None:
+        t = self.train_cfg
+        every, at_end = self.res.recipe.checkpoint.every, self.res.recipe.checkpoint.at_end
         for step in range(start_step, t.steps):
             metrics = self.train_step(step, stop=stop_requested is not None and stop_requested())
             stop = metrics.pop("stop")
@@ -250,9 +266,3 @@ class Trainer:
             if stop:
                 result.stopped_at = step + 1
                 break
-        if bar is not None:
-            bar.close()
-        if result.stopped_at is None:
-            result.val_loss = self.evaluate()
-            result.sample = self.sample()
-        return result
