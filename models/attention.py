@@ -134,8 +134,8 @@ class Attention(nn.Module):
         if self.cfg.fused_qkv:
             return self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
         x = copy_to_tp_region(x, self.topo.tp_group)  # one all-reduce of dx in backward, for q and kv
-        q = F.linear(x, self.c_q.weight, self.c_q.bias)
-        kv = self.c_kv(x) if isinstance(self.c_kv, ReplicatedKV) else F.linear(x, self.c_kv.weight, self.c_kv.bias)
+        q = self.c_q.local(x)  # (+ its LoRA adapters)
+        kv = self.c_kv(x) if isinstance(self.c_kv, ReplicatedKV) else self.c_kv.local(x)
         return (q, *kv.split(self.n_local_kv * self.head_dim, dim=-1))
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)

@@ -39,7 +39,7 @@ class MLP(nn.Module):
         if self.bias_gelu is None:
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
         assert not self.c_fc.gather_output  # the local slice (b, s, d_ff/tp), as ColumnParallelLinear.forward
-        h = F.linear(copy_to_tp_region(x, self.c_fc.group), self.c_fc.weight)
+        h = self.c_fc.local(copy_to_tp_region(x, self.c_fc.group), bias=False)  # (+ its LoRA adapters)
         return self.c_proj(self.bias_gelu(h, self.c_fc.bias))
 
 
