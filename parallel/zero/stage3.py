@@ -141,6 +141,7 @@ class ZeroStage3(PartitionedOptimizer):
         model.register_forward_pre_hook(lambda m, args: self._before_model_forward())
         model.register_forward_hook(lambda m, args, out: self._after_model_forward(), always_call=True)
         self._in_backward = False
+        self._frozen_pending: list[Unit] = []  # reduced units whose frozen weights backward may still read
         self._saving = None  # the saved-tensor hooks watching root parameters during a forward with grad
         self._root_read = False  # a root parameter was saved for backward since the forward started
         self._root_needed = False  # ... and a block ran after it: its backward reads root parameters mid-way
@@ -203,6 +204,8 @@ class ZeroStage3(PartitionedOptimizer):
             # the root's readers are done: free it now, not when its gradients arrive at the very end.
             self._free(self.root)
         self._in_backward = True
+        while self._frozen_pending:
+            self._free(self._frozen_pending.pop())
         self._gather(self.blocks[i])
         # The unit after this one (in forward order) launched its reduce-scatter when its gradients were done
         # (it overlapped the wait above); finish it before this unit's backward allocates gradients and before
@@ -286,7 +289,13 @@ class ZeroStage3(PartitionedOptimizer):
             self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)],
                                 on_done=lambda flat=flat: self.reducer.pool.give(flat))
         unit.ready = -1  # reduced for this micro-batch
-        self._free(unit)
+        if unit.frozen and unit is not self.root:
+            # Its frozen weights may still be read by this unit's backward (dx = g W) after the last trainable
+            # gradient (LoRA's) is done: freed when the previous unit's backward starts (its output gradient
+            # needs all of this unit's), or at the end of backward.
+            self._frozen_pending.append(unit)
+        else:
+            self._free(unit)
 
     def finish_gradients(self) -> None:
         for unit in self.units:
@@ -294,6 +303,8 @@ class ZeroStage3(PartitionedOptimizer):
                 self._reduce_and_free(unit)
             elif not unit.buckets and unit.gathered:  # all frozen: no gradient frees it, so free it here
                 self._free(unit)
+        while self._frozen_pending:
+            self._free(self._frozen_pending.pop())
         self.reducer.drain()
         self._in_backward = False
 
