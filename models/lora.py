@@ -151,3 +151,21 @@ def merge_lora(full_state: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoRA
                     weight[s * per:(s + 1) * per] += delta[k * per:(k + 1) * per]
             merged[f"{prefix}.weight"] = weight
     return merged
+
+
+def adapter_parameters(cfg: ModelConfig, lora: LoRAConfig, tp: int = 1) -> int:
+    """Adapter elements one block holds on one tp rank (pure arithmetic, for the planner): a column-parallel
+    layer's A is replicated and its B split; a row-parallel layer's A split and its B replicated."""
+    if not lora.enabled:
+        return 0
+    d, hd, r = cfg.d_model, cfg.head_dim, lora.rank
+    rows = {"attn.c_attn": d, "attn.c_q": cfg.n_head * hd, "attn.c_kv": cfg.n_kv_head * hd, "mlp.c_fc": cfg.d_ff}
+    total = 0
+    for path, covers in adapter_layers(cfg, lora).values():
+        if path == "attn.c_proj":
+            total += r * cfg.n_head * hd // tp + d * r
+        elif path == "mlp.c_proj":
+            total += r * cfg.d_ff // tp + d * r
+        else:
+            total += r * d + len(covers) * rows[path] * r // tp
+    return total

@@ -10,6 +10,7 @@ import torch
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
+from megazoo.models.lora import adapter_parameters
 from megazoo.parallel.tensor.lora import is_lora_parameter
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
@@ -32,6 +33,7 @@ def _train(res, topo):
     result = trainer.fit()
     return {"losses": result.losses, "norms": result.grad_norms, "before": before,
             "params": trainer.full_state_dict(), "trainable": trainable,
+            "local_adapters": sum(p.numel() for c in trainer.chunks for p in c.parameters() if p.requires_grad),
             "optimizer_elements": sum(t.numel() for s in trainer.optimizer.state.values() for t in s.values()
                                       if torch.is_tensor(t) and t.dim())}
 
@@ -71,6 +73,8 @@ def test_layout_equals_reference(reference, layout):
         assert got["params"].keys() == reference["params"].keys()
         for name, value in reference["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
+        if layout.startswith("tp2"):  # the planner's count of one tp rank's adapters (A or B split, not both)
+            assert got["local_adapters"] == adapter_parameters(res.model, res.recipe.lora, tp=2) * res.model.n_layer
 
 
 def test_bad_lora_section_is_refused_before_any_process():
