@@ -38,6 +38,10 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "v")
+    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, instead of
+    # A ~ N(0, 1/r), B = 0; its r, lora_alpha and target modules must match the keys above. The base weights come
+    # from checkpoint.load (recipes/training/lora_setup.py).
+    adapter: str = ""
 
     @property
     def enabled(self) -> bool:
