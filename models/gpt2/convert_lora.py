@@ -28,10 +28,16 @@ def lora_checkpoint(checkpoint: str | Path) -> tuple[dict, LoRAConfig | None]:
     return common, lora_of_checkpoint(common)
 
 
+def _full_state(checkpoint: str | Path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, full fp32 state) of a checkpoint of any layout (parallel/checkpoint/consolidate.py)."""
+    from megazoo.parallel.checkpoint.consolidate import read_full_state
+
+    model, state = read_full_state(checkpoint)
+    return ModelConfig(**model), state
+
+
 def merged_state(checkpoint: str | Path, base: str | Path | None = None):
     """(cfg, full state with the adapters merged, LoRA settings, adapters' full state) of a LoRA checkpoint."""
-    from megazoo.models.gpt2.convert_cli import load_consolidated
-
     common, lora = lora_checkpoint(checkpoint)
     if lora is None:
         raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA (its recipe has no [lora] rank): "
@@ -40,8 +46,8 @@ def merged_state(checkpoint: str | Path, base: str | Path | None = None):
     if not base:
         raise ValueError(f"checkpoint {checkpoint}: its recipe names no checkpoint.load (the LoRA base); pass "
                          "--lora-base CKPT")
-    cfg, adapters = load_consolidated(checkpoint)
-    base_cfg, base_state = load_consolidated(base)
+    cfg, adapters = _full_state(checkpoint)
+    base_cfg, base_state = _full_state(base)
     if base_cfg.n_layer != cfg.n_layer or base_cfg.d_model != cfg.d_model:
         raise ValueError(f"LoRA base {base} is model {base_cfg.name}, the adapters' is {cfg.name}")
     return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters
@@ -51,13 +57,12 @@ def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str
                 tokenizer=None) -> tuple[ModelConfig, str]:
     """Write the merged HF model (merge) or the PEFT adapter into `staging`; returns (cfg, what was written)."""
     if not merge:
-        from megazoo.models.gpt2.convert_cli import load_consolidated
         from megazoo.models.lora_peft import write_peft_adapter
 
         common, lora = lora_checkpoint(checkpoint)
         if lora is None:
             raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA: it has no adapter to export")
-        cfg, adapters = load_consolidated(checkpoint)
+        cfg, adapters = _full_state(checkpoint)
         write_peft_adapter(staging, adapters, cfg, lora)
         return cfg, "PEFT LoRA adapter"
     cfg, full, _, _ = merged_state(checkpoint, base)
