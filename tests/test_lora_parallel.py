@@ -54,6 +54,8 @@ def test_only_adapters_train(reference):
 
 LAYOUTS = {
     "dp2-zero3": ({"dp": 2}, {"micro_batch": 2}, {"stage": 3}),
+    "dp2-zero3-checkpointing": ({"dp": 2}, {"micro_batch": 1, "grad_accum": 2, "activation_checkpointing": True},
+                                {"stage": 3}),
     "tp2-zero2-checkpointing": ({"tp": 2}, {"micro_batch": 4, "activation_checkpointing": True}, {"stage": 2}),
     "pp2-zero1": ({"pp": 2}, {"micro_batch": 2, "grad_accum": 2}, {"stage": 1}),
     "cp2": ({"cp": 2}, {"micro_batch": 4}, {}),
