@@ -41,3 +41,22 @@ def test_fit_counts_only_adapter_states():
     assert lora_mem.states.optimizer_bytes < full_mem.states.optimizer_bytes / 10
     assert lora_mem.states.params_bytes > full_mem.states.params_bytes  # the base plus the adapters
     assert lora_mem.model_states < full_mem.model_states
+
+
+def test_llama_8b_recipes_fit_where_they_say():
+    """recipes/llama-8b-lora.toml fits one 24 GB GPU (and would not without LoRA); recipes/llama-8b-full-ft.toml
+    fits 8 x 80 GB with ZeRO-3."""
+    from pathlib import Path
+
+    from megazoo.recipes.config import load_recipe
+    from megazoo.recipes.resolve import resolve_for_planning
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    lora = resolve_for_planning(load_recipe(recipes / "llama-8b-lora.toml"))
+    assert lora.recipe.lora.rank == 16 and lora.model.name == "llama3.1-8b"
+    assert device_memory(lora.model, recipe_layout(lora), 24).fits
+    no_lora = resolve_for_planning(load_recipe(recipes / "llama-8b-lora.toml", ["lora.rank=0"]))
+    assert not device_memory(no_lora.model, recipe_layout(no_lora), 24).fits
+    full = resolve_for_planning(load_recipe(recipes / "llama-8b-full-ft.toml"))
+    assert full.world_size == 8 and full.recipe.zero.stage == 3
+    assert device_memory(full.model, recipe_layout(full), 80).fits
