@@ -144,9 +144,14 @@ class Attention(nn.Module):
         """q (b, s, h hd), k and v (b, s, g hd)."""
         if self.cfg.fused_qkv:
             return self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
-        kv = self.c_kv.head_weights() if isinstance(self.c_kv, ReplicatedKV) else (self.c_kv.weight, self.c_kv.bias)
         # x enters the tp region once for q and kv: one all-reduce of dx in backward (under sequence parallelism
         # one all-gather of x in forward, one more and a reduce-scatter of dx in backward)
+        if self.c_q.lora is not None or getattr(self.c_kv, "lora", None) is not None:
+            x = self.sequence_parallel.enter(x)  # (sequence parallel: the gathered x is kept for backward)
+            q = self.c_q.local(x)  # (+ its LoRA adapters)
+            kv = self.c_kv(x) if isinstance(self.c_kv, ReplicatedKV) else self.c_kv.local(x)
+            return (q, *kv.split(self.n_local_kv * self.head_dim, dim=-1))
+        kv = self.c_kv.head_weights() if isinstance(self.c_kv, ReplicatedKV) else (self.c_kv.weight, self.c_kv.bias)
         q, kv = self.sequence_parallel.linears(x, (self.c_q.weight, self.c_q.bias), kv)
         return (q, *kv.split(self.n_local_kv * self.head_dim, dim=-1))
 

@@ -41,7 +41,10 @@ class MLP(nn.Module):
         if self.bias_gelu is None:
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
         assert not self.c_fc.gather_output  # the local slice (b, s, d_ff/tp), as ColumnParallelLinear.forward
-        (h,) = self.c_fc.sequence_parallel.linears(x, (self.c_fc.weight, None))
+        if self.c_fc.lora is None:
+            (h,) = self.c_fc.sequence_parallel.linears(x, (self.c_fc.weight, None))
+        else:
+            h = self.c_fc.local(self.c_fc.sequence_parallel.enter(x), bias=False)  # (+ its LoRA adapters)
         return self.c_proj(self.bias_gelu(h, self.c_fc.bias))
 
 

@@ -21,11 +21,11 @@ from megazoo.parallel.tensor.shards import full_state_dict as tp_full_state_dict
 def init_parameter_(model: GPT, module: nn.Module, name: str, param: torch.Tensor, spec: ShardSpec,
                     seed: int) -> None:
     """GPT-2 initialisation of one parameter shard, by its global `name`: N(0, 0.02) weights,
-    0.02/sqrt(2L) for residual projections, zero biases, unit LayerNorm / RMSNorm, zero padded vocabulary rows
+    0.02/sqrt(2L) for residual projections, zero biases, LoRA's A ~ N(0, 1/r) and B = 0, unit LayerNorm / RMSNorm, zero padded vocabulary rows
     (of the embedding and of an untied head)."""
     if isinstance(module, (nn.LayerNorm, RMSNorm)):
         param.fill_(1.0 if name.endswith("weight") else 0.0)
-    elif name.endswith("bias"):
+    elif name.endswith(("bias", "lora_B")):  # LoRA's B starts at zero: the adapter adds nothing at first
         param.zero_()
     else:
         std = getattr(module, "init_std", model.cfg.init_std)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megazoo.data.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
+from megazoo.models.lora import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora.py)
 
 
 class RecipeError(ValueError):
@@ -228,6 +229,7 @@ class Recipe:
     run: RunSection = field(default_factory=RunSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     sample: SampleSection = field(default_factory=SampleSection)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: off (full fine-tuning)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

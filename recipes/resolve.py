@@ -16,6 +16,7 @@ from megazoo.data.tokenizer_loading import check_tokenizer_spec, tokenizer_vocab
 from megazoo.models.config import ModelConfig
 from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
+from megazoo.models.lora import check_lora
 from megazoo.parallel.context.layout import check_context_layout
 from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
@@ -246,6 +247,10 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
 
     try:
         check_parallel_compat(cfg, par.tp, par.pp)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    try:
+        check_lora(recipe.lora, cfg, par.tp)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     stages = _check_pipeline(recipe, cfg)

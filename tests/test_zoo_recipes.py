@@ -46,7 +46,8 @@ def _resolved(name: str, tmp_path: Path, extra: tuple[str, ...] = ()):
 def test_every_zoo_recipe_is_listed():
     zoo = {p.name for p in FOLDER.glob("*.toml")} - {"demo.toml", "demo_tp2.toml", "finetune.toml",
                                                       "long-context.toml",  # tests/test_context_model.py
-                                                      "llama-demo.toml"}  # tests/test_llama_demo.py
+                                                      "llama-demo.toml",  # tests/test_llama_demo.py
+                                                      "llama-8b-lora.toml", "llama-8b-full-ft.toml"}  # test_lora_planner
     assert zoo == set(ZOO)
 
 

@@ -206,6 +206,20 @@ def export_tokenizer(checkpoint: str | Path, spec: str | None):
 
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
+    from megazoo.models.gpt2.convert_lora import export_lora, lora_checkpoint
+
+    if args.merge_lora or args.peft_adapter:  # a LoRA run's checkpoint: models/gpt2/convert_lora.py
+        if args.merge_lora and args.peft_adapter:
+            raise ValueError("give --merge-lora (a merged HF model) or --peft-adapter (the adapter alone), not both")
+        tokenizer = export_tokenizer(args.checkpoint, args.tokenizer) if args.merge_lora else None
+        with staged_out_dir(args.out) as staging:
+            cfg, what = export_lora(args.checkpoint, staging, merge=args.merge_lora, base=args.lora_base,
+                                    tokenizer=tokenizer)
+        print(f"converted megazoo LoRA checkpoint {args.checkpoint} ({cfg.name}) to {what} {args.out}")
+        return 0
+    if lora_checkpoint(args.checkpoint)[1] is not None:
+        raise ValueError(f"checkpoint {args.checkpoint} is a LoRA run's (it holds only the adapters): pass "
+                         "--merge-lora (merged HF model) or --peft-adapter (PEFT adapter folder)")
     tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
     cfg = load_consolidated_config(args.checkpoint)
     if cfg.positions == "learned":  # the GPT-2 block
@@ -265,5 +279,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                             "sentencepiece .model or hf:NAME); default: the one the checkpoint records; none: "
                             "no tokenizer. Its end-of-text id becomes the model's bos / eos / pad id")
     to_hf.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    to_hf.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: fold the adapters into "
+                       "the base weights (W += alpha/r B A) and write a plain HF model")
+    to_hf.add_argument("--peft-adapter", action="store_true", help="a LoRA run's checkpoint: write the adapter "
+                       "alone in PEFT's format (adapter_config.json + adapter_model.safetensors)")
+    to_hf.add_argument("--lora-base", default=None, metavar="CKPT", help="the LoRA base checkpoint (default: the "
+                       "checkpoint.load its recipe recorded)")
     to_hf.set_defaults(func=_run(_megazoo_to_hf))
     return convert

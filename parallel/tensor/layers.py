@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megazoo.parallel.tensor.comms import (gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
+from megazoo.parallel.tensor.lora import column_delta, row_delta
 from megazoo.parallel.tensor.sequence import SequenceParallel, plain
 from megazoo.parallel.tensor.shards import ShardSpec
 from megazoo.parallel.topology import group_rank, group_size
@@ -45,7 +46,8 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and sections > 1:
             raise ValueError("gather_output with sections > 1 would interleave the sections; gather per section")
         self.group, self.gather_output, self.init_std = group, gather_output, init_std
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.sections = in_features, out_features, sections
+        self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora.py
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, sections, rank, tp)}
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device=device, dtype=dtype))
         if bias:
@@ -55,8 +57,17 @@ class ColumnParallelLinear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out/tp) or (..., out)
-        (y,) = self.sequence_parallel.linears(x, (self.weight, self.bias))
+        if self.lora is None:
+            (y,) = self.sequence_parallel.linears(x, (self.weight, self.bias))
+        else:  # the adapters read the entered (under sequence parallelism: gathered) x as well
+            y = self.local(self.sequence_parallel.enter(x))
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def local(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """This rank's output slice for an input already in the tp region (no collective): W_r x (+ b_r), plus
+        the LoRA adapters' slice when there are any. `bias=False` leaves the bias to a fused bias + GELU."""
+        y = F.linear(x, self.weight, self.bias if bias else None)
+        return y if self.lora is None else y + column_delta(self.lora, x, self.sections, y.shape[-1])
 
 
 class RowParallelLinear(nn.Module):
@@ -77,6 +88,7 @@ class RowParallelLinear(nn.Module):
         _divide(in_features, tp, "input features of a row-parallel layer")
         self.group, self.input_is_parallel, self.init_std = group, input_is_parallel, init_std
         self.in_features, self.out_features = in_features, out_features
+        self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora.py
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, 1, rank, tp)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype))
         if bias:
@@ -88,7 +100,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in/tp) -> (..., out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = self.sequence_parallel.leave(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight)
+        if self.lora is not None:  # the adapters' partial sums join the base's one all-reduce (reduce-scatter)
+            partial = partial + row_delta(self.lora, x)
+        y = self.sequence_parallel.leave(partial)
         return y + self.sequence_parallel.replicated(self.bias) if self.bias is not None else y
 
 

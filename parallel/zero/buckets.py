@@ -58,8 +58,9 @@ def _bucket_key(param: torch.nn.Parameter, spec: ShardSpec) -> tuple:
 
 def build_buckets(named: list[tuple[str, torch.nn.Parameter, ShardSpec]], dp: int, dp_rank: int,
                   bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
-                  group_of: Callable[[str], Hashable] | None = None) -> list[Bucket]:
-    """Lay every trainable parameter out in flat buckets and make the parameters views into them.
+                  group_of: Callable[[str], Hashable] | None = None, frozen: bool = False) -> list[Bucket]:
+    """Lay every trainable parameter (with `frozen`: every frozen one instead, for ZeRO-3 to partition without
+    optimizer state) out in flat buckets and make the parameters views into them.
 
     `group_of(name)` adds to the bucket key: parameters of different groups never share a bucket (pipeline
     chunks, a tied embedding that must sit alone so its owned chunk lines up on both pipeline ends). The
@@ -68,7 +69,7 @@ def build_buckets(named: list[tuple[str, torch.nn.Parameter, ShardSpec]], dp: in
     filling: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}  # one bucket being filled per key
     closed: list[tuple[tuple, list[tuple[str, torch.nn.Parameter]]]] = []
     for name, param, spec in reversed(named):
-        if not param.requires_grad:
+        if param.requires_grad == frozen:
             continue
         key = (*_bucket_key(param, spec), group_of(name) if group_of else None)
         current = filling.setdefault(key, [])

@@ -85,7 +85,7 @@ class DataParallelAdamW(NothingToGather):
         """Parameters and moments were loaded in place."""
 
     def memory_bytes(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for p in self.params)
+        params = sum(p.numel() * p.element_size() for _, p, _ in self.named)  # frozen ones (LoRA's base) too
         grads = sum(g.numel() * g.element_size() for g in self.gradients())
         states = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                      if torch.is_tensor(t) and t.dim())

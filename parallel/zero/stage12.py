@@ -58,6 +58,8 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                          weight_decay=weight_decay, offload=offload, tied=tied,
                          specs={name: spec for name, _, spec in named}, adamw=adamw)
         self.stage = stage
+        # Frozen parameters (LoRA's base weights) are in no bucket: held whole on every rank, no optimizer state.
+        self.frozen_bytes = sum(p.numel() * p.element_size() for _, p, _ in named if not p.requires_grad)
         # stage 1 keeps full-size gradient buffers for the whole step; stage 2 allocates one per reduction.
         self.full_grads: list[torch.Tensor | None] = [
             torch.zeros(b.numel, dtype=b.dtype, device=b.flat_params.device) if stage == 1 else None
@@ -175,7 +177,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (fp32 masters + Adam moments)."""
-        params = sum(b.flat_params.numel() * b.flat_params.element_size() for b in self.buckets)
+        params = self.frozen_bytes + sum(b.flat_params.numel() * b.flat_params.element_size() for b in self.buckets)
         grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()  # stage 2's buckets: in the pool
         if self.stage == 1:
             grads += sum(f.numel() * f.element_size() for f in self.full_grads)

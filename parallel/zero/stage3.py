@@ -49,15 +49,19 @@ OPS = ("all-gather", "reduce-scatter")  # the collectives whose order the first 
 class Unit:
     """One gather/free unit: its buckets, this rank's chunk of each, and where its gathers stand."""
 
-    def __init__(self, index: int, name: str, buckets: list[Bucket]):
+    def __init__(self, index: int, name: str, buckets: list[Bucket], frozen: list[Bucket] = ()):
         self.index, self.name, self.buckets = index, name, buckets
         self.shards = [b.flat_params[b.owned].clone() for b in buckets]
+        # Frozen parameters (LoRA's base weights): partitioned and gathered like the rest, but no gradient, no
+        # reduce-scatter, no master or optimizer state.
+        self.frozen = list(frozen)
+        self.frozen_shards = [b.flat_params[b.owned].clone() for b in self.frozen]
         self.params = [p for b in buckets for p in b.params]
         self.works: list = []
         self.gathered = True  # built full; freed right after construction
         self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)  # from the reducer's pool
         self.got: list[set[int]] = [set() for _ in buckets]  # offsets of the gradients copied into grad_flats
-        self.storages = {b.flat_params.untyped_storage()._cdata for b in buckets}  # what a saved view points at
+        self.storages = {b.flat_params.untyped_storage()._cdata for b in buckets + self.frozen}  # saved views
         self.ready = 0
 
 
@@ -102,9 +106,10 @@ class ZeroStage3(PartitionedOptimizer):
             unit_named = _materialise(model, unit_named, init_fn, topo.device)
             half = sum(p.numel() for _, p, _ in unit_named) / 2  # a parameter this large gets its own bucket
             alone = {name for name, p, _ in unit_named if p.numel() >= half}
-            buckets = build_buckets(unit_named, topo.grad_size, topo.grad_rank, UNBOUNDED,
-                                    group_of=lambda name: name if name in alone else None) if unit_named else []
-            unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets)
+            buckets, frozen = (build_buckets(unit_named, topo.grad_size, topo.grad_rank, UNBOUNDED,
+                                             group_of=lambda name: name if name in alone else None, frozen=f)
+                               if unit_named else [] for f in (False, True))
+            unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets, frozen)
             self.units.append(unit)
             self._free(unit)
         all_buckets = [b for u in self.units for b in u.buckets]
@@ -136,6 +141,7 @@ class ZeroStage3(PartitionedOptimizer):
         model.register_forward_pre_hook(lambda m, args: self._before_model_forward())
         model.register_forward_hook(lambda m, args, out: self._after_model_forward(), always_call=True)
         self._in_backward = False
+        self._frozen_pending: list[Unit] = []  # reduced units whose frozen weights backward may still read
         self._saving = None  # the saved-tensor hooks watching root parameters during a forward with grad
         self._root_read = False  # a root parameter was saved for backward since the forward started
         self._root_needed = False  # ... and a block ran after it: its backward reads root parameters mid-way
@@ -160,7 +166,7 @@ class ZeroStage3(PartitionedOptimizer):
         if not unit.gathered and not unit.works:
             if self._check_order and self.dp_group is not None:
                 self._verify_same_unit(unit, "all-gather")
-            for b, shard in zip(unit.buckets, unit.shards):
+            for b, shard in zip(unit.buckets + unit.frozen, unit.shards + unit.frozen_shards):
                 flat = b.flat_params
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
                 if self.dp_group is None:
@@ -177,7 +183,7 @@ class ZeroStage3(PartitionedOptimizer):
     def _free(self, unit: Unit) -> None:
         self._timed_wait(unit.works)  # finish a prefetch in flight before freeing its buffer
         unit.works.clear()
-        for b in unit.buckets:
+        for b in unit.buckets + unit.frozen:
             b.flat_params.untyped_storage().resize_(0)
         unit.gathered = False
 
@@ -198,6 +204,8 @@ class ZeroStage3(PartitionedOptimizer):
             # the root's readers are done: free it now, not when its gradients arrive at the very end.
             self._free(self.root)
         self._in_backward = True
+        while self._frozen_pending:
+            self._free(self._frozen_pending.pop())
         self._gather(self.blocks[i])
         # The unit after this one (in forward order) launched its reduce-scatter when its gradients were done
         # (it overlapped the wait above); finish it before this unit's backward allocates gradients and before
@@ -281,12 +289,22 @@ class ZeroStage3(PartitionedOptimizer):
             self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)],
                                 on_done=lambda flat=flat: self.reducer.pool.give(flat))
         unit.ready = -1  # reduced for this micro-batch
-        self._free(unit)
+        if unit.frozen and unit is not self.root:
+            # Its frozen weights may still be read by this unit's backward (dx = g W) after the last trainable
+            # gradient (LoRA's) is done: freed when the previous unit's backward starts (its output gradient
+            # needs all of this unit's), or at the end of backward.
+            self._frozen_pending.append(unit)
+        else:
+            self._free(unit)
 
     def finish_gradients(self) -> None:
         for unit in self.units:
             if unit.ready >= 0 and unit.buckets:  # unused parameters: reduce zeros, on every rank alike
                 self._reduce_and_free(unit)
+            elif not unit.buckets and unit.gathered:  # all frozen: no gradient frees it, so free it here
+                self._free(unit)
+        while self._frozen_pending:
+            self._free(self._frozen_pending.pop())
         self.reducer.drain()
         self._in_backward = False
 
@@ -309,7 +327,8 @@ class ZeroStage3(PartitionedOptimizer):
                 self._free(unit)
 
     def memory_bytes(self) -> dict[str, int]:
-        params = sum(s.numel() * s.element_size() for u in self.units for s in u.shards)
-        params += sum(b.flat_params.untyped_storage().nbytes() for b in self.buckets)  # gathered right now
+        params = sum(s.numel() * s.element_size() for u in self.units for s in u.shards + u.frozen_shards)
+        params += sum(b.flat_params.untyped_storage().nbytes()  # gathered right now
+                      for u in self.units for b in u.buckets + u.frozen)
         grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()  # grad_flats are in the reducer's pool
         return {"params": params, "grads": grads, "optimizer": self.optimizer_bytes()}

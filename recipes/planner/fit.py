@@ -23,7 +23,9 @@ from functools import lru_cache
 from megazoo.models.config import ModelConfig
 from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
                                            StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
+from megazoo.models.lora import LoRAConfig
 from megazoo.recipes.planner.gpus import GPU, GPUS
+from megazoo.recipes.planner.lora import lora_state_memory, stage_adapters
 from megazoo.recipes.planner.activations import ActivationSpec, StageActivations, stage_activations
 from megazoo.recipes.planner.shards import shard_parameters
 
@@ -56,6 +58,7 @@ class Layout:
     flash_attention: bool = False
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     sequence_parallel: bool = False  # norm / dropout regions split over tp (activations.py)
+    lora: LoRAConfig | None = None  # LoRA: only the adapters have gradients and optimizer states
 
     @property
     def gpus(self) -> int:
@@ -161,8 +164,15 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
     buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
-        states = state_memory(st.numel, layout, paper=paper)
-        buf = buffer_memory(st.numel, layout.zero, buffers_cfg, element_bytes=state.params,
+        trained = st.numel  # what has gradients: with LoRA only the adapters (the base is frozen, st.numel)
+        if layout.lora is not None:
+            trained = stage_adapters(cfg, layout.lora, layout.tp, len(st.layers))
+            states = lora_state_memory(st.numel, trained, layout.dp * layout.cp, layout.zero,
+                                       MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
+        else:
+            states = state_memory(st.numel, layout, paper=paper)
+        buf = buffer_memory(st.numel if layout.zero == 3 else trained, layout.zero, buffers_cfg,
+                            element_bytes=state.params,
                             persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
         row = DeviceMemory(layout, st.pp_rank, st.numel, states.device_bytes, act.total_bytes, buf, capacity_gb * GB,
                            act, states, paper)
@@ -200,7 +210,7 @@ def recipe_layout(resolved) -> Layout:
                   train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
                   tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
                   r.kernels.attention in ("", "torch", "recompute"),  # SDPA and "recompute": no scores kept
-                  cp=par.cp, sequence_parallel=par.sequence_parallel)
+                  cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

@@ -210,6 +210,10 @@ def restore(trainer: TrainingRun, report=print) -> int:
     """Where training starts: with checkpoint.resume, the latest good checkpoint of this run (any layout); else
     checkpoint.load (another run's checkpoint, or its checkpoints folder); else step 0."""
     ckpt, run_dir = trainer.res.recipe.checkpoint, Path(trainer.res.recipe.run.dir)
+    lora = trainer.res.recipe.lora
+    if lora.enabled and ckpt.load:  # LoRA: checkpoint.load is the frozen base, read on every start (resume too)
+        from megazoo.recipes.training.lora_setup import load_base
+        report(f"megazoo: LoRA base weights from {load_base(trainer, ckpt.load)}")
     if ckpt.resume:
         root, problems = run_dir / "checkpoints", []
         path = latest_good_checkpoint(root, report=report, problems=problems)
@@ -227,6 +231,12 @@ def restore(trainer: TrainingRun, report=print) -> int:
             report(f"megazoo: resumed from {path} at step {step}")
             return step
         report(f"megazoo: no checkpoint under {run_dir / 'checkpoints'}: starting at step 0")
+    if lora.enabled:  # the adapters start from their initialisation or from a PEFT adapter folder
+        if lora.adapter:
+            from megazoo.recipes.training.lora_setup import import_adapter
+            import_adapter(trainer, lora.adapter)
+            report(f"megazoo: LoRA adapters from the PEFT adapter {lora.adapter}")
+        return 0
     if ckpt.load:
         path = Path(ckpt.load)
         if not (path / "manifest.json").is_file():  # a checkpoints folder: its latest good checkpoint

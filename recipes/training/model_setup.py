@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megazoo.kernels import Kernels, resolve_kernels
+from megazoo.models.lora import attach_lora
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.pipeline.partition import rank_chunks
@@ -103,6 +104,8 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
                     with_embedding=stage == 0, with_head=stage == len(stages) - 1, rng=rng,
                     activation_checkpointing=train.activation_checkpointing, device=device or topo.device,
                     dtype=dtype, kernels=kernels)
+        if res.recipe.lora.enabled:  # adapters on the recipe's targets; every other parameter frozen
+            attach_lora(chunk, res.recipe.lora)
         if device != "meta":
             init_weights(chunk, train.seed)
         if chunks and hasattr(chunk, "wte") and hasattr(chunks[0], "wte"):
