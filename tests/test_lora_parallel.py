@@ -57,6 +57,8 @@ LAYOUTS = {
     "dp2-zero3-checkpointing": ({"dp": 2}, {"micro_batch": 1, "grad_accum": 2, "activation_checkpointing": True},
                                 {"stage": 3}),
     "tp2-zero2-checkpointing": ({"tp": 2}, {"micro_batch": 4, "activation_checkpointing": True}, {"stage": 2}),
+    # sequence parallelism: column adapters read the gathered x, row adapters join the reduce-scatter
+    "tp2-sequence-parallel": ({"tp": 2, "sequence_parallel": True}, {"micro_batch": 4}, {}),
     "pp2-zero1": ({"pp": 2}, {"micro_batch": 2, "grad_accum": 2}, {"stage": 1}),
     "cp2": ({"cp": 2}, {"micro_batch": 4}, {}),
 }
@@ -67,7 +69,7 @@ def test_layout_equals_reference(reference, layout):
     parallel, train, zero = LAYOUTS[layout]
     res = _resolved(parallel, train, zero)
     par = res.recipe.parallel
-    results = run_distributed(lambda: _train(res, Topology.build(par.dp, par.tp, par.pp, cp=par.cp)),
+    results = run_distributed(lambda: _train(res, Topology.of(par)),
                               res.world_size)
     for got in results:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-10, atol=0)
