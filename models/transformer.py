@@ -32,6 +32,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp
 from megazoo.models.norms import make_norm
+from megazoo.models.packing import Segments
 from megazoo.parallel.context import all_reduce_count, positions
 from megazoo.parallel.tensor import ColumnParallelLinear, TPRNGTracker, VocabParallelEmbedding
 from megazoo.parallel.topology import Topology
@@ -48,8 +49,12 @@ class Block(nn.Module):
         self.mlp = make_mlp(cfg, topo, device=device, dtype=dtype, kernels=kernels)
         self.dropout = nn.Dropout(cfg.dropout)  # residual stream is replicated: default stream
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
+        if segments is not None:
+            x = x + self.dropout(self.attn(self.ln_1(x), segments=segments))
+        else:
+            x = x + self.dropout(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -92,9 +97,15 @@ class GPT(nn.Module):
                 self.lm_head = ColumnParallelLinear(cfg.d_model, self.vocab_padded, topo.tp_group, bias=False,
                                                     init_std=cfg.init_std, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """`cache` (decoding, eval mode): x holds only the new positions, which follow the cached ones."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`cache` (decoding, eval mode): x holds only the new positions, which follow the cached ones.
+        `segment_ids` (b, s) (packed rows, models/packing.py): each example restarts its positions and attends
+        only to itself; every stage of a pipeline needs them."""
+        if segment_ids is not None and cache is not None:
+            raise ValueError("packed segment ids and a decoding cache cannot be combined: decode one example at a time")
         past = 0 if cache is None else cache.length
+        segments = None if segment_ids is None else Segments.from_ids(segment_ids, self.cfg.sliding_window)
         if self.with_embedding:  # x: token ids (b, s)
             s = x.shape[1]
             if past + s * self.topo.cp > self.cfg.n_positions:  # cp > 1: x holds this rank's chunks of the sequence
@@ -103,7 +114,7 @@ class GPT(nn.Module):
             x = self.wte(x)  # (b, s, d)
             if self.cfg.positions == "learned":
                 pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)  # the chunks' own positions
-                x = x + self.wpe(pos)
+                x = x + self.wpe(pos if segments is None else segments.positions)
             x = self.drop(x)
         if cache is not None:
             cache.check_room(x.shape[1])
@@ -112,10 +123,10 @@ class GPT(nn.Module):
             cache.advance(x.shape[1])
         elif self.activation_checkpointing and self.training:
             for block in self.h.values():
-                x = checkpoint(self.rng.replayable(block), x, use_reentrant=False)
+                x = checkpoint(self.rng.replayable(block), x, None, segments, use_reentrant=False)
         else:
             for block in self.h.values():
-                x = block(x)
+                x = block(x) if segments is None else block(x, segments=segments)
         if not self.with_head:
             return x
         x = self.ln_f(x)
