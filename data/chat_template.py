@@ -8,8 +8,9 @@ Which tokens are trained is found the way TRL's completion-only path finds it, f
 any template works without `{% generation %}` markers: assistant message k spans the characters from
 render(messages[:k], add_generation_prompt=True) to render(messages[:k + 1]). The header the model is prompted
 with (`<|im_start|>assistant\\n`) is not trained; the reply and its end marker (`<|im_end|>\\n`) are, so the
-model learns to stop. The whole text is tokenized once; each span boundary must also be a token boundary
-(tokenizing the text up to it gives a prefix of the whole), otherwise the example is reported, never guessed.
+model learns to stop. The whole text is tokenized once; a span starts at the first token where the tokens of the
+text before it and of the whole text diverge (TRL's common-prefix rule: a token merged across the boundary
+belongs to the reply).
 """
 
 from __future__ import annotations
@@ -105,12 +106,16 @@ def check_messages(messages: object) -> list[dict]:
 
 
 def _token_boundary(encode, text: str, ids: list[int], char: int) -> int:
-    """How many of `ids` (the tokens of `text`) cover text[:char]; ChatTemplateError if char splits a token."""
+    """How many of `ids` (the tokens of `text`) lie wholly before text[:char]: the common prefix of the tokens
+    of text[:char] and of the whole text. A token that merges across the boundary (GPT-2's BPE joins "\n\n"
+    at the end of a header but not before a word) counts with the side after it, TRL's rule."""
     head = encode(text[:char])
-    if ids[:len(head)] != head:
-        raise ChatTemplateError(f"tokens merge across the prompt/response boundary at character {char} "
-                                f"({text[max(0, char - 12):char]!r} | {text[char:char + 12]!r})")
-    return len(head)
+    n = 0
+    for a, b in zip(head, ids):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def encode_conversation(messages: Messages, render: Render, encode) -> tuple[list[int], list[int]]:
