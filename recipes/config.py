@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megazoo.data.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
+from megazoo.recipes.sft_section import SFTSection
 
 
 class RecipeError(ValueError):
@@ -221,6 +222,7 @@ class Recipe:
     run: RunSection = field(default_factory=RunSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     sample: SampleSection = field(default_factory=SampleSection)
+    sft: SFTSection = field(default_factory=SFTSection)  # recipes/sft_section.py: fine-tuning on chat data
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megazoo.data.batches import GlobalBatchSampler
+from megazoo.data.sft_packing import SFTRows
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
@@ -91,6 +92,11 @@ class Trainer:
         load-balanced chunks of both (parallel/context/layout.py), (b, s / cp) each."""
         out, cp, cp_rank = [], self.topo.cp, self.topo.cp_rank
         for indices in micro_batches:
+            if isinstance(samples, SFTRows):  # fine-tuning rows: targets already -100 off the responses
+                inputs, targets, segments = (t.to(self.topo.device, non_blocking=True) for t in samples.batch(indices))
+                split = [split_sequence(inputs, cp, cp_rank), split_sequence(targets, cp, cp_rank)]
+                out.append((*split, segments) if samples.packing else tuple(split))  # segments: packed rows only
+                continue
             batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
             out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
         return out
