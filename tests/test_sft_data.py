@@ -148,3 +148,16 @@ def test_cli_fails_with_the_report_and_writes_nothing(tmp_path, capsys):
     assert np.asarray(SFTDataset(tmp_path / "o").example(0)[1]).sum() > 0
     assert preprocess_main(["--input", str(src), "--tokenizer", "x", "--output-prefix", "y", "--seq-len", "8"]) == 2
     assert "--seq-len applies to --format sft only" in capsys.readouterr().err
+
+
+def test_stdlib_rows_pair_docstrings_with_signatures():
+    from megazoo.data.stdlib_sft import function_rows, stdlib_sft_rows
+    source = ('def area(w: float, h: float = 1.0, *, unit="m") -> float:\n    """Rectangle area."""\n'
+              'def _hidden(x):\n    """Private."""\n'
+              'class A:\n    async def fetch(self, *urls, **kw):\n        """Fetch every url."""\n'
+              'def undocumented(): pass\n')
+    assert list(function_rows(source)) == [
+        {"prompt": "Rectangle area.", "response": "def area(w: float, h: float=1.0, *, unit='m') -> float:"},
+        {"prompt": "Fetch every url.", "response": "async def fetch(self, *urls, **kw):"}]
+    train, val = stdlib_sft_rows(max_bytes=1_000_000, val_fraction=0.3)
+    assert len(train) > 100 and len(val) > 10
