@@ -79,7 +79,7 @@ def iter_rows(path: Path, split: str = "train") -> Iterator[tuple[str, object]]:
                 if not text.strip():
                     continue
                 try:
-                    yield where, json.loads(text)
+                    yield where, json.loads(text.rstrip("\r\n"))  # columns count within the line
                 except json.JSONDecodeError as error:
                     yield where, BadRow(where, f"not valid JSON ({error.msg} at column {error.colno})")
     elif kind == "parquet":
