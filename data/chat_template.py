@@ -81,8 +81,9 @@ def chat_encoder(tokenizer) -> Callable[[str], list[int]]:
     return tokenizer.encode  # tokenizers / sentencepiece: added special tokens are matched as they are
 
 
-def check_messages(messages: object) -> list[dict]:
-    """The messages as a list of {"role", "content"} dicts, or ChatTemplateError naming the message and field."""
+def check_messages(messages: object, *, need_reply: bool = True) -> list[dict]:
+    """The messages as a list of {"role", "content"} dicts, or ChatTemplateError naming the message and field.
+    need_reply: a training example (at least one assistant reply, none first); False: a prompt to answer."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError(f"'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, got "
                                 f"{type(messages).__name__}" + ("" if messages else " (empty)"))
@@ -98,6 +99,8 @@ def check_messages(messages: object) -> list[dict]:
         if message["role"] not in ROLES:
             raise ChatTemplateError(f"messages[{i}].role {message['role']!r} is unknown; valid: {', '.join(ROLES)}")
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not need_reply:
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
     if not assistants:
         raise ChatTemplateError("no assistant message: nothing to train on")
     if assistants[0] == 0:
@@ -138,3 +141,9 @@ def encode_conversation(messages: Messages, render: Render, encode) -> tuple[lis
             raise ChatTemplateError(f"assistant reply {k} has no tokens")
         mask[first:last] = [1] * (last - first)
     return ids, mask
+
+
+def encode_prompt(messages: Messages, render: Render, encode) -> list[int]:
+    """The tokens a fine-tuned model answers from: the conversation so far plus the assistant header
+    (add_generation_prompt), exactly the context its replies were trained in."""
+    return encode(render(check_messages(messages, need_reply=False), True))

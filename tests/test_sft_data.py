@@ -55,6 +55,15 @@ def test_builtin_templates_train_exactly_the_replies(gpt2, template):
     assert gpt2.decode(ids) == render(messages, False)
 
 
+def test_prompt_is_the_trained_context(gpt2):
+    from megazoo.data.chat_template import encode_prompt
+    _, render = resolve_template(gpt2, "chatml")
+    encode = chat_encoder(gpt2)
+    ids, mask = encode_conversation(check_messages(GOOD[1]["messages"][:3]), render, encode)
+    prompt = encode_prompt(GOOD[1]["messages"][:2], render, encode)
+    assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)  # the reply starts where the prompt ends
+
+
 @pytest.mark.parametrize("messages, message", [
     ([], "non-empty list"),
     ([{"role": "user", "content": "x"}], "no assistant message"),

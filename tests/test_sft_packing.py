@@ -134,3 +134,21 @@ def test_segments_reject_decoding_cache_and_bad_shapes():
     with pytest.raises(ValueError, match="decoding cache"):
         model(torch.ones(1, 4, dtype=torch.long), cache=object.__new__(KVCache),
               segment_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_packed_rows_under_activation_checkpointing_equal_plain():
+    """The checkpointed blocks get the segments again on recomputation: same loss and gradients as without."""
+    model = _model("llama-tiny", n_kv_head=2)
+    rows = SFTRows(_examples(model.cfg.vocab_size, lengths=(6, 9, 4, 8)), SEQ)
+    batch = rows.batch(list(range(len(rows))))
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = checkpointing
+        model.train()
+        loss = _loss_sum(model, *batch)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-12, atol=0)
+    for name, grad in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], grad, rtol=1e-12, atol=1e-14, msg=name)
