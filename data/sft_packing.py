@@ -95,9 +95,28 @@ class SFTRows:
     def __init__(self, examples, seq_len: int, packing: bool = True) -> None:
         self.examples, self.seq_len, self.packing = examples, seq_len, packing
         self.rows = pack_rows(examples.lengths, seq_len, packing)
+        self._row_targets: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def row_targets(self) -> np.ndarray:
+        """(rows,) response predictions per row: host-side counts for normalising a step's loss."""
+        if self._row_targets is None:
+            per_example = np.array([int((np.asarray(self.examples.example(i)[1][1:]) > 0).sum())
+                                    for i in range(len(self.examples))], dtype=np.int64)
+            self._row_targets = np.array([per_example[row].sum() for row in self.rows], dtype=np.int64)
+        return self._row_targets
+
+    def micro_batch_weights(self, step_rows: list[int], micro_batches: list[list[int]], replicas: int) -> list[float]:
+        """Per micro-batch, the factor that turns its mean token loss into its share of the whole step's mean:
+        count(micro-batch) / count(step) x replicas, where `step_rows` are every row of the global batch (all dp
+        ranks) and `replicas` = micro-batches per rank x dp ranks, the two averages the trainer takes over the
+        weighted losses. So every (dp, grad_accum, micro_batch) split of a step trains on the same loss: the mean
+        over all its response tokens, however unevenly they fall into micro-batches (HF's num_items_in_batch)."""
+        counts = self.row_targets()
+        total = max(1, int(counts[step_rows].sum()))
+        return [float(counts[mb].sum()) * replicas / total for mb in micro_batches]
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         inputs = np.full(self.seq_len, PAD_ID, dtype=np.int64)

@@ -88,3 +88,22 @@ def test_packed_training_at_pp2_equals_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
         for name, value in ref["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
+
+
+def test_any_split_of_a_step_trains_on_its_mean_over_response_tokens(tmp_path):
+    """micro_batch 4 x accum 1 == 1 x 4 (fp64, 1e-10): each step's loss is the mean over all its response
+    tokens, however unevenly they fall into micro-batches (a mean of micro-batch means would differ)."""
+    prefix = _dataset(tmp_path)
+    results = []
+    for micro, accum in ((4, 1), (1, 4)):
+        recipe = tiny_recipe(sft={"path": prefix}, run={"dir": str(tmp_path / f"run{micro}")},
+                             train={"steps": 2, "micro_batch": micro, "grad_accum": accum, "eval_every": 0})
+        trainer = Trainer(resolve(recipe), Topology.solo())
+        results.append((trainer.fit().losses, trainer.full_state_dict()))
+    rows = trainer.data.train
+    counts = [int(rows.row_targets()[[i]].sum()) for i in trainer.sampler.global_indices_for_step(0)]
+    assert len(set(counts)) > 1  # uneven rows: the split would matter without the weights
+    for losses, params in results[1:]:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(results[0][0]), rtol=1e-10, atol=0)
+        for name, value in results[0][1].items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)

@@ -77,7 +77,7 @@ class Trainer:
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
         self.schedule = par.schedule if topo.pp > 1 else "1f1b"
         self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
-                                     activation_dtype=precision.params, loss_fn=self.chunks[-1].loss,
+                                     activation_dtype=precision.params, loss_fn=self._loss,
                                      placement=placement(self.schedule), recomputing=t.activation_checkpointing)
         self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
@@ -87,15 +87,29 @@ class Trainer:
         self.consecutive_skips = 0
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
 
-    def _batches(self, samples: Samples, micro_batches: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
+        """The micro-batch's mean token loss; SFT rows pass (targets, weight): its share of the step's mean."""
+        if isinstance(targets, tuple):
+            targets, weight = targets
+            return self.chunks[-1].loss(logits, targets) * weight
+        return self.chunks[-1].loss(logits, targets)
+
+    def _batches(self, samples: Samples, micro_batches: list[list[int]],
+                 step: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) per micro-batch: the samples' tokens shifted by one; with cp > 1 this cp rank's two
         load-balanced chunks of both (parallel/context/layout.py), (b, s / cp) each."""
         out, cp, cp_rank = [], self.topo.cp, self.topo.cp_rank
-        for indices in micro_batches:
+        weights = None
+        if isinstance(samples, SFTRows) and step is not None:  # training: the step's mean over all response tokens
+            weights = samples.micro_batch_weights(self.sampler.global_indices_for_step(step), micro_batches,
+                                                  len(micro_batches) * self.topo.dp)
+        for k, indices in enumerate(micro_batches):
             if isinstance(samples, SFTRows):  # fine-tuning rows: targets already -100 off the responses
                 inputs, targets, segments = (t.to(self.topo.device, non_blocking=True) for t in samples.batch(indices))
-                split = [split_sequence(inputs, cp, cp_rank), split_sequence(targets, cp, cp_rank)]
-                out.append((*split, segments) if samples.packing else tuple(split))  # segments: packed rows only
+                inputs, targets = split_sequence(inputs, cp, cp_rank), split_sequence(targets, cp, cp_rank)
+                if weights is not None:
+                    targets = (targets, weights[k])
+                out.append((inputs, targets, segments) if samples.packing else (inputs, targets))  # segments: packed
                 continue
             batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
             out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
@@ -139,7 +153,7 @@ class Trainer:
         self._set_mode(True)
         busy_before, total_before = stats.busy_s, stats.total_s
         self._enter(step, "loading batches")
-        batches = self._batches(self.data.train, self.sampler.indices_for_step(step))
+        batches = self._batches(self.data.train, self.sampler.indices_for_step(step), step)
         self._enter(step, "forward/backward (pipeline schedule, gradient reduction)")
         losses = self.engine.run(batches, self.plan, loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
                                  autocast=self.autocast, before_backward=lambda last: zero.begin_micro_batch(last))
