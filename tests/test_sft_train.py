@@ -67,24 +67,27 @@ def test_sft_recipe_errors_name_the_field(tmp_path):
         tiny_recipe(sft={"pack": True})
 
 
-def test_packed_training_at_pp2_equals_one_process(tmp_path):
-    """Two packed SFT steps at pp=2 (the segment ids reach both stages' attention) give the single process's
+@pytest.mark.parametrize("parallel, micro_batch", [({"pp": 2}, 2), ({"dp": 2}, 1)], ids=["pp2", "dp2"])
+def test_packed_training_across_processes_equals_one_process(tmp_path, parallel, micro_batch):
+    """Two packed SFT steps (global batch 4) at pp=2 (the segment ids reach both stages' attention) or dp=2 (each
+    rank's micro-batches weighted by their share of the whole step's response tokens) give the single process's
     losses and parameters (fp64, 1e-10)."""
     from harness import run_distributed
     prefix = _dataset(tmp_path)
 
-    def resolved(parallel: dict, run: str):
+    def resolved(parallel: dict, micro_batch: int, run: str):
         return resolve(tiny_recipe(sft={"path": prefix}, parallel=parallel, run={"dir": str(tmp_path / run)},
-                                   train={"steps": 2, "micro_batch": 2, "grad_accum": 2, "eval_every": 0}))
+                                   train={"steps": 2, "micro_batch": micro_batch, "grad_accum": 2, "eval_every": 0}))
 
     def train(res, topo):
         trainer = Trainer(res, topo)
         result = trainer.fit()
         return {"losses": result.losses, "params": trainer.full_state_dict()}
 
-    ref = train(resolved({}, "solo"), Topology.solo())
-    res = resolved({"pp": 2}, "pp2")
-    for got in run_distributed(lambda: train(res, Topology.build(1, 1, 2)), res.world_size):
+    ref = train(resolved({}, 2, "solo"), Topology.solo())
+    res = resolved(parallel, micro_batch, "many")
+    par = res.recipe.parallel
+    for got in run_distributed(lambda: train(res, Topology.build(par.dp, par.tp, par.pp)), res.world_size):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
         for name, value in ref["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
