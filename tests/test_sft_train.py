@@ -67,17 +67,19 @@ def test_sft_recipe_errors_name_the_field(tmp_path):
         tiny_recipe(sft={"pack": True})
 
 
-@pytest.mark.parametrize("parallel, micro_batch", [({"pp": 2}, 2), ({"dp": 2}, 1)], ids=["pp2", "dp2"])
-def test_packed_training_across_processes_equals_one_process(tmp_path, parallel, micro_batch):
-    """Two packed SFT steps (global batch 4) at pp=2 (the segment ids reach both stages' attention) or dp=2 (each
-    rank's micro-batches weighted by their share of the whole step's response tokens) give the single process's
-    losses and parameters (fp64, 1e-10)."""
+@pytest.mark.parametrize("parallel, micro_batch, packing", [({"pp": 2}, 2, True), ({"dp": 2}, 1, True),
+                                                             ({"cp": 2}, 2, False)], ids=["pp2", "dp2", "cp2-padded"])
+def test_sft_training_across_processes_equals_one_process(tmp_path, parallel, micro_batch, packing):
+    """One SFT step (global batch 4) at pp=2 (the segment ids reach both stages' attention), dp=2 (each rank's
+    micro-batches weighted by their share of the whole step's response tokens) or cp=2 (padded rows, -100 targets
+    split with the sequence) give the single process's losses and parameters (fp64, 1e-10)."""
     from harness import run_distributed
     prefix = _dataset(tmp_path)
 
     def resolved(parallel: dict, micro_batch: int, run: str):
-        return resolve(tiny_recipe(sft={"path": prefix}, parallel=parallel, run={"dir": str(tmp_path / run)},
-                                   train={"steps": 2, "micro_batch": micro_batch, "grad_accum": 2, "eval_every": 0}))
+        return resolve(tiny_recipe(sft={"path": prefix, "packing": packing}, parallel=parallel,
+                                   run={"dir": str(tmp_path / run)},
+                                   train={"steps": 1, "micro_batch": micro_batch, "grad_accum": 2, "eval_every": 0}))
 
     def train(res, topo):
         trainer = Trainer(res, topo)
@@ -87,7 +89,8 @@ def test_packed_training_across_processes_equals_one_process(tmp_path, parallel,
     ref = train(resolved({}, 2, "solo"), Topology.solo())
     res = resolved(parallel, micro_batch, "many")
     par = res.recipe.parallel
-    for got in run_distributed(lambda: train(res, Topology.build(par.dp, par.tp, par.pp)), res.world_size):
+    for got in run_distributed(lambda: train(res, Topology.build(par.dp, par.tp, par.pp, cp=par.cp)),
+                               res.world_size):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
         for name, value in ref["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
