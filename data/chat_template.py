@@ -147,3 +147,9 @@ def encode_prompt(messages: Messages, render: Render, encode) -> list[int]:
     """The tokens a fine-tuned model answers from: the conversation so far plus the assistant header
     (add_generation_prompt), exactly the context its replies were trained in."""
     return encode(render(check_messages(messages, need_reply=False), True))
+
+
+def chat_prompt(tokenizer, template: str, user_text: str) -> list[int]:
+    """One user turn as a fine-tuned model's prompt, through the template its dataset was written with."""
+    _, render = resolve_template(tokenizer, template)
+    return encode_prompt([{"role": "user", "content": user_text}], render, chat_encoder(tokenizer))

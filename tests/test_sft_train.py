@@ -113,3 +113,28 @@ def test_any_split_of_a_step_trains_on_its_mean_over_response_tokens(tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(results[0][0]), rtol=1e-10, atol=0)
         for name, value in results[0][1].items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
+
+
+def test_closing_sample_answers_through_the_chat_template(tmp_path):
+    """With [sft], the closing sample renders [sample] prompt as a user turn in the dataset's template and
+    returns the generated answer alone: the same ids as decoding from that prompt by hand."""
+    import json
+
+    from megazoo.data.chat_template import chat_prompt
+    from megazoo.data.sft_preprocess import preprocess_sft
+    from megazoo.data.tokenizer_loading import load_tokenizer
+    from megazoo.recipes.training.sample import generate
+    bpe = "/work/shared/data/gpt2_bpe"
+    tok = load_tokenizer(bpe)
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({"prompt": "Sort a list.", "response": "def sorted(xs):"}) + "\n")
+    preprocess_sft([src], tok, tmp_path / "sft", seq_len=64, template="chatml")
+    recipe = tiny_recipe(sft={"path": str(tmp_path / "sft")}, data={"tokenizer": bpe},
+                         model={"vocab_size": 50257, "n_layer": 1}, sample={"prompt": "Reverse a list.", "tokens": 6},
+                         train={"steps": 1, "micro_batch": 1, "seq_len": 64, "eval_every": 0},
+                         run={"dir": str(tmp_path / "run")})
+    trainer = Trainer(resolve(recipe), Topology.solo())
+    prompt = chat_prompt(tok, "chatml", "Reverse a list.")
+    assert tok.decode(prompt).endswith("Reverse a list.<|im_end|>\n<|im_start|>assistant\n")
+    expected = generate(trainer.model, prompt, 6, temperature=0.8, top_k=40, seed=recipe.train.seed)[len(prompt):]
+    assert trainer.sample() == tok.decode(expected)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megazoo.data.batches import GlobalBatchSampler
+from megazoo.data.chat_template import chat_prompt
 from megazoo.data.sft_packing import SFTRows
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
@@ -235,6 +236,12 @@ class Trainer:
         s, tok = self.res.recipe.sample, self.data.tokenizer
         if tok is None or s.tokens == 0 or self.topo.pp > 1 or self.topo.cp > 1:  # nor sequence-split (yet)
             return None
+        if isinstance(self.data.train, SFTRows) and s.prompt:  # a fine-tuned model answers a user turn, in the
+            # chat template its dataset was written with (PREFIX.sft.json); the sample is the answer alone
+            prompt = chat_prompt(tok, self.data.train.examples.manifest["template"], s.prompt)
+            ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
+                           seed=self.train_cfg.seed)
+            return tok.decode(ids[len(prompt):])
         # An empty prompt starts where every training document starts: right after an end-of-document token.
         prompt = tok.encode(s.prompt) if s.prompt else [tok.eod_id]
         ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
