@@ -57,6 +57,12 @@ class GlobalBatchSampler:
         rank_indices = self._epoch_order(epoch)[start : start + per_rank].tolist()
         return [rank_indices[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)]
 
+    def global_indices_for_step(self, step: int) -> list[int]:
+        """Every sample index of optimizer step `step`, all dp ranks' together."""
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        start = step_in_epoch * self.global_batch
+        return self._epoch_order(epoch)[start : start + self.global_batch].tolist()
+
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._cached_order is None or self._cached_order[0] != epoch:
             if self.shuffle:

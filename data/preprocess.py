@@ -34,6 +34,7 @@ from tqdm import tqdm
 from megazoo.data.corpus_inputs import (JSONL_SUFFIXES, TEXT_SUFFIXES, PreprocessError,  # noqa: F401 (re-exported)
                                         Record, check_inputs, input_bytes, iter_records, parse_record)
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
+from megazoo.data.sft_preprocess import add_arguments as add_sft_arguments, run_sft_cli
 from megazoo.data.tokenizer import Tokenizer
 from megazoo.data.tokenizer_loading import load_tokenizer
 
@@ -193,12 +194,19 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="jsonl field / parquet or datasets column holding the document (default: text)")
     parser.add_argument("--split", default="train", help="the split of a datasets DatasetDict (default: train)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
+    add_sft_arguments(parser)  # --format sft (data/sft_preprocess.py): chat rows -> tokens + loss mask
     parser.set_defaults(func=run_cli)
     return parser
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run a parsed `preprocess` command: 0 on success, 2 with one `error:` line on bad input."""
+    if getattr(args, "format", "text") == "sft":
+        return run_sft_cli(args)
+    if getattr(args, "seq_len", None) is not None:
+        print("megazoo preprocess: error: --seq-len applies to --format sft only (text documents are cut into "
+              "samples at training time)", file=sys.stderr)
+        return 2
     try:
         if args.workers < 1:
             raise PreprocessError(f"--workers {args.workers} is invalid: it must be a positive integer")

@@ -34,6 +34,7 @@ from megazoo.kernels import Implementation, kernels_for_model
 from megazoo.models.config import ModelConfig
 from megazoo.models.kv_cache import LayerCache
 from megazoo.models.layout import check_parallel_compat, kv_split
+from megazoo.models.packing import Segments
 from megazoo.models.rotary import apply_rotary, rotary_tables
 from megazoo.models.sparse_attention import SparseAttention
 from megazoo.parallel.context import context_attention, positions
@@ -155,15 +156,22 @@ class Attention(nn.Module):
         q, kv = self.sequence_parallel.linears(x, (self.c_q.weight, self.c_q.bias), kv)
         return (q, *kv.split(self.n_local_kv * self.head_dim, dim=-1))
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                segments: Segments | None = None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
+        """`segments` (packed rows, models/packing.py): positions restart and attention stays inside each one."""
+        if segments is not None:
+            self._check_segments(cache)
         q, k, v = self._project(x)  # sequence parallelism: x (b, s/tp, d), q k v over the whole s
         b, s = q.shape[:2]
         q = q.view(b, s, self.n_local_heads, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
         k, v = (t.view(b, s, self.n_local_kv, self.head_dim).transpose(1, 2) for t in (k, v))  # (b, g, s, hd)
         if self.cfg.positions == "rotary":
-            past = 0 if cache is None else cache.cache.length
-            pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)
-            cos, sin = rotary_tables(self.cfg, pos, q.dtype)
+            if segments is not None:  # (b, s) positions -> (b, 1, s, hd) tables, broadcast over the heads
+                cos, sin = (t[:, None] for t in rotary_tables(self.cfg, segments.positions, q.dtype))
+            else:
+                past = 0 if cache is None else cache.cache.length
+                pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)
+                cos, sin = rotary_tables(self.cfg, pos, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # decoding (models/kv_cache.py): this rank's heads, past positions included
             k, v = cache.append(k, v)  # the cache holds the g key/value heads, not their repeats
@@ -173,8 +181,21 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: their dropout draws from the tp stream.
         with self.rng.fork() if p > 0 else contextlib.nullcontext():
-            y = self.attend(q, k, v, p)  # (b, h, s, hd)
+            if segments is not None:  # block-diagonal causal mask (window included): torch's SDPA takes it
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, dropout_p=p)
+            else:
+                y = self.attend(q, k, v, p)  # (b, h, s, hd)
         return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))
+
+    def _check_segments(self, cache: LayerCache | None) -> None:
+        if cache is not None:
+            raise ValueError("packed segments and a decoding cache cannot be combined: decode one example at a time")
+        if self.topo.cp > 1:
+            raise ValueError(f"packed sequences (segment ids) with parallel.cp = {self.topo.cp} are not supported "
+                             "yet; valid: parallel.cp = 1, or sft.packing = false")
+        if self.cfg.attention != "dense":
+            raise ValueError(f"packed sequences need model.attention = 'dense', got {self.cfg.attention!r}; or set "
+                             "sft.packing = false")
 
     def _repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, g, s, hd) -> (b, h, s, hd): each key/value head repeated for the query heads that share it."""

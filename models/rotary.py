@@ -38,10 +38,10 @@ def inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rotary_tables(cfg: ModelConfig, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (s, head_dim), for positions `pos` (s,): angles in fp32 (fp64 for an fp64 model), as HF's
-    rotary embedding, then cast to the activations' dtype."""
+    """(cos, sin), each (..., s, head_dim), for positions `pos` (..., s) (a packed batch's are (b, s)): angles in
+    fp32 (fp64 for an fp64 model), as HF's rotary embedding, then cast to the activations' dtype."""
     angle_dtype = torch.promote_types(dtype, torch.float32)
-    freqs = pos.to(angle_dtype)[:, None] * inv_freq(cfg, pos.device).to(angle_dtype)[None, :]  # (s, hd/2)
+    freqs = pos.to(angle_dtype)[..., None] * inv_freq(cfg, pos.device).to(angle_dtype)  # (..., s, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

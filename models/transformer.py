@@ -32,6 +32,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp
 from megazoo.models.norms import make_norm
+from megazoo.models.packing import Segments
 from megazoo.parallel.context import all_reduce_count, positions
 from megazoo.parallel.tensor import ColumnParallelLinear, SequenceParallel, TPRNGTracker, VocabParallelEmbedding
 from megazoo.parallel.tensor.sequence import plain
@@ -60,8 +61,12 @@ class Block(nn.Module):
         with self.rng.fork():
             return self.dropout(x)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
+        if segments is not None:
+            x = x + self._drop(self.attn(self.ln_1(x), segments=segments))
+        else:
+            x = x + self._drop(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
         return x + self._drop(self.mlp(self.ln_2(x)))
 
 
@@ -109,19 +114,25 @@ class GPT(nn.Module):
                                                     init_std=cfg.init_std, device=device, dtype=dtype,
                                                     sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`cache` (decoding, eval mode): x holds only the new positions, which follow the cached ones.
+        `segment_ids` (b, s) (packed rows, models/packing.py): each example restarts its positions and attends
+        only to itself; every stage of a pipeline needs them.
 
         Sequence parallelism: a stage's hidden-state input and output hold this rank's s / tp positions (the
         embedding's output is split after its all-reduce and dropout; the head all-gathers them back); decoding
         runs plain tensor parallelism."""
+        if segment_ids is not None and cache is not None:
+            raise ValueError("packed segment ids and a decoding cache cannot be combined: decode one example at a time")
         if cache is not None and self.sequence_parallel.enabled:
             with self.sequence_parallel.suspended():
-                return self._forward(x, cache)
-        return self._forward(x, cache)
+                return self._forward(x, cache, None)
+        return self._forward(x, cache, segment_ids)
 
-    def _forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cache: KVCache | None, segment_ids: torch.Tensor | None) -> torch.Tensor:
         past = 0 if cache is None else cache.length
+        segments = None if segment_ids is None else Segments.from_ids(segment_ids, self.cfg.sliding_window)
         if self.with_embedding:  # x: token ids (b, s)
             s = x.shape[1]
             if past + s * self.topo.cp > self.cfg.n_positions:  # cp > 1: x holds this rank's chunks of the sequence
@@ -130,7 +141,7 @@ class GPT(nn.Module):
             x = self.wte(x)  # (b, s, d)
             if self.cfg.positions == "learned":
                 pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)  # the chunks' own positions
-                x = x + self.wpe(pos)
+                x = x + self.wpe(pos if segments is None else segments.positions)
             x = self.sequence_parallel.shard(self.drop(x))  # split after dropout: the same mask as without sp
         if cache is not None:
             cache.check_room(x.shape[1])
@@ -139,10 +150,10 @@ class GPT(nn.Module):
             cache.advance(x.shape[1])
         elif self.activation_checkpointing and self.training:
             for block in self.h.values():
-                x = checkpoint(self.rng.replayable(block), x, use_reentrant=False)
+                x = checkpoint(self.rng.replayable(block), x, None, segments, use_reentrant=False)
         else:
             for block in self.h.values():
-                x = block(x)
+                x = block(x) if segments is None else block(x, segments=segments)
         if not self.with_head:
             return x
         x = self.ln_f(x)

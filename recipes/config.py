@@ -20,6 +20,7 @@ from pathlib import Path
 from megazoo.data.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
 from megazoo.models.lora import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora.py)
+from megazoo.recipes.sft_section import SFTSection
 
 
 class RecipeError(ValueError):
@@ -230,6 +231,7 @@ class Recipe:
     logging: LoggingSection = field(default_factory=LoggingSection)
     sample: SampleSection = field(default_factory=SampleSection)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: off (full fine-tuning)
+    sft: SFTSection = field(default_factory=SFTSection)  # recipes/sft_section.py: fine-tuning on chat data
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -23,6 +23,7 @@ from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage
 from megazoo.parallel.pipeline.schedules import SCHEDULES
 from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoint_model, from_checkpoint
 from megazoo.recipes.config import Recipe, RecipeError
+from megazoo.recipes.sft_check import check_sft
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
 RUN_EXISTING = ("refuse", "start_over")  # run.existing
@@ -329,6 +330,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         raise RecipeError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's data.vocab_size = "
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
     _check_run_and_sample(recipe, global_batch)
+    check_sft(recipe.sft, seq_len=train.seq_len, vocab_size=cfg.vocab_size, cp=par.cp, attention=cfg.attention)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
                     world_size=layout, stage_layers=stages)
 
@@ -344,5 +346,6 @@ def resolve_for_planning(recipe: Recipe) -> Resolved:
     model = model_config(replace(recipe, data=replace(data, tokenizer=data.tokenizer if at_hand else "")))
     bare_data = replace(data, source="synthetic", paths=(), valid_paths=(), tokenizer="")
     keep_load = recipe.checkpoint.load if recipe.model.from_checkpoint else ""
-    bare = replace(recipe, data=bare_data, checkpoint=replace(recipe.checkpoint, load=keep_load))
+    bare = replace(recipe, data=bare_data, checkpoint=replace(recipe.checkpoint, load=keep_load),
+                   sft=replace(recipe.sft, path="", valid_path=""))
     return resolve(bare, model=model)

@@ -145,7 +145,9 @@ class PipelineEngine:
                     inbox.pop((micro, stage - 1, False)).requires_grad_(not forward_only)
                 tick = self.stats.start()
                 with torch.set_grad_enabled(not forward_only), autocast():
-                    out = logits = self.chunks[chunk](x)
+                    # A third entry: packed rows' segment ids (models/packing.py), which every stage's attention needs.
+                    extra = {"segment_ids": micro_batches[micro][2]} if len(micro_batches[micro]) > 2 else {}
+                    out = logits = self.chunks[chunk](x, **extra)
                 if last:
                     out = self.loss_fn(logits, micro_batches[micro][1])
                     losses[micro] = out.detach()

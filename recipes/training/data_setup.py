@@ -17,12 +17,15 @@ from megazoo.data.tokenizer import Tokenizer
 from megazoo.data.blending import BlendedDataset, blend_counts
 from megazoo.data.gpt_dataset import GPTDataset
 from megazoo.data.indexed_formats import open_indexed
+from megazoo.data.sft_dataset import SFTDataset
+from megazoo.data.sft_packing import SFTRows
 from megazoo.data.tokenizer_loading import load_tokenizer
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import Resolved
 
-Samples = TokenSamples | GPTDataset | BlendedDataset  # anything with len() and stack(indices) -> (n, seq + 1)
+# anything with len() and stack(indices) -> (n, seq + 1); SFTRows: batch(indices) -> (inputs, targets, segments)
+Samples = TokenSamples | GPTDataset | BlendedDataset | SFTRows
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ def load_data(res: Resolved, topo: Topology) -> TrainData:
     data, train = res.recipe.data, res.recipe.train
     seq, seed = train.seq_len, train.seed
     cache = Path(res.recipe.run.dir) / "data_cache"
+    sft = res.recipe.sft
+    if sft.path:  # fine-tuning rows (recipes/sft_section.py): response-only targets, packed or padded
+        train_rows = SFTRows(SFTDataset(sft.path), seq, sft.packing)
+        val_rows = SFTRows(SFTDataset(sft.valid_path), seq, sft.packing) if sft.valid_path else None
+        return TrainData(train_rows, val_rows, load_tokenizer(data.tokenizer) if data.tokenizer else None)
     if data.source == "synthetic":
         n_val = max(seq + 1, data.synthetic_tokens // 10)
         tokens = synthetic_tokens(data.synthetic_tokens + n_val, res.model.vocab_size, seed)

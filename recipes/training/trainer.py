@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megazoo.data.batches import GlobalBatchSampler
+from megazoo.data.chat_template import chat_prompt
+from megazoo.data.sft_packing import SFTRows
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
@@ -76,7 +78,7 @@ class Trainer:
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
         self.schedule = par.schedule if topo.pp > 1 else "1f1b"
         self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
-                                     activation_dtype=precision.params, loss_fn=self.chunks[-1].loss,
+                                     activation_dtype=precision.params, loss_fn=self._loss,
                                      placement=placement(self.schedule), recomputing=t.activation_checkpointing)
         self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
@@ -86,11 +88,30 @@ class Trainer:
         self.consecutive_skips = 0
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
 
-    def _batches(self, samples: Samples, micro_batches: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
+        """The micro-batch's mean token loss; SFT rows pass (targets, weight): its share of the step's mean."""
+        if isinstance(targets, tuple):
+            targets, weight = targets
+            return self.chunks[-1].loss(logits, targets) * weight
+        return self.chunks[-1].loss(logits, targets)
+
+    def _batches(self, samples: Samples, micro_batches: list[list[int]],
+                 step: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) per micro-batch: the samples' tokens shifted by one; with cp > 1 this cp rank's two
         load-balanced chunks of both (parallel/context/layout.py), (b, s / cp) each."""
         out, cp, cp_rank = [], self.topo.cp, self.topo.cp_rank
-        for indices in micro_batches:
+        weights = None
+        if isinstance(samples, SFTRows) and step is not None:  # training: the step's mean over all response tokens
+            weights = samples.micro_batch_weights(self.sampler.global_indices_for_step(step), micro_batches,
+                                                  len(micro_batches) * self.topo.dp)
+        for k, indices in enumerate(micro_batches):
+            if isinstance(samples, SFTRows):  # fine-tuning rows: targets already -100 off the responses
+                inputs, targets, segments = (t.to(self.topo.device, non_blocking=True) for t in samples.batch(indices))
+                inputs, targets = split_sequence(inputs, cp, cp_rank), split_sequence(targets, cp, cp_rank)
+                if weights is not None:
+                    targets = (targets, weights[k])
+                out.append((inputs, targets, segments) if samples.packing else (inputs, targets))  # segments: packed
+                continue
             batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
             out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
         return out
@@ -133,7 +154,7 @@ class Trainer:
         self._set_mode(True)
         busy_before, total_before = stats.busy_s, stats.total_s
         self._enter(step, "loading batches")
-        batches = self._batches(self.data.train, self.sampler.indices_for_step(step))
+        batches = self._batches(self.data.train, self.sampler.indices_for_step(step), step)
         self._enter(step, "forward/backward (pipeline schedule, gradient reduction)")
         losses = self.engine.run(batches, self.plan, loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
                                  autocast=self.autocast, before_backward=lambda last: zero.begin_micro_batch(last))
@@ -215,6 +236,12 @@ class Trainer:
         s, tok = self.res.recipe.sample, self.data.tokenizer
         if tok is None or s.tokens == 0 or self.topo.pp > 1 or self.topo.cp > 1:  # nor sequence-split (yet)
             return None
+        if isinstance(self.data.train, SFTRows) and s.prompt:  # a fine-tuned model answers a user turn, in the
+            # chat template its dataset was written with (PREFIX.sft.json); the sample is the answer alone
+            prompt = chat_prompt(tok, self.data.train.examples.manifest["template"], s.prompt)
+            ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
+                           seed=self.train_cfg.seed)
+            return tok.decode(ids[len(prompt):])
         # An empty prompt starts where every training document starts: right after an end-of-document token.
         prompt = tok.encode(s.prompt) if s.prompt else [tok.eod_id]
         ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
