@@ -73,6 +73,7 @@ class ParallelSection:
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
+    node_size: int = 0  # processes per node for HSDP / hpZ; 0: the launcher's LOCAL_WORLD_SIZE (one node alone)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class ZeroSection:
     stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients; 3: + parameters
     reduce_bucket_size: int = 1 << 24  # elements per gradient bucket (one reduce-scatter each)
     offload: str = "none"  # "none" | "cpu" (ZeRO-Offload: fp32 masters + Adam moments in CPU memory, update on CPU)
+    shard_group: str = "dp"  # "dp": partition over all dp ranks | "node": HSDP, inside a node, replicated across
+    hpz: bool = False  # stage 3: ZeRO++ hpZ, backward all-gathers from a secondary shard inside the node
 
 
 @dataclass(frozen=True)
