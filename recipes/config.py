@@ -110,6 +110,7 @@ class ZeroSection:
     offload: str = "none"  # "none" | "cpu" (ZeRO-Offload: fp32 masters + Adam moments in CPU memory, update on CPU)
     shard_group: str = "dp"  # "dp": partition over all dp ranks | "node": HSDP, inside a node, replicated across
     hpz: bool = False  # stage 3: ZeRO++ hpZ, backward all-gathers from a secondary shard inside the node
+    quantized_weights: bool = False  # stage 3: ZeRO++ qwZ, parameter gathers in int8 blocks of 256 (masters exact)
 
 
 @dataclass(frozen=True)

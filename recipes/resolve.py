@@ -215,8 +215,8 @@ def _check_nodes(recipe: Recipe) -> None:
     par, zero = recipe.parallel, recipe.zero
     try:
         check_node_size(par.node_size, par.dp, par.tp, par.pp, par.dp * par.tp * par.pp * par.cp, par.cp)
-        if zero.shard_group != "dp" or zero.hpz:
-            check_shard_choice(zero.shard_group, zero.hpz, zero.stage, par.cp)
+        if zero.shard_group != "dp" or zero.hpz or zero.quantized_weights:
+            check_shard_choice(zero.shard_group, zero.hpz, zero.stage, par.cp, zero.quantized_weights)
     except ValueError as err:
         raise RecipeError(str(err)) from None
 

@@ -52,8 +52,12 @@ class ShardGroups:
         return self.shard_size * self.replica_size
 
 
-def check_shard_choice(shard_group: str, hpz: bool, stage: int, cp: int = 1) -> None:
-    """A ValueError naming the field when zero.shard_group / zero.hpz do not fit the stage and layout."""
+def check_shard_choice(shard_group: str, hpz: bool, stage: int, cp: int = 1, quantized_weights: bool = False) -> None:
+    """A ValueError naming the field when zero.shard_group / zero.hpz / zero.quantized_weights do not fit the
+    stage and layout."""
+    if quantized_weights and stage != 3:
+        raise ValueError(f"zero.quantized_weights = true needs zero.stage = 3 (got {stage}): only stage 3 gathers "
+                         "parameters for compute (stages 1-2 gather the updated masters themselves)")
     if shard_group not in SHARD_GROUPS:
         raise ValueError(f"zero.shard_group = {shard_group!r} is invalid; valid: {', '.join(map(repr, SHARD_GROUPS))}")
     if shard_group == "node" and stage == 0:

@@ -43,6 +43,7 @@ from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, build_buckets
 from megazoo.parallel.zero.groups import ShardGroups, shard_groups
+from megazoo.parallel.zero.quantized import quantized_all_gather
 from megazoo.parallel.zero.partitioned import PartitionedOptimizer
 
 Named = list[tuple[str, nn.Parameter, ShardSpec]]
@@ -98,8 +99,10 @@ class ZeroStage3(PartitionedOptimizer):
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
                  check_order: bool = True, offload: str = "none", adamw: Callable | None = None,
-                 groups: ShardGroups | None = None):
+                 groups: ShardGroups | None = None, quantized_weights: bool = False):
         self.groups = groups = groups or shard_groups(topo)
+        self.qwz = quantized_weights  # forward/backward gathers in int8 blocks (quantized.py); never the masters
+        self._exact = False  # gathered(): full weights for export / checkpoints, never quantized
         self.dp_group = groups.shard_group  # dp x cp: every rank holding these parameters; HSDP: the node's
         module_names = {m: n for n, m in model.named_modules()}
         prefixes = [module_names[u] + "." for u in units]
@@ -179,6 +182,9 @@ class ZeroStage3(PartitionedOptimizer):
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
                 if group is None:
                     flat.copy_(shard)
+                elif self.qwz and not from_node and not self._exact:
+                    unit.works.append(quantized_all_gather(flat, shard, group, self.groups.shard_size,
+                                                           ledger=self.comm))
                 else:
                     unit.works.append(all_gather_flat(flat, shard, group, async_op=True, ledger=self.comm))
             unit.capture = self.groups.hpz and not from_node
@@ -329,12 +335,17 @@ class ZeroStage3(PartitionedOptimizer):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit's full parameters, for reading full weights (export, tests); freed again afterwards."""
-        for unit in self.units:
-            self._gather(unit)
+        """Every unit's full parameters, for reading full weights (export, tests); freed again afterwards. Exact
+        under qwZ: a unit gathered in int8 blocks is gathered again in full precision."""
+        self._exact = True
         try:
+            for unit in self.units:
+                if self.qwz and unit.gathered:
+                    self._free(unit)
+                self._gather(unit)
             yield
         finally:
+            self._exact = False
             for unit in self.units:
                 self._free(unit)
 
