@@ -161,3 +161,39 @@ def test_hsdp_and_hpz_with_tp_and_pp_equal_one_process(reference):
     for rank in run_distributed(work, 8):
         for name in ("hsdp3", "hpz3", "pp"):
             assert_same_training(rank[name], reference)
+
+
+def test_hsdp_checkpoint_loads_into_flat_and_hsdp_layouts(tmp_path):
+    """HSDP stage 3 saves after 2 steps (each chunk written once, by node 0: the replicas on the other node
+    write nothing); flat ZeRO-1 and HSDP ZeRO-2 load it and finish like one process that never stopped."""
+    def res(zero, run_dir, steps=4):
+        return tiny_resolved(parallel={"dp": 4, "node_size": 2}, zero=zero, run={"dir": run_dir},
+                             train={"micro_batch": 2, "steps": steps})
+
+    saver = res({"stage": 3, "shard_group": "node"}, str(tmp_path / "save"))
+    loaders = [res({"stage": 1}, str(tmp_path / "flat")), res({"stage": 2, "shard_group": "node"},
+                                                               str(tmp_path / "hsdp"))]
+
+    def work():
+        topo = Topology.build(4, node_size=2)
+        trainer = Trainer(saver, topo)
+        for step in range(2):
+            trainer.train_step(step)
+        path = trainer.save_checkpoint(2)
+        out = []
+        for loader in loaders:
+            resumed = Trainer(loader, topo)
+            start = resumed.load_checkpoint(path)
+            result = resumed.fit(start_step=start)
+            out.append({"start": start, "losses": result.losses, "norms": result.grad_norms,
+                        "val": result.val_loss, "params": resumed.full_state_dict()})
+        return out
+
+    ref_trainer = Trainer(tiny_resolved(train={"micro_batch": 8, "steps": 4}), Topology.solo())
+    result = ref_trainer.fit()
+    ref = {"losses": result.losses[2:], "norms": result.grad_norms[2:], "val": result.val_loss,
+           "params": ref_trainer.full_state_dict()}
+    for rank in run_distributed(work, 4):
+        for got in rank:
+            assert got.pop("start") == 2
+            assert_same_training(got, ref)
