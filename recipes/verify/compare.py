@@ -52,7 +52,8 @@ def _layout_ranks(res: Resolved, loss_scaling: bool) -> list[dict]:
     par = res.recipe.parallel
 
     def work():
-        topo = Topology.build(par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention)
+        topo = Topology.build(par.dp, par.tp, par.pp, cp=par.cp, cp_attention=par.cp_attention,
+                              node_size=par.node_size)  # the recipe's nodes (HSDP / hpZ), else one node
         return _train(res, topo, loss_scaling)
 
     if res.world_size == 1:
