@@ -197,3 +197,11 @@ def test_hsdp_checkpoint_loads_into_flat_and_hsdp_layouts(tmp_path):
         for got in rank:
             assert got.pop("start") == 2
             assert_same_training(got, ref)
+
+
+def test_launch_refuses_a_node_size_other_than_the_processes_per_node():
+    from megazoo.recipes.launch.cli import check_layout as launch_layout
+    assert launch_layout(tiny_recipe(parallel={"dp": 4, "node_size": 2}), 2, 2) == 2
+    assert launch_layout(tiny_recipe(parallel={"dp": 4, "node_size": 2}), 1, 4) == 4  # "nodes" simulated on one
+    with pytest.raises(RecipeError, match=r"parallel.node_size = 4 but each node starts --nproc-per-node 2"):
+        launch_layout(tiny_recipe(parallel={"dp": 4, "node_size": 4}), 2, 2)
