@@ -10,6 +10,7 @@ from megazoo.models.layout import parameter_layout
 from megazoo.recipes.planner.cli import main as plan_main
 from megazoo.recipes.planner.cost_model import CostModel, search
 from megazoo.recipes.planner.dry_run import roles, run_role
+from megazoo.recipes.planner.dry_run_report import report, to_text
 from megazoo.recipes.planner.links import link_volume, rank_shardings
 from megazoo.recipes.planner.zero import MIXED_ADAM, PlanError
 
@@ -23,7 +24,8 @@ def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding):
     res = tiny_resolved(parallel={"dp": DP, "node_size": NODE}, zero=zero,
                         train={"micro_batch": 1, "grad_accum": 2, "precision": "fp32", "steps": 1},
                         kernels={"adamw": ""})  # the reference loop reads the step count on the host
-    measured = run_role(res, roles(res)[0]).measured.link_bytes
+    result = run_role(res, roles(res)[0])
+    measured = result.measured.link_bytes
     psi = sum(p.numel for p in parameter_layout(res.model))  # what the model allocates (padded vocabulary)
     # stage 3's root unit (every parameter outside the blocks) is gathered in forward only
     root = sum(p.numel for p in parameter_layout(res.model) if not p.name.startswith("h.")) if stage == 3 else 0
@@ -31,6 +33,12 @@ def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding):
     # Buckets are padded to a multiple of dp (< dp elements each) and the gradient norm adds 2 numbers: 0.1%.
     assert measured.get("inter", 0.0) == pytest.approx(planned.inter * 4, rel=1e-3)
     assert measured.get("intra", 0.0) == pytest.approx(planned.intra * 4, rel=1e-3)
+    # the dry run's report puts the same plan beside the measurement (megazoo plan --recipe R --dry-run)
+    rep = report(res, [result], 80.0, 0.0)
+    row = rep["roles"][0]
+    for link in ("intra", "inter"):
+        assert row["planned_link_bytes"][link] == pytest.approx(measured.get(link, 0.0), rel=1e-3)
+    assert "ZeRO inter-node bytes sent" in to_text(res, rep)
 
 
 def test_which_layout_wins_depends_on_the_inter_node_bandwidth():

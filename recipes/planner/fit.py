@@ -210,7 +210,8 @@ def recipe_layout(resolved) -> Layout:
                   train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
                   tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
                   r.kernels.attention in ("", "torch", "recompute"),  # SDPA and "recompute": no scores kept
-                  cp=par.cp)
+                  cp=par.cp, sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
+                  node_size=par.node_size)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:
