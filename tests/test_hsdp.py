@@ -20,7 +20,8 @@ STEPS = 2
 LAYOUTS = {  # name -> (zero section, train section) at dp 4 on 2 nodes of 2
     "flat3": ({"stage": 3}, {"micro_batch": 2}),
     "hsdp1": ({"stage": 1, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
-    "hsdp2": ({"stage": 2, "shard_group": "node", "reduce_bucket_size": 30_000}, {"micro_batch": 2}),
+    # HSDP stage 2 runs in test_hsdp_and_hpz_with_tp_and_pp_equal_one_process (under pp 2) and in the dry run's
+    # bytes test (tests/test_dry_run_links.py)
     "hsdp3": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 2}),
     "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2}),
 }
@@ -126,8 +127,6 @@ def _expected_links(name: str, numel: dict[str, int]) -> dict[str, float]:
     chunk_allreduce = 2 * (p / 2) * across * b  # the owned chunk (p / 2) all-reduced over the 2 nodes
     if name == "hsdp1":  # one reduce-scatter (last micro-batch), one all-gather, inside the node
         return {"intra": 2 * p * node * b + norm(node), "inter": chunk_allreduce}
-    if name == "hsdp2":
-        return {"intra": 2 * p * node * b + norm(node), "inter": chunk_allreduce}
     return {"intra": ((2 * blocks + root) + p) * node * b + norm(node), "inter": chunk_allreduce}  # hsdp3
 
 
@@ -166,7 +165,7 @@ def test_hsdp_and_hpz_with_tp_and_pp_equal_one_process(reference):
 def test_hsdp_checkpoint_loads_into_flat_and_hsdp_layouts(tmp_path):
     """HSDP stage 3 saves after 2 steps (each chunk written once, by node 0: the replicas on the other node
     write nothing); flat ZeRO-1 and HSDP ZeRO-2 load it and finish like one process that never stopped."""
-    def res(zero, run_dir, steps=4):
+    def res(zero, run_dir, steps=3):
         return tiny_resolved(parallel={"dp": 4, "node_size": 2}, zero=zero, run={"dir": run_dir},
                              train={"micro_batch": 2, "steps": steps})
 
@@ -189,7 +188,7 @@ def test_hsdp_checkpoint_loads_into_flat_and_hsdp_layouts(tmp_path):
                         "val": result.val_loss, "params": resumed.full_state_dict()})
         return out
 
-    ref_trainer = Trainer(tiny_resolved(train={"micro_batch": 8, "steps": 4}), Topology.solo())
+    ref_trainer = Trainer(tiny_resolved(train={"micro_batch": 8, "steps": 3}), Topology.solo())
     result = ref_trainer.fit()
     ref = {"losses": result.losses[2:], "norms": result.grad_norms[2:], "val": result.val_loss,
            "params": ref_trainer.full_state_dict()}
