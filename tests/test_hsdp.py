@@ -23,7 +23,8 @@ LAYOUTS = {  # name -> (zero section, train section) at dp 4 on 2 nodes of 2
     # HSDP stage 2 runs in test_hsdp_and_hpz_with_tp_and_pp_equal_one_process (under pp 2) and in the dry run's
     # bytes test (tests/test_dry_run_links.py)
     "hsdp3": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 2}),
-    "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2}),
+    # hpZ with activation checkpointing: the recomputed forward in backward gathers from the secondaries
+    "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2, "activation_checkpointing": True}),
 }
 
 
