@@ -25,22 +25,32 @@ import torch.distributed as dist
 class CommLedger:
     """Elements and bytes this rank sends per collective kind, as ring algorithms move them: an all-gather
     producing n elements or a reduce-scatter consuming n sends n (N-1)/N; an all-reduce of n sends 2n (N-1)/N.
-    (The ZeRO paper's communication volume, measured rather than derived.)"""
+    (The ZeRO paper's communication volume, measured rather than derived.)
+
+    With `node_size` (processes per node, global ranks filling nodes in order) the same bytes are also added
+    up per link class in `link_bytes`: "intra" when every rank of the group is on one node, else "inter". A ring
+    over a group that spans nodes runs at the pace of its slowest (cross-node) hop, so all of its bytes count as
+    inter-node, as the ZeRO++ paper counts ZeRO-3's cross-node volume (3 x params per step)."""
 
     elements: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    node_size: int = 0  # 0: nodes unknown, no link classes
+    link_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def record(self, kind: str, numel: int, element_size: int, group_size: int) -> None:
+    def record(self, kind: str, numel: int, element_size: int, group_size: int, link: str | None = None) -> None:
         factor = (2.0 if kind == "all_reduce" else 1.0) * (group_size - 1) / group_size
         self.elements[kind] += numel * factor
         self.bytes[kind] += numel * factor * element_size
         self.calls[kind] += 1
+        if link is not None:
+            self.link_bytes[link] += numel * factor * element_size
 
     def reset(self) -> None:
         self.elements.clear()
         self.bytes.clear()
         self.calls.clear()
+        self.link_bytes.clear()
 
     def summary(self) -> dict[str, float]:
         """{'<kind>_bytes': ..., 'total_bytes': ...} for the metrics log."""
@@ -49,9 +59,16 @@ class CommLedger:
         return out
 
 
+def link_class(group, node_size: int) -> str:
+    """"intra" when every rank of `group` sits on one node of `node_size` consecutive global ranks, else "inter"."""
+    ranks = dist.get_process_group_ranks(group)
+    return "intra" if min(ranks) // node_size == max(ranks) // node_size else "inter"
+
+
 def _record(ledger: CommLedger | None, kind: str, t: torch.Tensor, group) -> None:
     if ledger is not None and group is not None:
-        ledger.record(kind, t.numel(), t.element_size(), dist.get_world_size(group))
+        link = link_class(group, ledger.node_size) if ledger.node_size > 0 else None
+        ledger.record(kind, t.numel(), t.element_size(), dist.get_world_size(group), link)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -9,6 +9,13 @@ all-to-all attention move activations every layer.
 cp ranks hold the same parameters (each sees other tokens of the same samples), so gradients are reduced, and
 ZeRO partitions, over the dp x cp ranks of one (pp, tp) position: `grad_group` (the dp group when cp = 1).
 
+Nodes: `node_size` processes per node (the launcher's LOCAL_WORLD_SIZE, read by the entry point, or the
+recipe's parallel.node_size; 0 = not known, every rank on one node). Ranks fill nodes in order (torchrun and
+Slurm place global ranks node by node), so a node holds whole tp (x cp) groups and `dp_per_node` consecutive dp
+ranks of each (pp, cp, tp) position. The dp group then splits in two: `dp_intra_group` (the dp ranks on this
+node: fast links) and `dp_inter_group` (the dp ranks at this node-local position on the other nodes: the slow
+network). HSDP and hpZ (parallel/zero/groups.py) shard and gather inside a node and cross nodes less.
+
 A group of one rank is stored as `None`: communication helpers treat `None` as "nothing to do", which is what
 makes `Topology.solo()` (no process group at all) run the same code as a real job.
 """
@@ -49,6 +56,30 @@ def check_layout(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> Non
         )
 
 
+def check_node_size(node_size: int, dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> int:
+    """The dp ranks of one (pp, cp, tp) position that share a node, or a ValueError naming parallel.node_size
+    when `node_size` processes per node cannot hold whole tp x cp groups and whole or equal parts of dp groups.
+    0 means not known: one node."""
+    if not isinstance(node_size, int) or node_size < 0:
+        raise ValueError(f"parallel.node_size = {node_size!r} is invalid: it must be a positive integer "
+                         "(processes per node), or 0 to take the launcher's local world size")
+    if node_size == 0:
+        return dp
+    if world_size % node_size:
+        raise ValueError(f"parallel.node_size = {node_size} does not divide the world size {world_size}: every "
+                         f"node must hold the same number of processes (valid: a divisor of {world_size})")
+    inner = tp * cp
+    if node_size % inner:
+        raise ValueError(f"parallel.node_size = {node_size} would split a tensor-parallel group of tp x cp = "
+                         f"{inner} ranks over two nodes; valid: a multiple of {inner} that divides {world_size}")
+    per_node = node_size // inner  # consecutive dp indices (pp-major) on one node
+    if (per_node < dp and dp % per_node) or (per_node > dp and per_node % dp):
+        raise ValueError(f"parallel.node_size = {node_size} puts {per_node} dp ranks of each tp position on a "
+                         f"node, which does not split parallel.dp = {dp} evenly; valid: node sizes whose "
+                         f"node_size / (tp x cp) divides dp = {dp} or is a multiple of it")
+    return min(per_node, dp)
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -82,6 +113,23 @@ class Topology:
     dp_cp_group: dist.ProcessGroup | None = None  # dp x cp ranks of this (pp, tp) position; only set when both > 1
     # Norm, dropout and residual regions hold s / tp positions per tp rank (parallel/tensor/sequence.py)
     sequence_parallel: bool = False
+    node_size: int = 0  # processes per node; 0: not known (one node)
+    dp_per_node: int = 0  # dp ranks of this (pp, cp, tp) position on one node; 0: all dp (one node)
+    dp_intra_group: dist.ProcessGroup | None = None  # this node's dp ranks (dp_group when dp fits in a node)
+    dp_inter_group: dist.ProcessGroup | None = None  # the same node-local dp position on every node
+
+    @property
+    def dp_nodes(self) -> int:
+        """How many nodes one dp group spans."""
+        return self.dp // (self.dp_per_node or self.dp)
+
+    @property
+    def dp_intra_rank(self) -> int:
+        return self.dp_rank % (self.dp_per_node or self.dp)
+
+    @property
+    def dp_inter_rank(self) -> int:
+        return self.dp_rank // (self.dp_per_node or self.dp)
 
     @property
     def world_size(self) -> int:
@@ -114,19 +162,23 @@ class Topology:
     @classmethod
     def solo(cls, device: str | torch.device = "cpu") -> "Topology":
         """The single-process topology: every group is a group of one, no process group is needed."""
-        return cls(device=torch.device(device))
+        return cls(device=torch.device(device), node_size=1)
 
     @classmethod
-    def of(cls, layout, device: str | torch.device | None = None) -> "Topology":
+    def of(cls, layout, device: str | torch.device | None = None, *, node_size: int | None = None) -> "Topology":
         """`build` from a layout description (a recipe's [parallel]: dp, tp, pp, cp, cp_attention,
-        sequence_parallel); the one place that maps its fields onto the mesh."""
+        sequence_parallel, node_size); the one place that maps its fields onto the mesh. `node_size`: the
+        launcher's processes per node, when the layout leaves it open (0)."""
         return cls.build(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, cp_attention=layout.cp_attention,
-                         sequence_parallel=layout.sequence_parallel)
+                         sequence_parallel=layout.sequence_parallel,
+                         node_size=layout.node_size if node_size is None else node_size)
 
     @classmethod
     def build(cls, dp: int, tp: int = 1, pp: int = 1, device: str | torch.device | None = None, *, cp: int = 1,
-              cp_attention: str = "all_to_all", sequence_parallel: bool = False) -> "Topology":
-        """Build the mesh over the default process group (which the launcher initialised)."""
+              cp_attention: str = "all_to_all", sequence_parallel: bool = False,
+              node_size: int = 0) -> "Topology":
+        """Build the mesh over the default process group (which the launcher initialised). `node_size`:
+        processes per node (the entry point passes LOCAL_WORLD_SIZE or the recipe's parallel.node_size)."""
         if cp_attention not in CP_ATTENTION:
             raise ValueError(f"parallel.cp_attention = {cp_attention!r} is invalid; valid: {', '.join(CP_ATTENTION)}")
         if sequence_parallel and tp == 1:
@@ -142,6 +194,7 @@ class Topology:
             )
         world = dist.get_world_size()
         check_layout(dp, tp, pp, world, cp)
+        dp_per_node = check_node_size(node_size, dp, tp, pp, world, cp)
         device = torch.device(device) if device is not None else backend_device()
         if cp == 1:  # the 3-dim mesh exactly as before context parallelism existed
             mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
@@ -173,18 +226,47 @@ class Topology:
                     created = dist.new_group([int(r) for r in grid[p, :, :, t].flatten()])
                     if (p, t) == (pp_rank, tp_rank):
                         dp_cp_group = created
+        dp_group = group("dp", dp)
+        dp_intra, dp_inter = _node_groups(grid, dp_per_node, (pp_rank, dp_rank, cp_rank, tp_rank), dp_group)
         return cls(
             dp=dp, tp=tp, pp=pp, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, rank=dist.get_rank(),
-            device=device, mesh=mesh, dp_group=group("dp", dp), tp_group=group("tp", tp), pp_group=group("pp", pp),
+            device=device, mesh=mesh, dp_group=dp_group, tp_group=group("tp", tp), pp_group=group("pp", pp),
             pp_ranks=tuple(int(r) for r in grid[:, dp_rank, cp_rank, tp_rank]), embedding_group=embedding_group,
             cp=cp, cp_rank=cp_rank, cp_group=group("cp", cp), cp_attention=cp_attention, dp_cp_group=dp_cp_group,
             sequence_parallel=sequence_parallel,
+            node_size=node_size, dp_per_node=dp_per_node, dp_intra_group=dp_intra, dp_inter_group=dp_inter,
         )
 
     def describe(self) -> str:
         cp = f" cp {self.cp_rank}/{self.cp} ({self.cp_attention})" if self.cp > 1 else ""
         return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}{cp} "
                 f"tp {self.tp_rank}/{self.tp}{' (sequence parallel)' if self.sequence_parallel else ''} on {self.device}")
+
+
+def _node_groups(grid, per_node: int, coords: tuple[int, int, int, int], dp_group):
+    """(intra, inter) dp groups of the rank at `coords` = (pp, dp, cp, tp) in `grid` (global ranks). When the
+    whole dp group fits in a node it is the intra group (inter: None); with one dp rank per node, the inter one.
+    Otherwise new groups, created by every rank in the same order (new_group is collective)."""
+    pp, dp, cp, tp = grid.shape
+    if per_node >= dp:
+        return dp_group, None
+    if per_node == 1:
+        return None, dp_group
+    intra = inter = None
+    p0, d0, c0, t0 = coords
+    for p in range(pp):
+        for c in range(cp):
+            for t in range(tp):
+                mine = (p, c, t) == (p0, c0, t0)
+                for k in range(dp // per_node):  # node k's dp ranks: consecutive indices
+                    created = dist.new_group([int(r) for r in grid[p, k * per_node:(k + 1) * per_node, c, t]])
+                    if mine and d0 // per_node == k:
+                        intra = created
+                for j in range(per_node):  # node-local position j on every node: every per_node-th index
+                    created = dist.new_group([int(r) for r in grid[p, j::per_node, c, t]])
+                    if mine and d0 % per_node == j:
+                        inter = created
+    return intra, inter
 
 
 def local_device(local_rank: int = 0) -> torch.device:

@@ -78,6 +78,7 @@ class ParallelSection:
     # Sequence parallelism inside the tp group (Megatron's sequence_parallel): the norm, dropout and residual regions
     # hold seq_len / (cp x tp) positions per rank, all-gather / reduce-scatter replace tp's all-reduce. Needs tp >= 2.
     sequence_parallel: bool = False
+    node_size: int = 0  # processes per node for HSDP / hpZ; 0: the launcher's LOCAL_WORLD_SIZE (one node alone)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class ZeroSection:
     stage: int = 0  # 0: plain data parallelism; 1: optimizer states partitioned; 2: + gradients; 3: + parameters
     reduce_bucket_size: int = 1 << 24  # elements per gradient bucket (one reduce-scatter each)
     offload: str = "none"  # "none" | "cpu" (ZeRO-Offload: fp32 masters + Adam moments in CPU memory, update on CPU)
+    shard_group: str = "dp"  # "dp": partition over all dp ranks | "node": HSDP, inside a node, replicated across
+    hpz: bool = False  # stage 3: ZeRO++ hpZ, backward all-gathers from a secondary shard inside the node
+    quantized_weights: bool = False  # stage 3: ZeRO++ qwZ, parameter gathers in int8 blocks of 256 (masters exact)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from megazoo.parallel.context.layout import check_context_layout
 from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
 from megazoo.parallel.pipeline.schedules import SCHEDULES
+from megazoo.parallel.topology import check_node_size
+from megazoo.parallel.zero.groups import check_shard_choice
 from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoint_model, from_checkpoint
 from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.sft_check import check_sft
@@ -210,6 +212,17 @@ def _check_optimizer(recipe: Recipe) -> None:
         raise RecipeError(str(err)) from None
 
 
+def _check_nodes(recipe: Recipe) -> None:
+    """parallel.node_size fits the layout (when given) and zero.shard_group / zero.hpz fit the stage."""
+    par, zero = recipe.parallel, recipe.zero
+    try:
+        check_node_size(par.node_size, par.dp, par.tp, par.pp, par.dp * par.tp * par.pp * par.cp, par.cp)
+        if zero.shard_group != "dp" or zero.hpz or zero.quantized_weights:
+            check_shard_choice(zero.shard_group, zero.hpz, zero.stage, par.cp, zero.quantized_weights)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
 def model_config(recipe: Recipe) -> ModelConfig:
     section = recipe.model
     try:
@@ -298,6 +311,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         raise RecipeError(f"zero.stage = {recipe.zero.stage} is invalid; valid: 0, 1, 2, 3")
     _positive("zero.reduce_bucket_size", recipe.zero.reduce_bucket_size)
     _choice("zero.offload", recipe.zero.offload, ("none", "cpu"))
+    _check_nodes(recipe)
     _check_optimizer(recipe)
     if recipe.zero.offload == "cpu" and recipe.zero.stage == 0:
         raise RecipeError("zero.offload = 'cpu' needs zero.stage >= 1 (only partitioned optimizer states are "

@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         init_distributed(rank, world_size, local_rank=local_rank, init_method="env://", timeout_s=par.timeout_s,
                          check_collectives=par.check_collectives, flight_recorder=par.flight_recorder)
     try:
-        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(par)
+        # Processes per node: the recipe's, else the launcher's (torchrun sets LOCAL_WORLD_SIZE), read here only.
+        node_size = par.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(par, node_size=node_size)
         result = run(res, topo, stop)
     except (CheckpointError, JobStalled) as err:
         # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch; a stalled peer

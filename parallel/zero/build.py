@@ -13,6 +13,7 @@ import torch.nn as nn
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS
+from megazoo.parallel.zero.groups import check_shard_choice, shard_groups
 from megazoo.parallel.zero.partitioned import TiedParameters
 from megazoo.parallel.zero.stage0 import DataParallelAdamW
 from megazoo.parallel.zero.stage3 import InitFn, ZeroStage3
@@ -24,14 +25,19 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
                bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                units: Sequence[nn.Module] = (), init_fn: InitFn | None = None,
                tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
-               adamw: Callable | None = None, compression=None):
+               adamw: Callable | None = None, compression=None, shard_group: str = "dp", hpz: bool = False,
+               quantized_weights: bool = False):
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
     a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
     parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
     `adamw(groups, lr=, betas=, eps=)` builds the optimizer over what the rank owns (the caller passes the
     kernels' adamw op); default: torch's single-tensor loop, torch.optim.AdamW(foreach=False).
-    `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 or 1."""
+    `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 or 1.
+    `shard_group` "node" (HSDP) and `hpz` (stage 3): the node-aware partitions of groups.py; `quantized_weights`
+    (stage 3): qwZ, the gathers in int8 blocks (quantized.py)."""
     adamw = adamw or _torch_adamw
+    groups = shard_groups(topo, shard_group, hpz, stage)  # validates the combination first
+    check_shard_choice(shard_group, hpz, stage, topo.cp, quantized_weights)
     if compression is not None:
         from megazoo.parallel.compressed.optimizer import CompressedAdam  # imports stage0: not at module level
         from megazoo.parallel.compressed.zero1 import CompressedAdamZero1
@@ -48,12 +54,13 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     if stage in (1, 2):
         return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of,
-                           adamw=adamw, model=model)
+                           adamw=adamw, model=model, groups=groups)
     if stage == 3:
         if topo.pp > 1:
             raise ValueError("zero.stage = 3 with parallel.pp > 1 is not supported; valid: zero.stage 0-2 with pp")
         return ZeroStage3(model, named, list(units), topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                          init_fn=init_fn, offload=offload, adamw=adamw)
+                          init_fn=init_fn, offload=offload, adamw=adamw, groups=groups,
+                          quantized_weights=quantized_weights)
     raise ValueError(f"zero.stage = {stage} is invalid; valid: 0, 1, 2, 3")
 
 

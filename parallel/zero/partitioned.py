@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from megazoo.parallel import accelerator
 from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state
-from megazoo.parallel.collectives import CommLedger, reduce_scatter_flat
+from megazoo.parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
 from megazoo.parallel.fake_world import same_memory
 from megazoo.parallel.grad_norm import flat_grad_norm
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, BufferPool
+from megazoo.parallel.zero.groups import ShardGroups, shard_groups
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # full-size gradient buffers alive at once while reductions overlap backward
 # (stages 1-2: buckets of reduce_bucket_size; stage 3 passes 1: its buckets are whole units, e.g. a transformer
@@ -45,13 +46,18 @@ class TiedParameters:
 class GradientReducer:
     """Reduce-scatters full-size gradient buffers over dp, asynchronously, into owned fp32 chunks.
 
-    Collective: reduce-scatter (sum) over dp per launched buffer; the owner then divides by dp. At most
+    Collective: reduce-scatter (sum) over dp per launched buffer; the owner then divides by dp. HSDP (`replicas`
+    > 1: the group is one node's dp ranks): the reduced chunk is then all-reduced (sum) over `replica_group`, the
+    same chunk's owners on the other nodes, and divided by dp = size x replicas. At most
     MAX_REDUCTIONS_IN_FLIGHT buffers are in flight: launching another first finishes the oldest, so the
     full-size buffers are freed during backward, not all at its end.
     """
 
-    def __init__(self, group, dp: int, ledger: CommLedger, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT):
+    def __init__(self, group, dp: int, ledger: CommLedger, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT, *,
+                 replica_group=None, replicas: int = 1):
         self.group, self.dp, self.ledger, self.max_in_flight = group, dp, ledger, max_in_flight
+        self.replica_group = replica_group
+        self.scale = 1.0 / (dp * replicas)  # the mean over every rank holding these parameters
         self.pool = BufferPool()  # this step's full-size gradient buckets (stages 2-3) and reduce-scatter outputs
         self._pending: deque = deque()
         self._host_adds: deque = deque()  # ZeRO-Offload: (event, pinned staging, owned CPU chunk) not yet added
@@ -75,6 +81,8 @@ class GradientReducer:
         work, out, owned_grad, on_done = self._pending.popleft()
         if work is not None:
             work.wait()
+        if self.replica_group is not None:  # HSDP: the node's sum of this chunk, summed over the nodes
+            all_reduce(out, self.replica_group, ledger=self.ledger)
         if not callable(owned_grad) and out.device != owned_grad.device and out.device.type == "cuda":
             # ZeRO-Offload: copy the reduced chunk into pinned host memory without blocking the backward that
             # called us; the CPU add happens once the copy's event has completed (at the latest in drain()).
@@ -83,10 +91,10 @@ class GradientReducer:
             event = accelerator.copy_event(out.device)
             self._host_adds.append((event, staging, owned_grad))
         elif callable(owned_grad):
-            if not owned_grad(out, 1.0 / self.dp):
+            if not owned_grad(out, self.scale):
                 self.pool.give(out)
         else:
-            owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=1.0 / self.dp)
+            owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=self.scale)
             self.pool.give(out)
         if on_done is not None:
             on_done()
@@ -96,7 +104,7 @@ class GradientReducer:
         while self._host_adds and (block or self._host_adds[0][0].query()):
             event, staging, owned_grad = self._host_adds.popleft()
             event.synchronize()
-            owned_grad.add_(staging.to(owned_grad.dtype), alpha=1.0 / self.dp)
+            owned_grad.add_(staging.to(owned_grad.dtype), alpha=self.scale)
 
     def finish_launched(self) -> None:
         """Wait for every launched reduction and add it into its owned chunk (their buffers go back to the pool)."""
@@ -135,10 +143,12 @@ class PartitionedOptimizer:
     def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, offload: str = "none",
                  tied: TiedParameters = TiedParameters(), specs: dict[str, ShardSpec] | None = None,
-                 adamw: Callable | None = None, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT):
+                 adamw: Callable | None = None, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT,
+                 groups: ShardGroups | None = None):
         if offload not in ("none", "cpu"):
             raise ValueError(f"zero.offload = {offload!r} is invalid; valid: 'none', 'cpu'")
-        self.topo, self.group = topo, topo.grad_group  # dp x cp (= dp when cp = 1)
+        self.groups = groups or shard_groups(topo)  # flat: dp x cp; HSDP: the node's dp ranks (groups.py)
+        self.topo, self.group = topo, self.groups.shard_group
         self.buckets = buckets
         self.shards = shards
         self.specs = specs or {}
@@ -146,7 +156,7 @@ class PartitionedOptimizer:
         # A tied parameter sits alone in its bucket (build_buckets' group_of), so the owned chunks line up.
         self.tied_buckets = [i for i, b in enumerate(buckets) if set(b.names) & tied.names]
         assert all(set(buckets[i].names) <= tied.names for i in self.tied_buckets), "tied parameters need own buckets"
-        self.comm = CommLedger()
+        self.comm = CommLedger(node_size=topo.node_size)  # bytes per link class once the node size is known
         self.offload = offload
         state_device = torch.device("cpu") if offload == "cpu" else topo.device
         pin = offload == "cpu" and topo.device.type == "cuda"
@@ -173,7 +183,8 @@ class PartitionedOptimizer:
                    "weight_decay": 0.0}]
         adamw = adamw or torch.optim.AdamW  # kernels' adamw op: reference loop, foreach, torch fused or apex
         self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-        self.reducer = GradientReducer(self.group, topo.grad_size, self.comm, max_in_flight)
+        self.reducer = GradientReducer(self.group, self.groups.shard_size, self.comm, max_in_flight,
+                                       replica_group=self.groups.replica_group, replicas=self.groups.replica_size)
         self.wait_s: dict[str, float] = defaultdict(float)  # host seconds waiting on all-gathers (benchmarks)
 
     def _timed_wait(self, works: list, kind: str = "all-gather") -> None:
@@ -186,7 +197,8 @@ class PartitionedOptimizer:
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm: one fused norm per owned chunk. Owned chunks partition every bucket: sum over dp.
+        """Global L2 norm: one fused norm per owned chunk. Owned chunks partition every bucket: sum over dp (HSDP:
+        over the node only; the other nodes hold the same chunks).
         tp-sharded buckets also sum over tp; replicated ones are counted once. Collectives: one all-reduce over
         dp, one over tp, one over pp."""
         parts = [(g, b.tp_sharded) for i, (b, g) in enumerate(zip(self.buckets, self.owned_grads))
@@ -279,7 +291,8 @@ class PartitionedOptimizer:
                 spec, n = self.specs[name], p.numel()
                 lo, hi = max(off, s), min(off + n, e)
                 if lo < hi:
-                    views += [StateView(name, spec, kind, lo - off, hi - off, t[lo - s:hi - s]) for kind, t in owned]
+                    views += [StateView(name, spec, kind, lo - off, hi - off, t[lo - s:hi - s],
+                                        write=self.groups.replica_rank == 0) for kind, t in owned]  # HSDP: node 0
                 if not self.params_partitioned:
                     views.append(StateView(name, spec, "param", 0, n, b.flat_params[off:off + n],
                                            write=self.topo.grad_rank == 0))

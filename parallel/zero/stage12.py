@@ -22,7 +22,9 @@ for the chunk of each bucket it owns (partitioned.py). One step:
               backward) waits for them first.
 
 Collectives per step, per bucket: one reduce-scatter (stage 2: per micro-batch) and one all-gather over dp:
-the same 2 x params x (dp-1)/dp elements per rank as plain data parallelism's all-reduce.
+the same 2 x params x (dp-1)/dp elements per rank as plain data parallelism's all-reduce. HSDP
+(zero.shard_group = "node", groups.py): both run over the node's dp ranks, and the owned gradient chunk is
+all-reduced over the nodes in between.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from megazoo.parallel.collectives import all_gather_flat
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import DEFAULT_BUCKET_ELEMENTS, build_buckets
+from megazoo.parallel.zero.groups import ShardGroups, shard_groups
 from megazoo.parallel.zero.interface import NothingToGather
 from megazoo.parallel.zero.partitioned import PartitionedOptimizer, TiedParameters
 
@@ -47,16 +50,17 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                  tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
-                 adamw: Callable | None = None, model: nn.Module | None = None):
+                 adamw: Callable | None = None, model: nn.Module | None = None, groups: ShardGroups | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroStage12 implements zero stage 1 or 2, not {stage}")
         def bucket_group(name: str):  # tied parameters alone; otherwise the caller's grouping
             return ("tied", name) if name in tied.names else (group_of(name) if group_of else None)
 
-        buckets = build_buckets(named, topo.grad_size, topo.grad_rank, bucket_elements, bucket_group)
+        groups = groups or shard_groups(topo)  # flat over dp, or HSDP: over the node's dp ranks (groups.py)
+        buckets = build_buckets(named, groups.shard_size, groups.shard_rank, bucket_elements, bucket_group)
         super().__init__(buckets, [b.flat_params[b.owned] for b in buckets], topo, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, offload=offload, tied=tied,
-                         specs={name: spec for name, _, spec in named}, adamw=adamw)
+                         specs={name: spec for name, _, spec in named}, adamw=adamw, groups=groups)
         self.stage = stage
         # Frozen parameters (LoRA's base weights) are in no bucket: held whole on every rank, no optimizer state.
         self.frozen_bytes = sum(p.numel() * p.element_size() for _, p, _ in named if not p.requires_grad)

@@ -16,6 +16,10 @@ Collectives (all over dp), per micro-batch:
 Owned gradient chunks exist from their unit's first reduce-scatter (whose output becomes the chunk) to the next
 step's first forward, which releases them (zero by then): no fp32 gradient memory while a forward runs.
 So 3 x params x (dp-1)/dp elements per rank per micro-batch: 1.5 x plain data parallelism.
+HSDP (zero.shard_group = "node"): every gather and reduce-scatter runs over the node's dp ranks, and each owned
+gradient chunk is all-reduced over the nodes. hpZ (zero.hpz): the forward's all-gather over dp leaves each rank a
+secondary copy of its node-local part of the unit, and the backward's all-gather runs inside the node from those
+(groups.py has the volumes).
 
 The root unit is gathered when the model's forward starts. It is freed again as soon as backward reaches the
 blocks, when no root parameter was saved for backward before or inside a block (checked each forward by a
@@ -38,6 +42,8 @@ from megazoo.parallel.collectives import all_gather_flat
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, build_buckets
+from megazoo.parallel.zero.groups import ShardGroups, shard_groups
+from megazoo.parallel.zero.quantized import quantized_all_gather
 from megazoo.parallel.zero.partitioned import PartitionedOptimizer
 
 Named = list[tuple[str, nn.Parameter, ShardSpec]]
@@ -62,6 +68,8 @@ class Unit:
         self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)  # from the reducer's pool
         self.got: list[set[int]] = [set() for _ in buckets]  # offsets of the gradients copied into grad_flats
         self.storages = {b.flat_params.untyped_storage()._cdata for b in buckets + self.frozen}  # saved views
+        self.secondary: list[torch.Tensor] | None = None  # hpZ: this rank's node-local part, forward to backward
+        self.capture = False  # hpZ: the gather in flight is a primary one; keep the secondary when it is done
         self.ready = 0
 
 
@@ -88,13 +96,18 @@ class ZeroStage3(PartitionedOptimizer):
     def after_load(self) -> None:
         """Loaded shards take effect at the next gather: make sure nothing stale is gathered now."""
         for unit in self.units:
+            unit.secondary = None
             if unit.gathered:
                 self._free(unit)
 
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
-                 check_order: bool = True, offload: str = "none", adamw: Callable | None = None):
-        self.dp_group = topo.grad_group  # dp x cp: every rank holding these parameters
+                 check_order: bool = True, offload: str = "none", adamw: Callable | None = None,
+                 groups: ShardGroups | None = None, quantized_weights: bool = False):
+        self.groups = groups = groups or shard_groups(topo)
+        self.qwz = quantized_weights  # forward/backward gathers in int8 blocks (quantized.py); never the masters
+        self._exact = False  # gathered(): full weights for export / checkpoints, never quantized
+        self.dp_group = groups.shard_group  # dp x cp: every rank holding these parameters; HSDP: the node's
         module_names = {m: n for n, m in model.named_modules()}
         prefixes = [module_names[u] + "." for u in units]
         per_unit: list[Named] = [[] for _ in range(len(units) + 1)]  # the last is the root unit
@@ -106,7 +119,7 @@ class ZeroStage3(PartitionedOptimizer):
             unit_named = _materialise(model, unit_named, init_fn, topo.device)
             half = sum(p.numel() for _, p, _ in unit_named) / 2  # a parameter this large gets its own bucket
             alone = {name for name, p, _ in unit_named if p.numel() >= half}
-            buckets, frozen = (build_buckets(unit_named, topo.grad_size, topo.grad_rank, UNBOUNDED,
+            buckets, frozen = (build_buckets(unit_named, groups.shard_size, groups.shard_rank, UNBOUNDED,
                                              group_of=lambda name: name if name in alone else None, frozen=f)
                                if unit_named else [] for f in (False, True))
             unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets, frozen)
@@ -115,7 +128,8 @@ class ZeroStage3(PartitionedOptimizer):
         all_buckets = [b for u in self.units for b in u.buckets]
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay, offload=offload,
-                         specs={name: spec for name, _, spec in named}, adamw=adamw, max_in_flight=1)
+                         specs={name: spec for name, _, spec in named}, adamw=adamw, max_in_flight=1,
+                         groups=groups)
         self._owned_grad_of = {}  # (unit, bucket) -> what the reducer adds the reduced chunk into
         k = 0
         for u in self.units:
@@ -153,7 +167,7 @@ class ZeroStage3(PartitionedOptimizer):
         instead of hanging or crashing in mismatched collectives. Collective: a tiny all-gather over dp."""
         code = 2 * unit.index + OPS.index(op)
         mine = torch.full((1,), code, dtype=torch.int64, device=self.topo.device)
-        everyone = torch.empty(self.topo.grad_size, dtype=torch.int64, device=self.topo.device)
+        everyone = torch.empty(self.groups.shard_size, dtype=torch.int64, device=self.topo.device)
         all_gather_flat(everyone, mine, self.dp_group)
         if (everyone != code).any():
             where = {r: f"{OPS[c % 2]} {self.units[c // 2].name}" for r, c in enumerate(everyone.tolist())}
@@ -166,23 +180,41 @@ class ZeroStage3(PartitionedOptimizer):
         if not unit.gathered and not unit.works:
             if self._check_order and self.dp_group is not None:
                 self._verify_same_unit(unit, "all-gather")
-            for b, shard in zip(unit.buckets + unit.frozen, unit.shards + unit.frozen_shards):
+            # hpZ: in backward (and a checkpointed block's recomputation) from the node's secondaries
+            from_node = self.groups.hpz and self._in_backward and unit.secondary is not None
+            group = self.groups.secondary_group if from_node else self.dp_group
+            shards = unit.secondary if from_node else unit.shards + unit.frozen_shards  # (frozen: LoRA's base)
+            for b, shard in zip(unit.buckets + unit.frozen, shards):
                 flat = b.flat_params
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-                if self.dp_group is None:
+                if group is None:
                     flat.copy_(shard)
+                elif self.qwz and not from_node and not self._exact:
+                    unit.works.append(quantized_all_gather(flat, shard, group, self.groups.shard_size,
+                                                           ledger=self.comm))
                 else:
-                    unit.works.append(all_gather_flat(flat, shard, self.dp_group, async_op=True, ledger=self.comm))
+                    unit.works.append(all_gather_flat(flat, shard, group, async_op=True, ledger=self.comm))
+            unit.capture = self.groups.hpz and not from_node
             if not unit.works:
-                unit.gathered = True
+                self._gathered(unit)
         if wait and unit.works:
             self._timed_wait(unit.works)
             unit.works.clear()
-            unit.gathered = True
+            self._gathered(unit)
+
+    def _gathered(self, unit: Unit) -> None:
+        """The unit's full parameters are in place; hpZ keeps this rank's node-local part of a primary gather."""
+        unit.gathered = True
+        if unit.capture:
+            n, r = self.groups.secondary_size, self.groups.secondary_rank
+            unit.secondary = [b.flat_params.view(n, -1)[r].clone() for b in unit.buckets + unit.frozen]
+            unit.capture = False
 
     def _free(self, unit: Unit) -> None:
-        self._timed_wait(unit.works)  # finish a prefetch in flight before freeing its buffer
-        unit.works.clear()
+        if unit.works:  # finish a prefetch in flight before freeing its buffer
+            self._timed_wait(unit.works)
+            unit.works.clear()
+            self._gathered(unit)
         for b in unit.buckets + unit.frozen:
             b.flat_params.untyped_storage().resize_(0)
         unit.gathered = False
@@ -238,6 +270,8 @@ class ZeroStage3(PartitionedOptimizer):
             self._saving = None
         if not torch.is_grad_enabled():  # no backward will follow (evaluation, generation)
             self._free(self.root)
+            for unit in self.units:
+                unit.secondary = None
 
     # ---- gradients ----------------------------------------------------------------------------------------
     def begin_micro_batch(self, last: bool) -> None:
@@ -289,6 +323,7 @@ class ZeroStage3(PartitionedOptimizer):
             self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)],
                                 on_done=lambda flat=flat: self.reducer.pool.give(flat))
         unit.ready = -1  # reduced for this micro-batch
+        unit.secondary = None  # hpZ: the next forward gathers (and keeps) fresh ones
         if unit.frozen and unit is not self.root:
             # Its frozen weights may still be read by this unit's backward (dx = g W) after the last trainable
             # gradient (LoRA's) is done: freed when the previous unit's backward starts (its output gradient
@@ -310,6 +345,8 @@ class ZeroStage3(PartitionedOptimizer):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
+        for unit in self.units:
+            unit.secondary = None  # hpZ: stale once the parameters change
         self.update_owned(lr)
         for k, shard in enumerate(self.shards):  # every unit's shards, in the masters' order
             self.write_owned(k, shard)
@@ -317,12 +354,17 @@ class ZeroStage3(PartitionedOptimizer):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit's full parameters, for reading full weights (export, tests); freed again afterwards."""
-        for unit in self.units:
-            self._gather(unit)
+        """Every unit's full parameters, for reading full weights (export, tests); freed again afterwards. Exact
+        under qwZ: a unit gathered in int8 blocks is gathered again in full precision."""
+        self._exact = True
         try:
+            for unit in self.units:
+                if self.qwz and unit.gathered:
+                    self._free(unit)
+                self._gather(unit)
             yield
         finally:
+            self._exact = False
             for unit in self.units:
                 self._free(unit)
 
@@ -330,5 +372,6 @@ class ZeroStage3(PartitionedOptimizer):
         params = sum(s.numel() * s.element_size() for u in self.units for s in u.shards + u.frozen_shards)
         params += sum(b.flat_params.untyped_storage().nbytes()  # gathered right now
                       for u in self.units for b in u.buckets + u.frozen)
+        params += sum(s.numel() * s.element_size() for u in self.units for s in u.secondary or [])  # hpZ
         grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()  # grad_flats are in the reducer's pool
         return {"params": params, "grads": grads, "optimizer": self.optimizer_bytes()}

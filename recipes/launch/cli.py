@@ -59,6 +59,11 @@ def check_layout(recipe: Recipe, nnodes: int, nproc_per_node: int | None) -> int
                           f"{nnodes * nproc_per_node} processes: change the nodes or processes per node, or set "
                           f"parallel.dp / tp / pp (--set parallel.dp=...) so that dp x tp x pp = "
                           f"{nnodes * nproc_per_node}")
+    node_size = getattr(recipe.parallel, "node_size", 0)
+    if node_size and nnodes > 1 and node_size != nproc_per_node:  # HSDP / hpZ would split the wrong ranks
+        raise RecipeError(f"parallel.node_size = {node_size} but each node starts --nproc-per-node "
+                          f"{nproc_per_node} processes: set parallel.node_size = {nproc_per_node} or 0 (torchrun's "
+                          "LOCAL_WORLD_SIZE)")
     return nproc_per_node
 
 

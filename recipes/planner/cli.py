@@ -4,6 +4,8 @@
     megazoo plan --params 7.5e9 --dp 64            # the ZeRO paper's Table 1 row: 120, 31.4, 16.6, 1.88 GB
     megazoo plan --recipe recipes/tnlg-17b.toml --gpu-memory 32      # fits: yes/no, exit 0/3 (plan_fit_cli.py)
     megazoo plan --search --model tnlg-17b --gpus 256 --gpu v100-32gb
+    megazoo plan --model tnlg-17b --dp 256 --zero 3 --node-size 8 --inter-bw 3   # + bytes per link class and
+                                                   # which of flat ZeRO / HSDP / hpZ wins (recipes/planner/links.py)
 
 Without --zero every stage 0-3 is printed. Output: a markdown table per device (GB = 1e9 bytes), how Psi was
 derived, and the buffer line (kept apart from the paper's model-state numbers); --json prints the same data.
@@ -20,6 +22,8 @@ from decimal import Decimal, InvalidOperation
 from megazoo.recipes.planner.zero import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
                                            StateBytes, format_gb, format_sig, plan)
 from megazoo.recipes.planner import fit_cli as plan_fit_cli
+from megazoo.recipes.planner.links import rank_shardings
+from megazoo.recipes.planner.zero import GB
 from megazoo.recipes.planner.shards import plan_model
 
 # --paper: the ZeRO paper's bytes per parameter (bf16/fp16/mixed: 2 + 2 + K=12; fp32: 4 + 4 + 8). Without it,
@@ -227,8 +231,35 @@ def run(args: argparse.Namespace) -> int:
     except (UsageError, PlanError) as err:
         print(f"megazoo plan: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(to_dict(p), indent=2) if args.json else to_markdown(p))
+    if args.node_size is None:
+        print(json.dumps(to_dict(p), indent=2) if args.json else to_markdown(p))
+        return 0
+    try:
+        lines = link_lines(p, _count("--node-size", args.node_size), args.intra_bw or 150.0, args.inter_bw or 12.5)
+    except (UsageError, PlanError) as err:
+        print(f"megazoo plan: error: {err}", file=sys.stderr)
+        return 2
+    print(to_markdown(p) + "\n\n" + "\n".join(lines))
     return 0
+
+
+def link_lines(p: Plan, node_dp: int, intra_gbs: float, inter_gbs: float) -> list[str]:
+    """Per stage: flat ZeRO, HSDP and hpZ's bytes per rank per step on each link class, fastest first."""
+    element = p.state.params
+    lines = [f"Per link class: {node_dp} dp ranks per node ({p.dp // min(node_dp, p.dp)} nodes), "
+             f"{intra_gbs:g} GB/s intra-node, {inter_gbs:g} GB/s inter-node per GPU; GB per rank per step, "
+             "nothing overlapped (recipes/planner/links.py)", "",
+             "| stage | layout | intra-node GB | inter-node GB | comm s | model states GB (paper) |",
+             "|---:|:---|---:|---:|---:|---:|"]
+    for s in p.stages:
+        ranked = rank_shardings(p.psi, p.dp, node_dp, s.stage, element_bytes=element, intra_bw=intra_gbs * 1e9,
+                                inter_bw=inter_gbs * 1e9, state=p.state, grad_accum=p.grad_accum)
+        for i, c in enumerate(ranked):
+            v = c.volume
+            lines.append(f"| {s.stage} | {v.sharding}{' (wins)' if i == 0 and len(ranked) > 1 else ''} | "
+                         f"{v.intra * element / GB:.3g} | {v.inter * element / GB:.3g} | {c.seconds:.3g} | "
+                         f"{c.state_bytes / GB:.3g} |")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,6 +297,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dry-run: the device of the fake tensors (cuda: a fake CUDA device in a fresh "
                              "interpreter, built on first use with g++; every CUDA call it stubs is listed as not "
                              "executed)")
+    parser.add_argument("--node-size", default=None,
+                        help="dp ranks per node: also print each stage's bytes per link class for flat ZeRO, HSDP "
+                             "and hpZ and which is fastest at --intra-bw / --inter-bw (GB/s; default 150 / 12.5)")
     plan_fit_cli.add_arguments(parser)
 
 

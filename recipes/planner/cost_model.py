@@ -11,7 +11,8 @@ overlapped (an upper bound on what overlap would give; the ranking, not the abso
     pp        per micro-batch one activation forward and one gradient backward across each stage boundary,
               over the inter-node bandwidth once tp x pp spans more than a node
     dp        recipes/planner/zero.py's communication volume of the stage's Psi (stage 2 / 3: per micro-batch),
-              over the inter-node bandwidth when the job spans nodes, else intra-node
+              over the inter-node bandwidth when the job spans nodes, else intra-node; HSDP and hpZ layouts
+              (recipes/planner/links.py) split it into intra-node and inter-node bytes, each at its bandwidth
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import PlanError, communication_volume
 from megazoo.recipes.planner.fit import PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
 from megazoo.recipes.planner.gpus import GPU
+from megazoo.recipes.planner.links import link_volume
 from megazoo.recipes.planner.flops import model_flops_per_token
 
 
@@ -81,7 +83,11 @@ def step_time(cfg: ModelConfig, layout: Layout, psi: int, cm: CostModel) -> Step
         bw = cm.inter_node_bw if layout.tp * layout.pp > cm.per_node else cm.intra_node_bw
         pp_comm = 2 * m * act / bw  # each stage sends every micro-batch's activation and gradient once
     dp_bw = cm.inter_node_bw if layout.gpus > cm.per_node else cm.intra_node_bw
-    dp_comm = communication_volume(psi, layout.dp, layout.zero, state, grad_accum=m).bytes / dp_bw
+    if layout.sharding == "flat":
+        dp_comm = communication_volume(psi, layout.dp, layout.zero, state, grad_accum=m).bytes / dp_bw
+    else:
+        dp_comm = link_volume(psi, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
+                              grad_accum=m).seconds(state.params, cm.intra_node_bw, cm.inter_node_bw)
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm)
 
 
@@ -113,12 +119,12 @@ def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, gl
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
-            for zero in zero_stages:
+            for zero, sharding in _zero_choices(zero_stages, dp, tp, cm.per_node):
                 if (zero == 3 and pp > 1) or (zero and dp == 1):  # megazoo: no stage 3 with pp; dp 1: nothing to split
                     continue
                 for ckpt in (False, True):
                     base = Layout(dp, tp, pp, zero, 1, per_rank, seq_len, ckpt, precision=precision,
-                                  flash_attention=flash_attention)
+                                  flash_attention=flash_attention, sharding=sharding, node_size=cm.per_node)
                     mb = _best_micro_batch(cfg, base, capacity_gb, per_rank, paper)
                     if not mb:
                         continue
@@ -126,6 +132,21 @@ def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, gl
                     mem = device_memory(cfg, lay, capacity_gb, paper=paper)
                     found.append(Candidate(mem, step_time(cfg, lay, mem.psi, cm)))
     return sorted(found, key=lambda c: c.time.total)
+
+
+def _zero_choices(stages, dp: int, tp: int, per_node: int) -> list[tuple[int, str]]:
+    """(stage, sharding) pairs: flat always; HSDP (stages 1-3) and hpZ (stage 3) when the dp group spans nodes
+    and splits evenly into them (parallel/topology.check_node_size's rule)."""
+    node_dp = per_node // tp if per_node % tp == 0 else 0
+    spans = 0 < node_dp < dp and dp % node_dp == 0
+    out = []
+    for zero in stages:
+        out.append((zero, "flat"))
+        if spans and zero:
+            out.append((zero, "hsdp"))
+        if spans and zero == 3:
+            out.append((zero, "hpz"))
+    return out
 
 
 def _best_micro_batch(cfg: ModelConfig, base: Layout, capacity_gb: float, per_rank: int, paper: bool) -> int:

@@ -61,6 +61,9 @@ class StepMeasurement:
     host_reads: dict[str, int] = field(default_factory=dict)  # call site -> placeholder reads (dry run only)
     by_group: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (op, "mesh_dp"...) -> count, bytes
     copies: dict[str, list[int]] = field(default_factory=dict)  # host <-> device: [count, bytes, blocking count]
+    # ZeRO's ring bytes per link class ("intra" / "inter" node; parallel/collectives.CommLedger) when the recipe
+    # says parallel.node_size: what recipes/planner/links.py's link_volume predicts
+    link_bytes: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,7 +207,7 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
             peak = mem.peak(device)
             host_bytes = mem.peak(torch.device("cpu"))["total"] if offload else 0
     return StepMeasurement(peak, host_bytes, rec.summary(), rec.trace, flops.get_total_flops(),
-                           dict(rec.host_reads), dict(rec.by_group), dict(rec.copies))
+                           dict(rec.host_reads), dict(rec.by_group), dict(rec.copies), dict(zero.comm.link_bytes))
 
 
 def fake_cuda_kernels(res: Resolved) -> tuple[Resolved, list[str]]:
@@ -240,7 +243,8 @@ def run_role(res: Resolved, role: Role, device: str = "cpu") -> RoleResult:
     if device == "cuda":
         res, _ = fake_cuda_kernels(res)
     with fake_process_group(role.rank, par.dp * par.tp * par.pp):
-        topo = Topology.build(par.dp, par.tp, par.pp, device=device, sequence_parallel=par.sequence_parallel)
+        topo = Topology.build(par.dp, par.tp, par.pp, device=device, sequence_parallel=par.sequence_parallel,
+                              node_size=par.node_size)
         with fake_tensors():
             measured = measure_step(lambda: Trainer(res, topo, shaped_data(res)),
                                     offload=res.recipe.zero.offload == "cpu", placeholders=True)

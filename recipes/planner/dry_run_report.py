@@ -24,6 +24,7 @@ from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, commun
 from megazoo.recipes.planner.activations import stage_activations
 from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import PRECISION_BYTES, activation_spec, recipe_layout, state_memory
+from megazoo.recipes.planner.links import link_volume
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
@@ -55,6 +56,11 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].total_bytes,
            "buffers": buf, "dp_comm_bytes": comm.bytes if layout.dp > 1 else 0.0, "psi": st.numel}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
+    if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
+        root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
+        links = link_volume(st.numel, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
+                            grad_accum=layout.grad_accum, root=root)
+        out["link_bytes"] = {"intra": links.intra * state.params, "inter": links.inter * state.params}
     return out
 
 
@@ -105,7 +111,8 @@ def role_dict(res: Resolved, r: RoleResult) -> dict:
             "collectives": m.collectives, "by_group": [[op, desc, count, nbytes] for (op, desc), (count, nbytes)
                                                        in sorted(m.by_group.items())],
             "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
-            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
+            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "link_bytes": m.link_bytes,
+            "planned_link_bytes": plan.get("link_bytes", {}), "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
                 res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
 
 
@@ -155,6 +162,10 @@ def to_text(res: Resolved, rep: dict) -> str:
                          f"{col['bytes'] / GB:.4f} GB")
         lines.append(f"  dp ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
                      f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
+        for link, nbytes in sorted(row.get("link_bytes", {}).items()):  # with parallel.node_size
+            want = row["planned_link_bytes"].get(link, 0.0)
+            lines.append(f"  ZeRO {link}-node bytes sent: {_gb(nbytes)} GB vs the planner's {_gb(want)} GB "
+                         f"({_pct(rel(nbytes, want))})")
         for way, (count, nbytes, blocking) in sorted(row.get("copies", {}).items()):
             lines.append(f"  {way.replace('_', '-')} copies: {count} x, {nbytes / GB:.4f} GB, {blocking} blocking")
         lines.append(f"  FLOPs: {row['flops']:.4g} counted vs {row['formula_flops']:.4g} by formula "

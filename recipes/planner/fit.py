@@ -59,6 +59,13 @@ class Layout:
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     sequence_parallel: bool = False  # norm / dropout regions split over tp (activations.py)
     lora: LoRAConfig | None = None  # LoRA: only the adapters have gradients and optimizer states
+    sharding: str = "flat"  # ZeRO over all dp ranks | "hsdp" (inside a node) | "hpz" (stage 3): planner/links.py
+    node_size: int = 0  # GPUs per node (HSDP / hpZ); 0: one node
+
+    @property
+    def dp_per_node(self) -> int:
+        """dp ranks of one (pp, tp) position on a node (ranks fill nodes tp-innermost, as the Topology)."""
+        return min(self.dp, self.node_size // (self.tp * self.cp)) if self.node_size else self.dp
 
     @property
     def gpus(self) -> int:
@@ -131,10 +138,15 @@ class DeviceMemory:
 def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelStateMemory:
     """Model states of `psi` parameters per device under `layout`, partitioned over dp x cp (cp ranks hold the
     same parameters): megazoo's optimizers' bytes, or with `paper` the ZeRO paper's (planner.py owns both)."""
-    n = layout.dp * layout.cp
+    n = layout.dp_per_node if layout.sharding == "hsdp" else layout.dp * layout.cp  # HSDP: inside a node
     if paper:
-        return model_state_memory(psi, n, layout.zero, PRECISION_BYTES[layout.precision][0], offload=layout.offload)
-    return megazoo_state_memory(psi, n, layout.zero, MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
+        mem = model_state_memory(psi, n, layout.zero, PRECISION_BYTES[layout.precision][0], offload=layout.offload)
+    else:
+        mem = megazoo_state_memory(psi, n, layout.zero, MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
+    if layout.sharding == "hpz":  # + the secondary copy of the node's share of the parameters
+        mem = replace(mem, params_bytes=mem.params_bytes + psi / layout.dp_per_node
+                      * PRECISION_BYTES[layout.precision][0].params)
+    return mem
 
 
 def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
@@ -210,7 +222,9 @@ def recipe_layout(resolved) -> Layout:
                   train.activation_checkpointing, zero.offload == "cpu", par.schedule, par.virtual_stages,
                   tuple(tuple(x) for x in resolved.stage_layers), train.precision, zero.reduce_bucket_size,
                   r.kernels.attention in ("", "torch", "recompute"),  # SDPA and "recompute": no scores kept
-                  cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None)
+                  cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
+                  sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
+                  node_size=par.node_size)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

@@ -145,4 +145,6 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
         units=list(model.h.values()), tied=tied, group_of=chunk_of.get, adamw=kernels["adamw"].fn,
         compression=compression_of(res.recipe),  # [optimizer]: 1-bit / 0-1 Adam (parallel/compressed/)
+        shard_group=zero.shard_group, hpz=zero.hpz,  # HSDP / ZeRO++ hpZ (parallel/zero/groups.py)
+        quantized_weights=zero.quantized_weights,  # ZeRO++ qwZ (parallel/zero/quantized.py)
         init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))

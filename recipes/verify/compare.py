@@ -52,7 +52,7 @@ def _layout_ranks(res: Resolved, loss_scaling: bool) -> list[dict]:
     par = res.recipe.parallel
 
     def work():
-        topo = Topology.of(par)
+        topo = Topology.of(par)  # the recipe's nodes (HSDP / hpZ), else one node
         return _train(res, topo, loss_scaling)
 
     if res.world_size == 1:

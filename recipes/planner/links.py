@@ -1,0 +1,112 @@
+"""ZeRO's communication per link class (intra-node vs inter-node) for flat ZeRO, HSDP and ZeRO++ hpZ, and which
+layout wins for a node size and an inter-node bandwidth. Pure arithmetic, like recipes/planner/zero.py.
+
+Psi parameters per device before ZeRO, N = dp, n = dp ranks per node, m = N / n nodes, A = micro-batches per
+step; one(k) = Psi (k - 1) / k (one ring reduce-scatter or all-gather of Psi over k ranks, per rank). A ring over
+a group that spans nodes runs at the pace of its cross-node hops, so all its bytes count as inter-node (as the
+ZeRO++ paper counts ZeRO-3's cross-node volume, and as parallel/collectives.CommLedger measures it):
+
+    layout  stage   intra-node (per rank, per step)        inter-node (per rank, per step)
+    flat    1       -                                      2 one(N)            (all of zero.communication_volume,
+    flat    2       -                                      (A + 1) one(N)       when the dp group spans nodes;
+    flat    3       -                                      3 A one(N)           intra-node when m = 1)
+    hsdp    1       2 one(n)                               2 (Psi / n) (m - 1) / m   (all-reduce of the chunk)
+    hsdp    2       (A + 1) one(n)                         A x the same              (each micro-batch's chunk)
+    hsdp    3       3 A one(n)                             A x the same
+    hpz     3       A one(n)   (backward gather)           2 A one(N)   (forward gather + reduce-scatter)
+
+Stage 3 gathers each block twice per micro-batch but its root unit (embeddings, final norm: `root` elements)
+once, so its "3 one(.)" is (3 Psi - root) (k - 1) / k and hpZ's backward gather is (Psi - root) (n - 1) / n;
+root = 0 gives the paper's figures.
+
+Memory (model states, parallel/zero/groups.py): HSDP partitions over n instead of N; hpZ keeps stage 3's
+partition over N plus a secondary copy of Psi / n parameters (held from a unit's forward to its backward, here
+counted whole: the upper bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megazoo.recipes.planner.zero import PlanError, communication_volume, model_state_memory, StateBytes
+
+SHARDINGS = ("flat", "hsdp", "hpz")
+
+
+@dataclass(frozen=True)
+class LinkVolume:
+    """Elements each rank sends per step on each link class."""
+
+    sharding: str
+    stage: int
+    intra: float
+    inter: float
+
+    def seconds(self, element_bytes: int, intra_bw: float, inter_bw: float) -> float:
+        """Time on the wire, nothing overlapped: intra bytes at intra_bw + inter bytes at inter_bw (bytes/s)."""
+        return self.intra * element_bytes / intra_bw + self.inter * element_bytes / inter_bw
+
+
+def check_sharding(sharding: str, stage: int, dp: int, per_node: int) -> None:
+    if sharding not in SHARDINGS:
+        raise PlanError(f"sharding {sharding!r} is invalid; valid: {', '.join(SHARDINGS)}")
+    if sharding != "flat" and stage == 0:
+        raise PlanError(f"sharding {sharding!r} needs ZeRO stage 1-3 (stage 0 partitions nothing)")
+    if sharding == "hpz" and stage != 3:
+        raise PlanError(f"sharding 'hpz' needs ZeRO stage 3 (got {stage})")
+    if not isinstance(per_node, int) or per_node < 1 or (dp % per_node if per_node < dp else per_node % dp):
+        raise PlanError(f"dp ranks per node = {per_node!r} must divide dp = {dp} (or be a multiple of it)")
+
+
+def link_volume(psi: int, dp: int, per_node: int, stage: int, sharding: str = "flat", *,
+                grad_accum: int = 1, root: int = 0) -> LinkVolume:
+    """The table above: elements per rank per step on each link class (`root`: stage 3's root unit)."""
+    check_sharding(sharding, stage, dp, per_node)
+    if not 0 <= root <= psi:
+        raise PlanError(f"root = {root} elements must be between 0 and psi = {psi}")
+    n = min(per_node, dp)
+    m = dp // n
+    a = grad_accum
+
+    def one(k: int) -> float:
+        return psi * (k - 1) / k
+
+    if sharding == "flat":
+        total = communication_volume(psi, dp, stage, grad_accum=a).elements
+        total -= a * root * (dp - 1) / dp if stage == 3 else 0.0
+        return LinkVolume(sharding, stage, 0.0 if m > 1 else total, total if m > 1 else 0.0)
+    if sharding == "hpz":
+        return LinkVolume(sharding, stage, a * (psi - root) * (n - 1) / n, 2 * a * one(dp))
+    chunk_all_reduce = 2 * (psi / n) * (m - 1) / m
+    intra = {1: 2 * one(n), 2: (a + 1) * one(n), 3: a * (3 * psi - root) * (n - 1) / n}[stage]
+    return LinkVolume(sharding, stage, intra, (1 if stage == 1 else a) * chunk_all_reduce)
+
+
+def link_state_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str,
+                     state: StateBytes) -> float:
+    """Model-state bytes per device (the ZeRO paper's accounting) under `sharding`."""
+    check_sharding(sharding, stage, dp, per_node)
+    n = min(per_node, dp)
+    mem = model_state_memory(psi, n if sharding == "hsdp" else dp, stage, state)
+    secondary = psi / n * state.params if sharding == "hpz" else 0.0
+    return replace(mem, params_bytes=mem.params_bytes + secondary).device_bytes
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    volume: LinkVolume
+    seconds: float
+    state_bytes: float
+
+
+def rank_shardings(psi: int, dp: int, per_node: int, stage: int, *, element_bytes: int, intra_bw: float,
+                   inter_bw: float, state: StateBytes, grad_accum: int = 1) -> list[LinkChoice]:
+    """Every sharding that applies to `stage`, fastest on the wire first (ties: less memory first)."""
+    out = []
+    for sharding in SHARDINGS:
+        if (sharding == "hpz" and stage != 3) or (sharding != "flat" and stage == 0):
+            continue
+        vol = link_volume(psi, dp, per_node, stage, sharding, grad_accum=grad_accum)
+        out.append(LinkChoice(vol, vol.seconds(element_bytes, intra_bw, inter_bw),
+                              link_state_bytes(psi, dp, per_node, stage, sharding, state)))
+    return sorted(out, key=lambda c: (c.seconds, c.state_bytes))

@@ -1,0 +1,87 @@
+"""The dry run counts ZeRO's bytes per link class (intra- vs inter-node) at the recipe's full world size, and
+they are what recipes/planner/links.py's formulas say; the planner ranks HSDP / hpZ beside flat ZeRO."""
+
+from __future__ import annotations
+
+import pytest
+from recipe_helpers import tiny_resolved
+
+from megazoo.models.layout import parameter_layout
+from megazoo.recipes.planner.cli import main as plan_main
+from megazoo.recipes.planner.cost_model import CostModel, search
+from megazoo.recipes.planner.dry_run import roles, run_role
+from megazoo.recipes.planner.dry_run_report import report, to_text
+from megazoo.recipes.planner.links import link_volume, rank_shardings
+from megazoo.recipes.planner.zero import MIXED_ADAM, PlanError
+
+DP, NODE = 8, 2  # 4 "nodes" of 2 dp ranks
+
+
+@pytest.mark.parametrize("stage, sharding", [(2, "flat"), (3, "flat"), (1, "hsdp"), (2, "hsdp"), (3, "hsdp"), (3, "hpz")])
+def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding):
+    zero = {"stage": stage, "reduce_bucket_size": 20_000, "shard_group": "node" if sharding == "hsdp" else "dp",
+            "hpz": sharding == "hpz"}
+    res = tiny_resolved(parallel={"dp": DP, "node_size": NODE}, zero=zero,
+                        train={"micro_batch": 1, "grad_accum": 2, "precision": "fp32", "steps": 1},
+                        kernels={"adamw": ""})  # the reference loop reads the step count on the host
+    result = run_role(res, roles(res)[0])
+    measured = result.measured.link_bytes
+    psi = sum(p.numel for p in parameter_layout(res.model))  # what the model allocates (padded vocabulary)
+    # stage 3's root unit (every parameter outside the blocks) is gathered in forward only
+    root = sum(p.numel for p in parameter_layout(res.model) if not p.name.startswith("h.")) if stage == 3 else 0
+    planned = link_volume(psi, DP, NODE, stage, sharding, grad_accum=2, root=root)
+    # Buckets are padded to a multiple of dp (< dp elements each) and the gradient norm adds 2 numbers: 0.1%.
+    assert measured.get("inter", 0.0) == pytest.approx(planned.inter * 4, rel=1e-3)
+    assert measured.get("intra", 0.0) == pytest.approx(planned.intra * 4, rel=1e-3)
+    # the dry run's report puts the same plan beside the measurement (megazoo plan --recipe R --dry-run)
+    rep = report(res, [result], 80.0, 0.0)
+    row = rep["roles"][0]
+    for link in ("intra", "inter"):
+        assert row["planned_link_bytes"][link] == pytest.approx(measured.get(link, 0.0), rel=1e-3)
+    assert "ZeRO inter-node bytes sent" in to_text(res, rep)
+
+
+def test_which_layout_wins_depends_on_the_inter_node_bandwidth():
+    psi, dp, node = 7_500_000_000, 64, 8  # the ZeRO paper's 7.5B model on 8 nodes of 8
+    def ranked(inter_gbs, stage=3):
+        return [c.volume.sharding for c in rank_shardings(psi, dp, node, stage, element_bytes=2, intra_bw=150e9,
+                                                          inter_bw=inter_gbs * 1e9, state=MIXED_ADAM)]
+    assert ranked(3) == ["hsdp", "hpz", "flat"]  # slow network: the fewest cross-node bytes win
+    # inter-node as fast as intra-node: every byte costs alike. flat sends 3 (N-1)/N Psi = 2.95 Psi; HSDP
+    # 3 (n-1)/n + 2 (n-1)/n^2 = 2.84 Psi and hpZ 2 (N-1)/N + (n-1)/n = 2.84 Psi: a tie, broken by memory (hpZ's
+    # states are partitioned over all 64 ranks, HSDP's over 8). Flat ZeRO wins on memory only.
+    assert ranked(150) == ["hpz", "hsdp", "flat"]
+    flat, hsdp, hpz = (link_volume(psi, dp, node, 3, s) for s in ("flat", "hsdp", "hpz"))
+    assert flat.inter == pytest.approx(3 * psi * 63 / 64) and flat.intra == 0
+    assert hpz.inter == pytest.approx(2 / 3 * flat.inter)  # ZeRO++: hpZ removes the backward gather's third
+    assert hsdp.inter == pytest.approx(2 * psi / 8 * 7 / 8)  # one all-reduce of the node's chunk
+    assert [c.volume.sharding for c in rank_shardings(psi, dp, node, 0, element_bytes=2, intra_bw=1,
+                                                      inter_bw=1, state=MIXED_ADAM)] == ["flat"]
+    with pytest.raises(PlanError, match=r"dp ranks per node = 3 must divide dp = 64"):
+        link_volume(psi, dp, 3, 3, "hsdp")
+    with pytest.raises(PlanError, match=r"sharding 'hpz' needs ZeRO stage 3 \(got 2\)"):
+        link_volume(psi, dp, 8, 2, "hpz")
+
+
+def test_search_ranks_hsdp_and_hpz_layouts():
+    from megazoo.models.presets import get_preset
+    cm = CostModel(peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=3e9, per_node=8)
+    found = search(get_preset("gpt2-1.5b"), 64, 80.0, cm, global_batch=64, seq_len=1024, zero_stages=(3,))
+    kinds = {c.layout.sharding for c in found}
+    assert kinds == {"flat", "hsdp", "hpz"}
+    best = {}
+    for c in found:  # the fastest of each sharding at the same (dp, tp, pp)
+        key = (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.sharding)
+        best.setdefault(key, c)
+    for (dp, tp, pp, kind), c in best.items():
+        if kind == "flat" and (dp, tp, pp, "hsdp") in best:
+            assert best[(dp, tp, pp, "hsdp")].time.dp_comm < c.time.dp_comm  # 3 GB/s across nodes: HSDP wins
+    assert found[0].layout.sharding != "flat"
+
+
+def test_plan_cli_prints_bytes_per_link_and_the_winner(capsys):
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--node-size", "8", "--inter-bw", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "8 dp ranks per node (8 nodes)" in out and "| 3 | hsdp (wins) |" in out and "| 3 | hpz |" in out
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--node-size", "3"]) == 2
+    assert "dp ranks per node = 3 must divide dp = 64" in capsys.readouterr().err
