@@ -19,8 +19,10 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/megazoo train recipes/demo.toml
 
+# Two pytest workers (pytest-xdist), one file at a time each: most of the suite is one busy process, so the
+# second core would otherwise idle (the multi-process tests still share the two). Serial: `pytest -q -p no:xdist`.
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile
 
 # The GPU suite (tests/gpu): on a CUDA machine, install the CUDA torch wheel first (README "On a GPU machine").
 # MEGAZOO_TEST_GPU=1 keeps the GPUs visible to the tests; Triton runs compiled, never interpreted.
