@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megazoo-installed
 
-.PHONY: install demo test test-gpu clean
+.PHONY: install demo sft-demo test test-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/megazoo train recipes/demo.toml
+
+# The fine-tuning demo (recipes/sft-demo.toml): LoRA on `make demo`'s model (trained first if it is missing), taught
+# to answer a docstring with its signature through the ChatML template; prints the answers before and after.
+sft-demo: install
+	test -d runs/demo/checkpoints || $(VENV)/bin/megazoo train recipes/demo.toml
+	$(VENV)/bin/megazoo data sft-demo --checkpoint runs/demo/checkpoints --output-prefix runs/sft-demo-data/stdlib_sft --overwrite
+	$(VENV)/bin/megazoo train recipes/sft-demo.toml
 
 # Two pytest workers (pytest-xdist), one file at a time each: most of the suite is one busy process, so the
 # second core would otherwise idle (the multi-process tests still share the two). Serial: `pytest -q -p no:xdist`.

@@ -153,3 +153,19 @@ def chat_prompt(tokenizer, template: str, user_text: str) -> list[int]:
     """One user turn as a fine-tuned model's prompt, through the template its dataset was written with."""
     _, render = resolve_template(tokenizer, template)
     return encode_prompt([{"role": "user", "content": user_text}], render, chat_encoder(tokenizer))
+
+
+def end_of_turn(render: Render) -> str:
+    """The text a template writes right after an assistant reply (`<|im_end|>` for chatml, `<|eot_id|>` for
+    llama3): what a fine-tuned model emits when its answer is done. Read from the template itself, so the
+    tokenizer's own template works too: render one exchange and take what follows the reply, whitespace dropped."""
+    reply = "\x00reply\x00"
+    text = render([{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}], False)
+    return text[text.rindex(reply) + len(reply):].strip()
+
+
+def cut_at_end_of_turn(text: str, marker: str) -> tuple[str, bool]:
+    """(the answer before the first end-of-turn marker, whether the marker was there)."""
+    if marker and marker in text:
+        return text[:text.index(marker)], True
+    return text, False

@@ -70,7 +70,8 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, more=()) -> None:
+    """`fetch`, then each of `more` (functions adding a subcommand: recipes/cli.py passes `sft-demo`)."""
     sub = parser.add_subparsers(dest="data_command", required=True)
     fetch = sub.add_parser("fetch", help="download published data, checked against its sha256",
                            description=__doc__.split("\n\n")[0])
@@ -83,13 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="download from URL/FOLDER/FILE (a copy laid out like a data folder, e.g. "
                             "URL/gpt2_bpe/encoder.json) instead of the published sources")
     fetch.set_defaults(func=_fetch)
+    for add in more:  # `megazoo data sft-demo` (recipes/sft_demo_cli.py: it reads a checkpoint, above data/)
+        add(sub)
 
 
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add `data` (fetch) to the `megazoo` subcommands; its func returns the exit code."""
-    parser = subparsers.add_parser("data", help="fetch the published evaluation data and GPT-2 vocabulary",
+def register(subparsers, more=()) -> argparse.ArgumentParser:
+    """Add `data` (fetch, sft-demo) to the `megazoo` subcommands; its func returns the exit code."""
+    parser = subparsers.add_parser("data", help="fetch the published evaluation data and GPT-2 vocabulary; build "
+                                                "the SFT demo's dataset",
                                    description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    add_arguments(parser, more)
     return parser
 
 

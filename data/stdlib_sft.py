@@ -50,6 +50,12 @@ def stdlib_sft_rows(max_bytes: int | None = 4_000_000, max_doc_chars: int = 1500
     return rows[0], rows[1]
 
 
+def write_rows(rows: list[dict], path: str | Path) -> None:
+    """The rows as jsonl, one object a line (the input `megazoo preprocess --format sft` reads)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megazoo.data.stdlib_sft", description=__doc__.split("\n\n")[0])
     parser.add_argument("output", help="the jsonl file to write")
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-doc-chars", type=int, default=1500, help="skip longer docstrings")
     args = parser.parse_args(argv)
     rows, _ = stdlib_sft_rows(args.max_bytes, args.max_doc_chars)
-    Path(args.output).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_rows(rows, args.output)
     print(f"wrote {len(rows):,} rows to {args.output}")
     return 0
 

@@ -167,7 +167,8 @@ def _verify(sub):
 
 def _data(sub):
     from megazoo.data.fetch_cli import register
-    register(sub)
+    from megazoo.recipes.sft_demo_cli import add_parser as sft_demo  # stdlib-only until it runs
+    register(sub, more=(sft_demo,))
 
 
 # The commands whose modules load on use: name -> (the line `megazoo --help` shows, which must be the help its
@@ -183,7 +184,7 @@ COMMANDS = {
     "launch": ("launch one node of a multi-node job (torchrun), or write a Slurm sbatch script (--slurm)", _launch),
     "reproduce": ("regenerate a published table (markdown + plot)", _reproduce),
     "plot": ("plot loss, lr, tokens/s and memory of runs (metrics.jsonl)", _plot),
-    "data": ("fetch the published evaluation data and GPT-2 vocabulary", _data),
+    "data": ("fetch the published evaluation data and GPT-2 vocabulary; build the SFT demo's dataset", _data),
     "verify": ("check that a recipe's parallel layout computes the same function as one process (shrunk, fp64, on "
                "this machine)", _verify),
 }

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megazoo.data.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
-from megazoo.models.lora import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora.py)
+from megazoo.models.lora_config import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora.py)
 from megazoo.recipes.sft_section import SFTSection
 
 
@@ -218,6 +218,9 @@ class SampleSection:
     tokens: int = 48  # 0 disables the closing sample
     temperature: float = 0.8
     top_k: int = 40
+    # true: also sample once before the first step (a fresh start only), so a fine-tuning run prints the base
+    # model's answer and then the fine-tuned one to the same prompt (recipes/sft-demo.toml)
+    before: bool = False
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                       flush=True)
             if topo.world_size > 1:  # where each rank is: a collective that times out names who is missing
                 trainer.progress = Progress(recipe.run.dir, topo.rank, topo.world_size)
+            if recipe.sample.before and start_step == 0:  # the model as loaded: every rank decodes (tp collective)
+                before = trainer.sample()
+                if rank0 and before is not None:
+                    print(f"sample before training:\n{before}", flush=True)
             try:
                 result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
                                      stop_requested=stop.requested)
@@ -87,7 +91,7 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
         else:
             print(f"validation loss {result.val_loss:.4f}, perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         if result.sample is not None:
-            print(f"sample:\n{result.sample}")
+            print(f"sample{' after training' if recipe.sample.before else ''}:\n{result.sample}")
         if result.checkpoint is not None:
             print(f"checkpoint: {result.checkpoint} (evaluate with megazoo eval --checkpoint, convert with "
                   f"megazoo convert megazoo-to-hf)")

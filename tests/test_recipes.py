@@ -47,6 +47,14 @@ def _stand_ins(path: Path, tmp_path: Path) -> list[str]:
         overrides += [f'data.paths=["{tmp_path / "corpus"}"]', "data.valid_paths=[]"]
     if table.data.tokenizer and not Path(table.data.tokenizer).exists():  # "gpt2-bpe", a data catalog name
         overrides.append(f"data.tokenizer={stand_in_gpt2_bpe(tmp_path / 'gpt2_bpe')}")
+    if table.sft.path:  # a few SFT rows (tokens + loss mask): `megazoo data sft-demo` builds the real ones
+        from megazoo.data.sft_dataset import write_sft_dataset
+        from megazoo.data.sft_examples import SFTExamples
+
+        rows = SFTExamples(ids=[list(range(1, 20)), list(range(5, 15))], masks=[[0] * 12 + [1] * 7, [0] * 6 + [1] * 4],
+                           rows=2)
+        write_sft_dataset(rows, tmp_path / "sft", 300, template="chatml", seq_len=table.train.seq_len)
+        overrides.append(f"sft.path={tmp_path / 'sft'}")
     if table.checkpoint.load:  # a stand-in step directory: the resolver reads only its common.json's model
         step = tmp_path / "checkpoint" / "step_00000000"
         step.mkdir(parents=True)

@@ -47,6 +47,7 @@ def test_every_zoo_recipe_is_listed():
     zoo = {p.name for p in FOLDER.glob("*.toml")} - {"demo.toml", "demo_tp2.toml", "finetune.toml",
                                                       "long-context.toml",  # tests/test_context_model.py
                                                       "llama-demo.toml",  # tests/test_llama_demo.py
+                                                      "sft-demo.toml",  # tests/test_sft_demo.py
                                                       "llama-8b-lora.toml", "llama-8b-full-ft.toml"}  # test_lora_planner
     assert zoo == set(ZOO)
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megazoo.data.batches import GlobalBatchSampler
-from megazoo.data.chat_template import chat_prompt
+from megazoo.data.chat_template import chat_prompt, cut_at_end_of_turn, end_of_turn, resolve_template
 from megazoo.data.sft_packing import SFTRows
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
@@ -238,10 +238,12 @@ class Trainer:
             return None
         if isinstance(self.data.train, SFTRows) and s.prompt:  # a fine-tuned model answers a user turn, in the
             # chat template its dataset was written with (PREFIX.sft.json); the sample is the answer alone
-            prompt = chat_prompt(tok, self.data.train.examples.manifest["template"], s.prompt)
+            # (chat_template.chat_prompt); the answer ends at the template's end-of-turn marker, as it was trained
+            template = self.data.train.examples.manifest["template"]
+            prompt, marker = chat_prompt(tok, template, s.prompt), end_of_turn(resolve_template(tok, template)[1])
             ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
-                           seed=self.train_cfg.seed)
-            return tok.decode(ids[len(prompt):])
+                           seed=self.train_cfg.seed, stop=lambda new: marker in tok.decode(new))
+            return cut_at_end_of_turn(tok.decode(ids[len(prompt):]), marker)[0]
         # An empty prompt starts where every training document starts: right after an end-of-document token.
         prompt = tok.encode(s.prompt) if s.prompt else [tok.eod_id]
         ids = generate(self.model, prompt, s.tokens, temperature=s.temperature, top_k=s.top_k,
