@@ -29,8 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import netns
+
 REPO = Path(__file__).resolve().parents[1]
-NAMESPACES, VETH, SUBNET = ("mzc0", "mzc1"), ("mzc-veth0", "mzc-veth1"), "10.231.77"
+PAIR = netns.VethPair(("mzc0", "mzc1"), ("mzc-veth0", "mzc-veth1"), "10.231.77")
 OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")
 
 
@@ -108,31 +110,6 @@ def demo_markdown(out: dict) -> str:
 
 
 # ---- part network ------------------------------------------------------------------------------------------------
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-def remove_namespaces() -> None:
-    for ns in NAMESPACES:  # deleting a namespace deletes its veth end, and with it the pair
-        _sh("ip", "netns", "del", ns, check=False)
-
-
-def create_namespaces(rate: str) -> None:
-    """Two namespaces joined by a veth pair; `rate` ("none" or a tc rate like "100mbit") limits both ends."""
-    remove_namespaces()
-    _sh("ip", "netns", "add", NAMESPACES[0])
-    _sh("ip", "netns", "add", NAMESPACES[1])
-    _sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-    for i, (ns, dev) in enumerate(zip(NAMESPACES, VETH)):
-        _sh("ip", "link", "set", dev, "netns", ns)
-        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", dev)
-        _sh("ip", "-n", ns, "link", "set", dev, "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        if rate != "none":  # token bucket: the egress of each end, so both directions are limited
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb",
-                "latency", "100ms")
-
-
 def _network_worker(rank: int, optimizer: str, warm: int, timed: int, port: int) -> None:
     """One rank inside its namespace: the communication-bound GPT, `warm` untimed steps, then `timed` steps."""
     import torch
@@ -144,7 +121,7 @@ def _network_worker(rank: int, optimizer: str, warm: int, timed: int, port: int)
     from megazoo.recipes.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=VETH[rank])
+    os.environ.update(MASTER_ADDR=PAIR.address(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=PAIR.veths[rank])
     init_distributed(rank, 2, init_method="env://", device="cpu", timeout_s=600)
     opt = {"adamw": {}, "onebit_adam": {"name": "onebit_adam", "freeze_step": 2},
            "zero_one_adam": {"name": "zero_one_adam", "freeze_step": 1, "var_freeze_step": 2,
@@ -173,7 +150,7 @@ def _network_worker(rank: int, optimizer: str, warm: int, timed: int, port: int)
 
 def _run_pair(optimizer: str, warm: int, timed: int, port: int) -> dict:
     procs = []
-    for rank, ns in enumerate(NAMESPACES):
+    for rank, ns in enumerate(PAIR.namespaces):
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.compressed", "--worker", str(rank),
                "--optimizer", optimizer, "--warm", str(warm), "--timed", str(timed), "--port", str(port)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -190,23 +167,21 @@ def _run_pair(optimizer: str, warm: int, timed: int, port: int) -> dict:
 
 
 def part_network(rates: list[str], warm: int, timed: int) -> dict:
-    if os.geteuid() != 0:
-        return {"error": "not root: cannot create network namespaces; bytes only (part demo)"}
+    why_not = netns.missing_privileges()
+    if why_not:
+        return {"error": f"{why_not}; bytes only (part demo)"}
     rows, port = [], 29731
     try:
-        for rate in rates:
-            try:
-                create_namespaces(rate)
-            except (subprocess.CalledProcessError, FileNotFoundError) as err:
-                detail = getattr(err, "stderr", "") or str(err)
-                return {"error": f"cannot create the namespaces ({detail.strip()}): bytes only (part demo)",
-                        "rows": rows}
-            for optimizer in OPTIMIZERS:
-                port += 1
-                rows.append({"rate": rate, **_run_pair(optimizer, warm, timed, port)})
-                print(json.dumps(rows[-1]), flush=True)
-    finally:
-        remove_namespaces()
+        with netns.namespaces(PAIR):
+            for rate in rates:
+                netns.set_rate(PAIR, rate)
+                for optimizer in OPTIMIZERS:
+                    port += 1
+                    rows.append({"rate": rate, **_run_pair(optimizer, warm, timed, port)})
+                    print(json.dumps(rows[-1]), flush=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        return {"error": f"cannot create the namespaces ({detail.strip()}): bytes only (part demo)", "rows": rows}
     return {"rows": rows, "warm_steps": warm, "timed_steps": timed, "load_average": os.getloadavg()}
 
 

@@ -31,7 +31,7 @@ class DataParallelAdamW(NothingToGather):
         # No weight decay on biases and LayerNorm parameters (every 1-D tensor), as GPT-2.
         adamw = adamw or torch.optim.AdamW  # kernels' adamw op
         self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-        self.comm = CommLedger()
+        self.comm = CommLedger(node_size=topo.node_size)  # bytes per link class once the node size is known
         # One bucket rule per bucket: tp-sharded or replicated (the norm's split), tied (summed over the pipeline
         # ends, maybe left out of the norm) or not.
         sharded = {p: spec.dim is not None and spec.size > 1 for _, p, spec in named}
