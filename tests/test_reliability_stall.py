@@ -51,10 +51,10 @@ from megazoo.recipes import train
 from megazoo.recipes.training import trainer
 
 original = trainer.Trainer._batches
-def stalling(self, samples, micro):
+def stalling(self, samples, micro, *rest):
     if self.topo.rank == 1 and self.progress is not None and self.progress.step == 2:
         time.sleep(20)  # past parallel.timeout_s; then it finds its peer gone and fails too
-    return original(self, samples, micro)
+    return original(self, samples, micro, *rest)
 trainer.Trainer._batches = stalling
 sys.exit(train.main())
 """

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazoo.parallel.tensor import layers
+from megazoo.parallel.tensor import sequence
 from megazoo.recipes import cli
 from megazoo.recipes.training import trainer as trainer_module
 from megazoo.recipes.verify import compare
@@ -70,7 +70,8 @@ class _NoInputGradReduce(torch.autograd.Function):
 
 
 def test_injected_tp_bug_fails_naming_the_quantity(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(layers, "copy_to_tp_region",
+    # the column-parallel layers and the tied head enter the tp region through parallel/tensor/sequence.py
+    monkeypatch.setattr(sequence, "copy_to_tp_region",
                         lambda x, group: x if group is None else _NoInputGradReduce.apply(x, group))
     out_json = tmp_path / "verify.json"
     assert cli.main(["verify", "demo_tp2", "--steps", "2", "--json", str(out_json)]) == 1
