@@ -70,37 +70,17 @@ def _reduce_scatter(x: torch.Tensor, group, dtype: torch.dtype | None = None) ->
     return out
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
+class _SequenceCollective(torch.autograd.Function):
+    """`forward_op(x, group)` in forward, its adjoint `backward_op(grad, group)` in backward (the table above)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.group), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.group), None
+        return ctx.backward_op(grad.contiguous(), ctx.group), None, None, None
 
 
 class _GatheredLinears(torch.autograd.Function):
@@ -161,7 +141,7 @@ class SequenceParallel:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a column-parallel layer: (b, s/tp, d) -> (b, s, d) all-gathered, or the identity (dx all-reduced)."""
-        return _GatherSequence.apply(x, self.group) if self.active else copy_to_tp_region(x, self.group)
+        return _SequenceCollective.apply(x, self.group, _gather, _reduce_scatter) if self.active else copy_to_tp_region(x, self.group)
 
     def linears(self, x: torch.Tensor, *pairs: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
         """Column-parallel projections of one input, [x W_i^T + b_i]: under sequence parallelism x is this rank's
@@ -175,12 +155,12 @@ class SequenceParallel:
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Out of a row-parallel layer: partial sums (b, s, d) -> this rank's (b, s/tp, d) of their sum, or the
         all-reduced (b, s, d)."""
-        return _ReduceScatterSequence.apply(partial, self.group) if self.active \
+        return _SequenceCollective.apply(partial, self.group, _reduce_scatter, _gather) if self.active \
             else reduce_from_tp_region(partial, self.group)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated (b, s, d) -> this rank's (b, s/tp, d); the identity without sequence parallelism."""
-        return _SplitSequence.apply(x, self.group) if self.active else x
+        return _SequenceCollective.apply(x, self.group, _split, _gather) if self.active else x
 
     def replicated(self, param: torch.Tensor) -> torch.Tensor:
         """A tp-replicated parameter applied to this rank's positions: its gradient all-reduced over tp."""
