@@ -2,7 +2,7 @@
 
     python -m benchmarks.fake_cuda [--recipe PATH [--set k=v ...]] ... [--tiny] [--before] [--json OUT]
 
---tiny adds tests/test_dry_run_cuda.py's small configurations (dp ZeRO 0-3 in bf16/fp16, offload, tp, pp). Each
+--tiny adds tests/recipes/planner/test_dry_run_cuda.py's small configurations (dp ZeRO 0-3 in bf16/fp16, offload, tp, pp). Each
 row: the device peak of each role (MB), ZeRO-Offload's host bytes, the bytes each rank's collectives carry on its
 tp group and on its dp group (tensor bytes, summed over the step), and the CUDA calls the fake device answered.
 All fake-CUDA jobs run in one fresh interpreter (recipes/planner/dry_run_cuda.run_jobs). --before adds, for every

@@ -7,7 +7,7 @@
   4 (replicated), in two pipeline stages, under context parallelism cp 2 (ring, all-to-all), and the
   HF -> megazoo -> HF round trip (max |tensor difference|: 0 means identical);
 - fp64, megazoo against itself in one process: max |difference| of logits and of every gradient at tp 2 and 4.
-The tests (tests/test_llama_hf.py, tests/test_llama_parallel.py) hold these below 1e-5 and 1e-10.
+The tests (tests/models/test_llama_hf.py, tests/models/test_llama_parallel.py) hold these below 1e-5 and 1e-10.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Exact, not approximate: the forward and the recomputation are one and the same S
 both, e.g. FlashAttention is refused for training head dims > 192 on sm86/89, and another backend draws its
 mask differently; same autocast state; same generator state), so the output and the mask are bit-identical to
 the plain `torch` path's (kernels/attention.attention_sdpa) for the same seed, and the gradients are autograd's
-through that call. tests/test_recompute_attention.py checks both against the plain path and against an explicit
+through that call. tests/models/test_recompute_attention.py checks both against the plain path and against an explicit
 masked softmax that draws the same mask (CPU SDPA's math path draws bernoulli(1 - p) over the probabilities'
 shape; the test replays that draw), in fp64 to 1e-10; on CUDA, bit for bit against the plain path.
 

@@ -4,7 +4,7 @@
 how tensor parallelism splits it. Everything else that needs the model's shapes derives them from here:
 `ModelConfig.num_parameters`, the Hugging Face GPT-2 import/export check (models/gpt2/hf.py), the ZeRO planner's
 per-device counts (recipes/planner/shards.py) and the "parameters" pipeline balancing (recipes/resolve.py).
-tests/test_layout.py holds it equal to what a meta-device model really allocates, at tp = 1 and tp = 2.
+tests/models/test_layout.py holds it equal to what a meta-device model really allocates, at tp = 1 and tp = 2.
 
 `check_parallel_compat` is the one check of a (tp, pp) layout against a config: the model's constructor, the
 recipe resolver and the planner all call it, so a bad layout reads the same wherever it is caught.

@@ -172,7 +172,7 @@ def _data(sub):
 
 
 # The commands whose modules load on use: name -> (the line `megazoo --help` shows, which must be the help its
-# module registers: tests/test_cli.py holds them equal, and the function that registers it).
+# module registers: tests/recipes/test_cli.py holds them equal, and the function that registers it).
 COMMANDS = {
     "plan": ("ZeRO memory and communication plan per device", _plan),
     "eval": ("zero-shot WikiText-103 perplexity / LAMBADA accuracy; lm-eval tasks", _eval),

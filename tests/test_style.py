@@ -165,3 +165,33 @@ def test_no_import_circles():
         if v not in index:
             visit(v)
     assert not circles, "modules that import each other in a loop:\n" + "\n".join(map(str, circles))
+
+
+TEST_ROOT_FILES = {"test_style.py"}  # repo-wide guards; every other test lives beside the package it proves
+
+
+def test_tests_mirror_the_packages():
+    """tests/<package>/<sub-package>/test_*.py: each test folder names a package folder of the source tree (or
+    benchmarks/, or gpu/ for the CUDA suite), so the tests for a piece of code are found where the code is."""
+    wrong = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        folder = path.parent.relative_to(REPO / "tests")
+        if folder == Path("."):
+            if path.name not in TEST_ROOT_FILES:
+                wrong.append(f"tests/{path.name}: move it into tests/<package>/ beside what it tests")
+        elif folder.parts[0] != "gpu" and not (REPO / folder / "__init__.py").exists() and folder != Path("benchmarks"):
+            wrong.append(f"{path.relative_to(REPO)}: {folder}/ is not a package folder")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_test_modules_never_import_each_other():
+    """What several test files share lives in a helper module at tests/ (harness, jobs, parity_helpers, ...):
+    a test module imported by another is collected twice in one worker and breaks when either moves."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[-1].startswith("test_") or n.startswith("tests.")]
+    assert not found, "\n".join(found)

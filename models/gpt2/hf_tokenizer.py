@@ -105,7 +105,7 @@ def save_hf_tokenizer(tokenizer, out_dir: str | Path, max_length: int) -> None:
 
 # transformers 5 saves a fast tokenizer as "TokenizersBackend", a class transformers 4.x does not have (the
 # project declares transformers>=4.40); "PreTrainedTokenizerFast" is the same class in 5.x (an alias) and the
-# class 4.x writes, so both majors load the exported directory (tests/test_export_tokenizer.py, on both).
+# class 4.x writes, so both majors load the exported directory (tests/models/test_export_tokenizer.py, on both).
 PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 

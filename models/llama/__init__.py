@@ -3,7 +3,7 @@
 Each preset is the published Hugging Face config.json of the checkpoint, field for field (hidden_size ->
 d_model, intermediate_size -> d_ff, num_key_value_heads -> n_kv_head, rope_theta and rope_scaling ->
 rope_*, rms_norm_eps -> layer_norm_eps, tie_word_embeddings -> tie_embeddings, attention bias -> qkv_bias);
-tests/test_llama_presets.py holds their parameter counts equal to transformers' own models built from those
+tests/models/test_llama_presets.py holds their parameter counts equal to transformers' own models built from those
 configs on the meta device. Dropout is 0, as the checkpoints were trained.
 """
 

@@ -43,7 +43,7 @@ from megazoo.parallel.checkpoint.views import StateView
 from megazoo.parallel.checkpoint.write_errors import describe_write_error as _describe_write_error
 
 # Checkpoints of older megazoo versions (same format string, a pickled common.pt and no manifest.sha256) are
-# recognised by those files and refused. (Bumping FORMAT to /2 is planned: tests/test_hf_interop.py pins /1.)
+# recognised by those files and refused. (Bumping FORMAT to /2 is planned: tests/models/test_hf_interop.py pins /1.)
 FORMAT = "megazoo-sharded-checkpoint/1"
 LATEST = "latest"
 MANIFEST, MANIFEST_SHA, COMMON = "manifest.json", "manifest.sha256", "common.json"

@@ -100,7 +100,7 @@ def load(path: str | Path, overrides=()) -> Resolved:
 def pipeline_depth_overrides(res: Resolved) -> list[str]:
     """`--set` overrides that run a pipeline recipe's step with pp micro-batches instead of all of them ([] when
     it has no more): 1F1B's peak is reached once pp micro-batches are in flight on the first stage, and no stage's
-    peak grows with the micro-batches of a step (tests/test_dry_run.py), so the peak is the whole step's; ZeRO's
+    peak grows with the micro-batches of a step (tests/recipes/planner/test_dry_run.py), so the peak is the whole step's; ZeRO's
     dp traffic is per step, p2p bytes and FLOPs scale with the count. gpt-1t's 1,536 micro-batches: 25."""
     par, train = res.recipe.parallel, res.recipe.train
     if par.pp == 1 or train.grad_accum <= par.pp:

@@ -6,7 +6,7 @@ and no optimizer state; the adapters hold the full set (recipes/planner/zero.py'
     optimizer   the adapters' only (fp32 masters where s != m, Adam moments)
 
 s is the storage bytes of a parameter (storage_bytes: fp32 under ZeRO-0's autocast, 2 bytes for bf16/fp16 from
-ZeRO-1), N = dp x cp. Equal to the real optimizers' memory_bytes() (tests/test_lora_planner.py).
+ZeRO-1), N = dp x cp. Equal to the real optimizers' memory_bytes() (tests/recipes/planner/test_lora_planner.py).
 """
 
 from __future__ import annotations

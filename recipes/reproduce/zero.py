@@ -3,7 +3,7 @@
 zero-memory  the paper's Table 1 (per-device model-state GB for Psi = 7.5B / 128B / 1T over N = 1..1024, K = 12)
              from the planner (recipes/planner/zero.py), beside the model-state bytes each ZeRO stage really holds
              on this machine: a tiny GPT trained 2 steps by the Trainer on dp = 2 and 4 gloo ranks, then each
-             rank's `memory_bytes()` (as tests/test_zero.py measures it), against the planner's fp32 bytes.
+             rank's `memory_bytes()` (as tests/parallel/zero/test_zero.py measures it), against the planner's fp32 bytes.
 zero-scale   the largest GPT (benchmarks/zero.py's depth/width ladder, its forked 4-rank launcher with a memory
              guard) that completes 3 training steps per ZeRO stage on this machine, beside the paper's claims
              (P_os 4x, P_os+g 8x, P_os+g+p N_d x the model size of the baseline) and what the planner expects at

@@ -3,7 +3,7 @@ initialisation, a PEFT adapter folder (`lora.adapter`) or, on resume, the run's 
 
 A LoRA run's checkpoints hold only what it trains (the adapters, their Adam moments, the step and the random
 streams): the base never changes, so it is read again from `checkpoint.load` on every start, resume included, and
-resuming is exact (tests/test_lora_checkpoint.py). Every function here is collective: every rank calls it.
+resuming is exact (tests/parallel/checkpoint/test_lora_checkpoint.py). Every function here is collective: every rank calls it.
 """
 
 from __future__ import annotations

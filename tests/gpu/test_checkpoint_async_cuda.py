@@ -1,6 +1,6 @@
 """checkpoint.async_save on one GPU: the snapshot goes through pinned host buffers (non-blocking copies, one
 synchronize), the state keeps training on the device meanwhile, and the published files are byte-identical to a
-sync save of the same state (the CPU suite checks the same on gloo: tests/test_checkpoint_async.py)."""
+sync save of the same state (the CPU suite checks the same on gloo: tests/parallel/checkpoint/test_checkpoint_async.py)."""
 
 import dataclasses
 

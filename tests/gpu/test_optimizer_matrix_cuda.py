@@ -1,6 +1,6 @@
 """Optimizer matrix on one GPU: every AdamW implementation x ZeRO stage 0 / 1 / 3 x offload none / cpu (stages
 >= 1 only) trains N steps with a checkpoint at N/2; a fresh Trainer resumes from it and must finish exactly as the
-uninterrupted run (tests/test_checkpoint.py does the same on the CPU, bit for bit).
+uninterrupted run (tests/parallel/checkpoint/test_checkpoint.py does the same on the CPU, bit for bit).
 
 fp32, so a lost or misplaced optimizer state is obvious: dropping Adam's moments at the checkpoint moves the next
 losses by ~1e-3, while CUDA's run-to-run differences (atomics in some backward kernels: the same kernels are not

@@ -1,0 +1,153 @@
+"""The dry run on fake CUDA (recipes/planner/dry_run_cuda.py): the real step on device "cuda" with no GPU.
+
+One fresh interpreter with the fake CUDA shim runs every job below (its start-up is paid once); each job's report
+is held against the CPU dry run of the same recipe and rank, run here: the same collectives op by op (dp and tp
+bytes), and peaks within the planner's tolerance (10%) of each other (ZeRO-Offload: the device / host split and
+one blocking copy each way instead). A planted bug - a CPU tensor added inside a CUDA step - is caught on fake
+CUDA and passes unseen on the CPU. The shim's refusals name their reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from megazoo.parallel import fake_cuda
+from megazoo.parallel.fake_cuda import FakeCudaUnavailable, check_torch
+from megazoo.recipes.planner.dry_run import load, roles, run_role
+from megazoo.recipes.planner.dry_run_cuda import run_jobs
+from megazoo.recipes.planner.dry_run_report import report
+from dry_run_helpers import tiny_dry_recipe
+
+CONFIGS = {  # name -> _recipe keyword arguments
+    "dp2-zero0-bf16": dict(stage=0, precision="bf16"),
+    "dp2-zero1-bf16": dict(stage=1, precision="bf16"),
+    "dp2-zero2-bf16": dict(stage=2, precision="bf16"),
+    "dp2-zero3-bf16": dict(stage=3, precision="bf16"),
+    "dp2-zero1-fp16": dict(stage=1, precision="fp16"),
+    "dp2-zero2-fp16-offload": dict(stage=2, precision="fp16", extra='[zero]\noffload = "cpu"'),
+    "tp2-zero1-bf16": dict(dp=1, tp=2, stage=1, precision="bf16"),
+    "pp2-zero1-bf16": dict(dp=1, pp=2, stage=1, precision="bf16"),
+}
+INJECTED = "tests.test_dry_run_cuda:cpu_tensor_in_the_mlp"
+
+
+@contextlib.contextmanager
+def cpu_tensor_in_the_mlp():
+    """A device bug: the MLP adds a bias made on the CPU (as `torch.zeros(d)` without device= would be)."""
+    from megazoo.models.mlp import MLP
+
+    forward = MLP.forward
+
+    def buggy(self, x):
+        return forward(self, x) + torch.zeros(x.shape[-1])
+
+    MLP.forward = buggy
+    try:
+        yield
+    finally:
+        MLP.forward = forward
+
+
+def _path(tmp_path, name):
+    kwargs = dict(CONFIGS[name])
+    extra = kwargs.pop("extra", "")
+    folder = tmp_path / name
+    folder.mkdir()
+    path = tiny_dry_recipe(folder, **kwargs)
+    if extra:  # the [zero] table exists already: add the key to it
+        path.write_text(path.read_text().replace("[zero]\n", extra + "\n", 1))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_cuda_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fake-cuda")
+    paths = {name: _path(tmp, name) for name in CONFIGS}
+    jobs = [{"recipe": str(p), "gpu_memory_gb": 80} for p in paths.values()]
+    jobs.append({"recipe": str(paths["dp2-zero1-bf16"]), "gpu_memory_gb": 80, "inject": INJECTED})
+    reports = run_jobs(jobs, cache_dir=tmp / "cache")
+    return paths, dict(zip(CONFIGS, reports)), reports[-1]
+
+
+def _cpu_report(path):
+    res = load(path)
+    return report(res, [run_role(res, role) for role in roles(res)], 80, 0.0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fake_cuda_step_matches_the_cpu_dry_run(fake_cuda_runs, name):
+    paths, cuda_reports, _ = fake_cuda_runs
+    cuda, cpu = cuda_reports[name], _cpu_report(paths[name])
+    assert "error" not in cuda, cuda.get("error")
+    assert cuda["device"].startswith("cuda") and cuda["world_size"] == cpu["world_size"]
+    for fake, host in zip(cuda["roles"], cpu["roles"], strict=True):
+        assert fake["rank"] == host["rank"]
+        # dp and tp bytes, op by op: equal only since LayerNorm returns its input's dtype under CUDA autocast
+        # (tp2 measured 886,300 all-reduce bytes in fp32 before, 591,388 after: the CPU's)
+        assert fake["collectives"] == host["collectives"], name
+        assert fake["dp_ring_bytes"] == host["dp_ring_bytes"]
+        # FLOPs: CUDA's flash attention has torch's own formula (the CPU kernel, fake_world's): both the formula's
+        assert abs(fake["flops"] - fake["formula_flops"]) <= 0.02 * fake["formula_flops"]
+        if "offload" not in name:
+            assert abs(fake["measured_peak_bytes"] - host["measured_peak_bytes"]) <= \
+                0.10 * host["measured_peak_bytes"], (name, fake["by_category"], host["by_category"])
+    stubbed = {row["call"]: row for row in cuda["not_executed"]}
+    assert {"get_rng_state", "manual_seed", "event", "reset_peak_memory_stats", "device_name"} <= set(stubbed)
+    assert all(row["count"] > 0 and row["kind"] and row["answer"] for row in cuda["not_executed"])
+    assert not cpu["roles"][0]["copies"]  # the CPU dry run has no device: no host <-> device copy at all
+
+
+def test_offload_on_fake_cuda_splits_device_and_host_and_blocks_once_each_way(fake_cuda_runs):
+    paths, cuda_reports, _ = fake_cuda_runs
+    name = "dp2-zero2-fp16-offload"
+    cuda, cpu = cuda_reports[name], _cpu_report(paths[name])
+    fake, host = cuda["roles"][0], cpu["roles"][0]
+    stubbed = {row["call"] for row in cuda["not_executed"]}
+    assert {"host_register", "pinned_empty"} <= stubbed  # masters/moments registered, staging pinned on a GPU
+    # The device peak holds no host memory (it added the host's staging and states before: 5.10 MB vs 4.91 MB),
+    # and the host's peak holds at least the offloaded states the CPU dry run counts.
+    assert fake["by_category"]["optimizer"] == 0 and fake["host_bytes"] >= host["host_bytes"] > 0
+    # One blocking copy each way per step: the norm's two sums up, the clipping factor down (it was one per
+    # bucket: 19 each way for this recipe's 19 buckets, and every fp32 gradient went up for the norm).
+    h2d, d2h = fake["copies"]["host_to_device"], fake["copies"]["device_to_host"]
+    assert h2d[2] == 1 and d2h[2] == 1, fake["copies"]
+    # Up: the updated fp16 parameters and a few scalars - no longer every fp32 gradient (2.0x params before).
+    assert h2d[1] < 1.1 * fake["by_category"]["params"], fake["copies"]
+
+
+def test_a_cpu_tensor_in_a_cuda_step_is_caught(fake_cuda_runs, tmp_path):
+    _, _, injected = fake_cuda_runs
+    assert "error" in injected and "cpu" in injected["error"].lower() and "cuda" in injected["error"].lower()
+    # The CPU dry run cannot see it: every tensor is on the CPU there.
+    path = tiny_dry_recipe(tmp_path, stage=1, precision="bf16")
+    res = load(path)
+    with cpu_tensor_in_the_mlp():
+        assert run_role(res, roles(res)[0]).measured.flops > 0
+
+
+def test_the_shim_refuses_another_torch_and_a_cuda_build():
+    with pytest.raises(FakeCudaUnavailable, match=r"pinned to torch 2\.13\.0.*this is torch 2\.14\.1"):
+        check_torch("2.14.1+cpu", None)
+    with pytest.raises(FakeCudaUnavailable, match=r"CUDA build \(CUDA 12\.8\)"):
+        check_torch("2.13.0+cu128", "12.8")
+    check_torch("2.13.0+cpu", None)
+
+
+def test_the_shim_refuses_a_loaded_torch_and_a_missing_compiler(monkeypatch, tmp_path):
+    with pytest.raises(FakeCudaUnavailable, match="already imported"):
+        fake_cuda.load_shim(tmp_path / "never-loaded.so")  # this interpreter has torch: too late for the hooks
+    monkeypatch.setattr(fake_cuda.shutil, "which", lambda name: None)
+    with pytest.raises(FakeCudaUnavailable, match=r"g\+\+ is not on PATH"):
+        fake_cuda.build_shim(tmp_path)
+
+
+def test_cli_device_cuda_refusal_exits_2_with_the_reason(tmp_path, monkeypatch, capsys):
+    from megazoo.recipes.planner.cli import main as plan_main
+
+    monkeypatch.setattr(fake_cuda.shutil, "which", lambda name: None)
+    path = tiny_dry_recipe(tmp_path, stage=1)
+    assert plan_main(["--recipe", str(path), "--dry-run", "--gpu-memory", "32", "--device", "cuda"]) == 2
+    assert "--device cuda: g++ is not on PATH" in capsys.readouterr().err
