@@ -4,12 +4,12 @@ The planner (recipes/planner/activations.py) walks every rank's own action list 
 what a micro-batch holds from F to B, from a split B to its W (the graph and the weight nodes' d outputs W
 starts from) and a backward's workspace. Here every schedule - GPipe, 1F1B, interleaved, ZB-H1, ZBV, DualPipeV -
 runs one real training step at pp 2 and 4 (forked gloo ranks, fp32, gpt2-tiny, micro-batch 2 x 64 tokens, no
-dropout; 4 blocks at pp 2, 8 at pp 4: one block per virtual stage under the V) under the dry run's MemoryTracker
-(parallel/fake_world.py). Measured: what the step created beyond the model states (activations and backward
-temporaries, torch's MemTracker's categories), at its highest until the schedule ends (after it, the optimizer
-step's own temporaries, which the planner counts elsewhere). Every rank within 10% of the planner's
-dry_run_report.planned(...)["activations"]; the same measurement planned as another schedule (ZBV as 1F1B, ...)
-misses by more, so the check can fail.
+dropout; 4 blocks at pp 2, 8 at pp 4: one block per virtual stage under the V), measured as
+benchmarks/schedule_memory.py measures it (which prints the table): under the dry run's MemoryTracker
+(parallel/fake_world.py), what the step created beyond the model states (activations and backward temporaries),
+at its highest until the schedule ends (after it, the optimizer step's own temporaries, which the planner counts
+elsewhere). Every rank within 10% of the planner's dry_run_report.planned(...)["activations"]; the same
+measurement planned as another schedule (ZBV as 1F1B, ...) misses by more, so the check can fail.
 """
 
 from __future__ import annotations
@@ -19,97 +19,22 @@ from functools import cache
 
 import pytest
 
-from megazoo.parallel.checkpoint.views import ensure_adam_state
-from megazoo.parallel.fake_world import MemoryTracker
-from megazoo.parallel.topology import Topology
+from benchmarks.schedule_memory import CHUNKS, measure, write_recipe  # the measurement, imported before the fork
 from megazoo.recipes.planner.activations import in_flight
-from megazoo.recipes.planner.dry_run import load, pipeline_depth_overrides, shaped_data
+from megazoo.recipes.planner.dry_run import load, pipeline_depth_overrides
 from megazoo.recipes.planner.dry_run_report import planned
 from megazoo.recipes.planner.schedule_memory import (ChunkBytes, actions, enough_micro_batches, peak_live, rank_peak,
                                                      walk)
 from megazoo.recipes.planner.shards import shard_parameters
-from megazoo.recipes.training.trainer import Trainer  # imported before the ranks fork: they share it
-from tests.harness import run_distributed
 
 TOLERANCE = 0.10
-CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
 WRONG = {name: "gpipe" if name == "1f1b" else "1f1b" for name in CHUNKS}  # planned as another schedule
-SHAPE = {2: (4, 4), 4: (8, 8)}  # pp -> (blocks, micro-batches): dualpipev needs 2 pp - 1, interleaved k pp
-
-TINY = """
-[model]
-preset = "gpt2-tiny"
-n_layer = {n_layer}
-vocab_size = 300
-dropout = 0.0
-attn_dropout = 0.0
-[parallel]
-pp = {pp}
-schedule = "{schedule}"
-virtual_stages = {virtual}
-[zero]
-stage = 1
-[train]
-steps = 1
-micro_batch = 2
-grad_accum = {m}
-seq_len = 64
-precision = "fp32"
-[data]
-source = "synthetic"
-synthetic_tokens = 20000
-[logging]
-progress = false
-[sample]
-tokens = 0
-[run]
-dir = "{run_dir}"
-"""
-
-
-def _activation_peak(path) -> int:
-    """Bytes the real step created beyond the model states, at their highest until its schedule has run."""
-    res = load(path)
-    topo = Topology.build(1, 1, res.recipe.parallel.pp)
-    peak = {}
-    with MemoryTracker() as mem:
-        trainer = Trainer(res, topo, shaped_data(res))
-        zero = trainer.zero
-        masters = [p for g in zero.optimizer.param_groups for p in g["params"]]
-        ensure_adam_state(zero.optimizer, masters)  # created now: the step's AdamW then allocates no state
-        moments = [v for state in zero.optimizer.state.values() for v in state.values() if hasattr(v, "shape")]
-        params = [p for chunk in trainer.chunks for p in chunk.parameters()]
-        mem.label(params=params, grads=[p.grad for p in params if p.grad is not None] + zero.gradients(),
-                  optimizer=masters + moments, later_grads=zero.gradients)
-        run = trainer.engine.run
-
-        def measured_run(*args, **kwargs):
-            out = run(*args, **kwargs)
-            at = mem.peak()
-            peak["bytes"] = at["activations"] + at["temporaries"]
-            return out
-        trainer.engine.run = measured_run
-        trainer.train_step(0)
-    return peak["bytes"]
-
-
-def _recipe(tmp_path, pp: int, schedule: str):
-    n_layer, m = SHAPE[pp]
-    path = tmp_path / f"{schedule}-pp{pp}.toml"
-    path.write_text(TINY.format(n_layer=n_layer, pp=pp, schedule=schedule, virtual=CHUNKS[schedule], m=m,
-                                run_dir=tmp_path / "run"))
-    return path
-
-
-def _measure_all(paths: dict) -> dict:
-    return {name: _activation_peak(path) for name, path in paths.items()}
 
 
 @cache
 def _measured(pp: int, folder) -> tuple[dict, list[dict]]:
     """Every schedule's step in one launch of pp ranks: {schedule: path}, [rank -> {schedule: bytes}]."""
-    paths = {name: _recipe(folder, pp, name) for name in CHUNKS}
-    return paths, run_distributed(_measure_all, pp, paths, timeout_s=240)
+    return measure(pp, list(CHUNKS), folder)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +88,7 @@ def test_dry_run_depth_keeps_each_schedules_peak(tmp_path):
     """The dry run runs fewer micro-batches where the peak allows: enough for each schedule's (more than pp for
     the interleaved and V schedules; every one under GPipe)."""
     assert [enough_micro_batches(n, 64, 4, CHUNKS[n]) for n in CHUNKS] == [64, 4, 8, 4, 8, 8]
-    path = _recipe(tmp_path, 4, "dualpipev")
+    path = write_recipe(tmp_path, 4, "dualpipev")
     path.write_text(path.read_text().replace("grad_accum = 8", "grad_accum = 32"))
     assert pipeline_depth_overrides(load(path)) == ["train.grad_accum=8", "train.global_batch=16"]
 
