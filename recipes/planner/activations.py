@@ -33,9 +33,19 @@ e V h / t) and the logits for the loss, s b V/t elements in the activation dtype
 fp32 copy in the cross-entropy (the paper's 4 s b v / t). With checkpointing one layer's full activations exist
 again while it is recomputed in backward.
 
-Pipeline: under 1F1B, stage i holds min(pp - i, micro-batches) micro-batches in flight (stage 0 holds pp, the
-paper's sec. 4.2.3); GPipe holds every micro-batch; the interleaved schedule holds pp (1 + (pp - 1) / (pp v)) on
-stage 0 (the paper's factor). The planner takes the stage with the most memory.
+Pipeline: what a rank holds at its peak comes from walking its schedule's own action list
+(recipes/planner/schedule_memory.py), chunk by chunk: under 1F1B, stage i holds min(pp - i, micro-batches)
+micro-batches in flight (stage 0 holds pp, the paper's sec. 4.2.3); GPipe every micro-batch; the interleaved
+schedule pp (1 + (pp - 1) / (pp v)) on stage 0 (the paper's factor); ZB-H1 pp on every rank, ZBV and DualPipeV
+their two half chunks as the lists hold them. A non-last stage also keeps its output until its backward (s b h,
+r bytes). Zero-bubble schedules split the backward (parallel/pipeline/split_backward.py): from B to W a
+micro-batch keeps its graph and the d output of every weight node, what W starts from - per block the outputs of
+the two norms (r bytes), of QKV (3 h / t; grouped-query: an upper bound), of the attention and MLP output
+projections (h each) and of the MLP's input matmul (d_ff / t, SwiGLU 2 d_ff / t), e bytes; on the last stage d
+logits and the final norm's d output, without the logits and the loss's copy, which B frees. The first stage's
+W is its whole backward: it keeps the gradient that arrived. During a backward one block's gradient temporaries
+(the MLP's, mlp_elements h / t, e bytes) and on the last stage d logits come on top (`workspace_bytes`). The
+planner takes the stage with the most memory.
 """
 
 from __future__ import annotations
@@ -43,6 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazoo.models.config import ModelConfig
+from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
+from megazoo.parallel.pipeline.schedules import placement as placement_of
+from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
+from megazoo.recipes.planner.zero import PlanError
 
 
 @dataclass(frozen=True)
@@ -117,40 +131,56 @@ def checkpoint_bytes(s: int, b: int, h: int, spec: ActivationSpec = ActivationSp
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: int = 1) -> float:
-    """Micro-batches whose activations pipeline stage `rank` holds at its peak."""
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule == "interleaved":
-        return min(micro_batches, (pp - rank) * (1 + (pp - 1) / (pp * virtual)))
-    if schedule == "zb_h1":  # activations held from F to the deferred W: pp on every rank (1F1B's first stage's)
-        return min(pp, micro_batches)
-    return min(pp - rank, micro_batches)  # 1F1B (zbv / dualpipev: not modelled yet, see issue 29)
+    """Micro-batches whose activations pipeline stage `rank` holds at its peak, in whole stages (v chunks of a
+    micro-batch count 1), from the schedule's action list (schedule_memory.walk)."""
+    return peak_live(schedule, micro_batches, pp, rank, virtual) / virtual
+
+
+def weight_gradient_inputs(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
+                           sequence_parallel: bool = False) -> float:
+    """Bytes one block keeps from its split backward's B to its W beyond its saved activations: the d output of
+    every weight node (split_backward.py), each W's dY beside the graph's x. Norm outputs r bytes (s / tp long
+    under sequence parallelism), QKV 3 h / t, the attention and MLP output projections h each, the MLP's input
+    matmul mlp_elements / 2 h / t (GELU d_ff, SwiGLU [gate; up] 2 d_ff), e bytes."""
+    e, split = spec.element_bytes, t if sequence_parallel else 1
+    return s * b * h * (2 * spec.residual / split + 2 * e + (3 + spec.mlp_elements / 2) * e / t)
 
 
 @dataclass(frozen=True)
 class StageActivations:
     rank: int
     layers: int
-    in_flight: float
+    in_flight: float  # micro-batches alive at the peak, in whole stages (v chunks of one count 1)
     layer_bytes: float  # per layer, per micro-batch, as stored (checkpointed: the input only)
     recompute_bytes: float  # one layer's full activations during recomputation (0 without checkpointing)
-    extra_bytes: float  # embedding dropout mask / final LayerNorm and logits, per micro-batch
+    extra_bytes: float  # embedding dropout mask / final LayerNorm and logits / stage output, per micro-batch
+    held_bytes: float | None = None  # the schedule walk's peak (schedule_memory.walk); None: the in_flight product
+    waiting_bytes: float = 0.0  # of held_bytes: what micro-batches between B and W hold beyond their activations
+    workspace_bytes: float = 0.0  # a running backward's temporaries on top, at the walk's peak
 
     @property
     def total_bytes(self) -> float:
-        return self.in_flight * (self.layers * self.layer_bytes + self.extra_bytes) + self.recompute_bytes
+        """Activations held at the peak (+ one layer recomputed under checkpointing)."""
+        held = self.in_flight * (self.layers * self.layer_bytes + self.extra_bytes) if self.held_bytes is None \
+            else self.held_bytes
+        return held + self.recompute_bytes
+
+    @property
+    def peak_bytes(self) -> float:
+        """The device's activation peak: what is held plus the backward's temporaries at that moment."""
+        return self.total_bytes + self.workspace_bytes
 
 
 def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, stage_layers: list[int],
                       *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                       virtual: int = 1, spec: ActivationSpec | None = None,
-                      vocab: int | None = None, cp: int = 1,
-                      sequence_parallel: bool = False) -> list[StageActivations]:
-    """Activation bytes of every pipeline stage (`stage_layers`: blocks per stage) on one tp rank; with
-    context parallelism `cp`, on one cp rank (seq_len / cp tokens of every sequence). `sequence_parallel`:
-    the layers' norm regions and checkpointed inputs, and the final norm's input, are s / tp long."""
+                      vocab: int | None = None, cp: int = 1, sequence_parallel: bool = False,
+                      chunk_layers: list[int] | None = None) -> list[StageActivations]:
+    """Activation bytes of every pipeline stage (`stage_layers`: blocks per pp rank; `chunk_layers`: blocks per
+    virtual stage in pipeline order, default an even split) on one tp rank; with context parallelism `cp`, on
+    one cp rank (seq_len / cp tokens of every sequence). `sequence_parallel`: the layers' norm regions and
+    checkpointed inputs, and the final norm's input, are s / tp long. Each rank's peak walks its action list
+    (schedule_memory.py), every chunk with its own blocks, embedding and head."""
     spec = spec or ActivationSpec.for_model(cfg)
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
@@ -158,16 +188,47 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     full = layer_bytes(s, b, h, a, tp, spec, cp, sequence_parallel)
     kept = checkpoint_bytes(s, b, h, spec) / split if checkpointing else full
     pp = len(stage_layers)
-    out = []
-    for rank, n in enumerate(stage_layers):
-        extra = 0.0
-        if rank == 0 and spec.dropout:
-            extra += spec.mask_bytes * s * b * h
-        if rank == pp - 1:
+    chunks_per_rank = virtual if pp > 1 else 1
+    if chunk_layers is None:
+        chunk_layers = [len(r) for n in stage_layers for r in uniform_stage_layers(n, chunks_per_rank)]
+        chunk_layers = [chunk_layers[rank * chunks_per_rank + c] for c in range(chunks_per_rank) for rank in range(pp)]
+    stages = len(chunk_layers)
+    sbh = s * b * h
+    loss = (e + (4 if e < 4 else 0)) * s * b * vocab / tp  # the logits and, below fp32, the loss's fp32 copy
+    grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
+    d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
+
+    def chunk_bytes(stage: int) -> tuple[ChunkBytes, float]:
+        n, first, last = chunk_layers[stage], stage == 0, stage == stages - 1
+        extra = spec.mask_bytes * sbh if first and spec.dropout else 0.0
+        out = 0.0 if last else spec.residual * sbh / split  # the stage's output, kept until its backward
+        if last:
             # the final norm's input (s / tp long under sequence parallelism) and the head's (gathered)
-            extra += (spec.residual / split + e) * s * b * h + (e + (4 if e < 4 else 0)) * s * b * vocab / tp
+            extra += (spec.residual / split + e) * sbh + loss
             if spec.weight_copies:  # the tied head's 16-bit cast of its vocabulary shard, kept for backward
                 extra += e * vocab / tp * h
-        out.append(StageActivations(rank, n, in_flight(schedule, pp, rank, micro_batches, virtual), kept,
-                                    full if checkpointing and n else 0.0, extra))
+        forward = n * kept + extra + out
+        d_logits = e * s * b * vocab / tp
+        if checkpointing:  # W re-traverses: B keeps its root and the gradient at it
+            after_b = forward - loss + d_logits if last else forward + grad_in
+        elif first:  # no input gradient: B is empty and W the whole backward, from the kept gradient
+            after_b = forward + grad_in
+        else:
+            after_b = forward - out + n * d_block + ((d_logits + spec.residual * sbh / split - loss) if last else 0)
+        workspace = (spec.mlp_elements * e * sbh / tp if n else 0.0) + (e * s * b * (vocab / tp + h) if last else 0)
+        return ChunkBytes(forward, after_b, workspace), extra + out
+
+    out = []
+    for rank, n in enumerate(stage_layers):
+        held = rank_chunks(list(range(stages)), pp, rank, placement_of(schedule)) if pp > 1 else [0]
+        chunks = [chunk_bytes(st) for st in held]
+        try:
+            peak = rank_peak(schedule, micro_batches, pp, rank, virtual, [c for c, _ in chunks])
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+        at_rest = rank_peak(schedule, micro_batches, pp, rank, virtual,  # what B..W would hold as F..B
+                            [ChunkBytes(c.forward, c.forward) for c, _ in chunks]).held
+        out.append(StageActivations(rank, n, peak.live / len(held), kept, full if checkpointing and n else 0.0,
+                                    sum(x for _, x in chunks), peak.held, max(peak.held - at_rest, 0.0),
+                                    peak.peak - peak.held))
     return out

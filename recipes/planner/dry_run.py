@@ -98,14 +98,21 @@ def load(path: str | Path, overrides=()) -> Resolved:
 
 
 def pipeline_depth_overrides(res: Resolved) -> list[str]:
-    """`--set` overrides that run a pipeline recipe's step with pp micro-batches instead of all of them ([] when
-    it has no more): 1F1B's peak is reached once pp micro-batches are in flight on the first stage, and no stage's
-    peak grows with the micro-batches of a step (tests/recipes/planner/test_dry_run.py), so the peak is the whole step's; ZeRO's
-    dp traffic is per step, p2p bytes and FLOPs scale with the count. gpt-1t's 1,536 micro-batches: 25."""
+    """`--set` overrides that run a pipeline recipe's step with fewer micro-batches ([] when none are fewer): the
+    fewest with which every rank reaches the same peak of live micro-batches as the recipe's own count, walked on
+    the schedule's action lists (recipes/planner/schedule_memory.py's enough_micro_batches: pp under 1F1B and
+    ZB-H1, more for the interleaved and V schedules, all of them under GPipe). No stage's peak grows with the
+    micro-batches of a step beyond that (tests/recipes/planner/test_dry_run.py), so the peak is the whole step's; ZeRO's dp
+    traffic is per step, p2p bytes and FLOPs scale with the count. gpt-1t's 1,536 micro-batches: 25."""
+    from megazoo.recipes.planner.schedule_memory import enough_micro_batches
+
     par, train = res.recipe.parallel, res.recipe.train
-    if par.pp == 1 or train.grad_accum <= par.pp:
+    if par.pp == 1:
         return []
-    return [f"train.grad_accum={par.pp}", f"train.global_batch={train.micro_batch * par.pp * par.dp}"]
+    fewer = enough_micro_batches(par.schedule, train.grad_accum, par.pp, par.virtual_stages)
+    if fewer >= train.grad_accum:
+        return []
+    return [f"train.grad_accum={fewer}", f"train.global_batch={train.micro_batch * fewer * par.dp}"]
 
 
 def gpu_kernels(res: Resolved) -> tuple[Resolved, list[str]]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from megazoo.models.layout import parameter_layout
 from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
-from megazoo.recipes.planner.activations import stage_activations
+from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, gpu_kernels
-from megazoo.recipes.planner.fit import PRECISION_BYTES, activation_spec, recipe_layout, state_memory
+from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
+                                        state_memory)
 from megazoo.recipes.planner.links import link_volume
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
@@ -40,12 +41,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     # recomputing kernel (under dropout it runs in SDPA's place: dry_run.gpu_kernels), as FlashAttention on a GPU.
     no_scores = layout.flash_attention and res.model.attn_dropout == 0.0 or attention_recomputed(res)
     state = PRECISION_BYTES[layout.precision][0]  # the paper's bytes: its buffers and communication volume
-    shard = shard_parameters(cfg, layout.tp, layout.pp, layout.stage_layers)
-    acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
-                             [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
-                             micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
-                             spec=activation_spec(cfg, layout, 1, no_scores), cp=layout.cp,
-                             sequence_parallel=layout.sequence_parallel)
+    shard = shard_parameters(cfg, layout.tp, layout.pp, layout.stage_layers, placement(layout.schedule))
+    acts = layout_activations(cfg, layout, shard, activation_spec(cfg, layout, 1, no_scores))
     st = shard.stages[pp_stage]
     mem = state_memory(st.numel, layout)  # megazoo's optimizers' bytes, as `megazoo plan` counts them
     buffers = BufferConfig(layout.bucket, layout.bucket)
@@ -53,7 +50,7 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
                         persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
     comm = communication_volume(st.numel, layout.dp, layout.zero, state, grad_accum=layout.grad_accum)
     out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
-           "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].total_bytes,
+           "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
            "buffers": buf, "dp_comm_bytes": comm.bytes if layout.dp > 1 else 0.0, "psi": st.numel}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)

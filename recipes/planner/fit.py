@@ -27,6 +27,7 @@ from megazoo.models.lora_config import LoRAConfig
 from megazoo.recipes.planner.gpus import GPU, GPUS
 from megazoo.recipes.planner.lora import lora_state_memory, stage_adapters
 from megazoo.recipes.planner.activations import ActivationSpec, StageActivations, stage_activations
+from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.planner.shards import shard_parameters
 
 
@@ -111,10 +112,13 @@ class DeviceMemory:
     def lines(self) -> list[str]:
         g = lambda x: f"{x / GB:.2f} GB"  # noqa: E731
         st = self.stage
-        act = (f"{st.in_flight:g} micro-batch(es) in flight x ({st.layers} layers x {st.layer_bytes / GB:.3f} GB"
+        act = (f"{st.in_flight:g} micro-batch(es) in flight ({self.layout.schedule}'s action list) of "
+               f"{st.layers} layers x {st.layer_bytes / GB:.3f} GB"
                f"{' checkpointed input' if self.layout.checkpointing else ''} + {st.extra_bytes / GB:.3f} GB "
-               f"embedding/head)" + (f" + {st.recompute_bytes / GB:.3f} GB one layer recomputed"
-                                     if st.recompute_bytes else ""))
+               f"embedding/head/stage output" + (f", {st.waiting_bytes / GB:.3f} GB of it waiting for W"
+                                                 if st.waiting_bytes else "")
+               + f" + {st.workspace_bytes / GB:.3f} GB backward workspace"
+               + (f" + {st.recompute_bytes / GB:.3f} GB one layer recomputed" if st.recompute_bytes else ""))
         return [f"fits: {'yes' if self.fits else 'no'} ({g(self.total)} of {g(self.capacity)} per device)",
                 f"  layout: {self.layout.describe()}",
                 f"  peak pipeline stage: {self.pp_rank} of {self.layout.pp}; Psi = {self.psi:,} parameters",
@@ -158,6 +162,16 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
                                     autocast_fp32_params=layout.zero == 0)
 
 
+def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:
+    """Every pipeline rank's activations under `layout`'s schedule, its virtual stages' own blocks."""
+    chunks = [len(x) for x in layout.stage_layers] if layout.stage_layers is not None else None
+    return stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
+                             [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
+                             micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
+                             spec=spec, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
+                             chunk_layers=chunks)
+
+
 def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1,
                   paper: bool = False) -> DeviceMemory:
     """Per-device memory of `cfg` trained under `layout`, on its fullest pipeline stage; model states as
@@ -167,12 +181,9 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
     if layout.zero == 3 and layout.pp > 1:
         raise PlanError("zero stage 3 with pp > 1 is not supported by megazoo; valid with pp > 1: 0, 1, 2")
     state = PRECISION_BYTES[layout.precision][0]
-    shard = _shard(cfg, layout.tp, layout.pp, layout.stage_layers)
+    shard = _shard(cfg, layout.tp, layout.pp, layout.stage_layers, placement(layout.schedule))
     spec = activation_spec(cfg, layout, mask_bytes)
-    acts = stage_activations(cfg, layout.seq_len, layout.micro_batch, layout.tp,
-                             [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
-                             micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
-                             spec=spec, cp=layout.cp, sequence_parallel=layout.sequence_parallel)
+    acts = layout_activations(cfg, layout, shard, spec)
     buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
@@ -186,7 +197,7 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
         buf = buffer_memory(st.numel if layout.zero == 3 else trained, layout.zero, buffers_cfg,
                             element_bytes=state.params,
                             persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
-        row = DeviceMemory(layout, st.pp_rank, st.numel, states.device_bytes, act.total_bytes, buf, capacity_gb * GB,
+        row = DeviceMemory(layout, st.pp_rank, st.numel, states.device_bytes, act.peak_bytes, buf, capacity_gb * GB,
                            act, states, paper)
         if best is None or row.total > best.total:
             best = row

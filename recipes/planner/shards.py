@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.layout import check_parallel_compat, parameter_layout
-from megazoo.parallel.pipeline.partition import uniform_stage_layers
+from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
 from megazoo.recipes.planner.zero import STAGES, Plan, PlanError, plan
 
 
@@ -97,7 +97,8 @@ class ModelShard:
         return text
 
 
-def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage_layers=None) -> ModelShard:
+def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage_layers=None,
+                     placement: str = "loop") -> ModelShard:
     """Exact per-rank parameter counts of `cfg` under tensor parallelism `tp` and pipeline parallelism `pp`.
 
     Every tensor of models/layout.py's `parameter_layout` for each stage of the uniform pipeline split (tests
@@ -109,8 +110,9 @@ def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage_layers=No
       position embedding are replicated on every tp rank.
     - Pipeline: stage 0 holds wte and wpe, the last stage ln_f and its own copy of wte for the tied head (so with
       pp > 1 the word embedding is counted on two stages, as it is allocated twice).
-    `stage_layers` (a recipe's resolved blocks per (virtual) stage; virtual stage j runs on pp rank j % pp)
-    replaces the uniform split.
+    `stage_layers` (a recipe's resolved blocks per (virtual) stage; virtual stage j runs on pp rank j % pp, or
+    under zbv's V `placement` on the rank of partition.rank_chunks: rank 0 then holds the first and the last
+    stage, embedding and head, with one word embedding for both) replaces the uniform split.
     """
     try:
         check_parallel_compat(cfg, tp, pp)
@@ -119,10 +121,12 @@ def shard_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage_layers=No
     if stage_layers is None:
         per_rank = uniform_stage_layers(cfg.n_layer, pp)
     else:
-        per_rank = [sorted(i for j, chunk in enumerate(stage_layers) if j % pp == r for i in chunk) for r in range(pp)]
+        per_rank = [sorted(i for j in rank_chunks(list(stage_layers), pp, r, placement) for i in stage_layers[j])
+                    for r in range(pp)]
+    head_rank = 0 if placement == "v" and stage_layers is not None else pp - 1
     stages = []
     for rank, layers in enumerate(per_rank):
-        params = parameter_layout(cfg, tp, layers=layers, embedding=rank == 0, head=rank == pp - 1)
+        params = parameter_layout(cfg, tp, layers=layers, embedding=rank == 0, head=rank == head_rank)
         tensors = tuple(TensorCount(p.name, p.local_numel(tp), p.tp_dim is not None) for p in params)
         stages.append(StageShard(rank, layers, tensors))
     return ModelShard(cfg.name, tp, pp, cfg.padded_vocab(tp), tuple(stages))
