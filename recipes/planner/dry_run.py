@@ -169,8 +169,14 @@ def roles(res: Resolved) -> list[Role]:
     stage_ranks = lambda s: tuple(_global_rank(res, s, d, t) for d in range(par.dp) for t in range(par.tp))  # noqa
     if par.pp == 1:
         return [Role(0, 0, stage_ranks(0), "every rank: equal dp partitions and tp shards")]
-    blocks = [sum(len(res.stage_layers[v]) for v in range(s, len(res.stage_layers), par.pp)) for s in range(par.pp)]
-    out = [Role(0, 0, stage_ranks(0), "first stage: embedding, most micro-batches in flight")]
+    from megazoo.parallel.pipeline.partition import rank_chunks
+    from megazoo.parallel.pipeline.schedules import placement
+
+    v = placement(par.schedule) == "v"  # zbv / dualpipev: rank 0 holds the first and the last stage
+    blocks = [sum(len(res.stage_layers[c]) for c in rank_chunks(res.stage_layers, par.pp, s, placement(par.schedule)))
+              for s in range(par.pp)]
+    out = [Role(0, 0, stage_ranks(0), "first and last stage (V placement): embedding, head and loss" if v
+                else "first stage: embedding, most micro-batches in flight")]
     if par.pp > 2:
         mid = max(range(1, par.pp - 1), key=lambda s: (blocks[s], -s))
         ranks = tuple(r for s in range(1, par.pp - 1) for r in stage_ranks(s))
@@ -178,7 +184,8 @@ def roles(res: Resolved) -> list[Role]:
                         f"middle stages 1..{par.pp - 2}: stage {mid} has the most blocks ({blocks[mid]}) and, "
                         f"under 1F1B, the most micro-batches in flight of them"))
     out.append(Role(_global_rank(res, par.pp - 1), par.pp - 1, stage_ranks(par.pp - 1),
-                    "last stage: final LayerNorm, head and loss"))
+                    "the bottom of the V: two middle stages, the turn handed over in memory" if v
+                    else "last stage: final LayerNorm, head and loss"))
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from megazoo.models.layout import parameter_layout
 from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
+from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
@@ -65,8 +66,9 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     """6 x this tp rank's matmul parameters of the stage x its tokens + 12 L s d / tp attention per token
     (recipes/planner/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
-    layers = [i for v in range(pp_stage, len(res.stage_layers), par.pp) for i in res.stage_layers[v]]
-    last = pp_stage == par.pp - 1
+    held = rank_chunks(res.stage_layers, par.pp, pp_stage, placement(par.schedule))  # its virtual stages
+    layers = [i for v in held for i in res.stage_layers[v]]
+    last = len(res.stage_layers) - 1 in held  # the head: the last rank, or the first under the V
     params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
     blocks = sum(p.local_numel(par.tp) for p in params if p.name.endswith(".weight") and ".ln_" not in p.name)
     head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
