@@ -25,7 +25,8 @@ from pathlib import Path
 # own module is imported when that command runs (COMMANDS below); train's checks import torch inside _train.
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
-from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
+from megazoo.recipes.training.run_dir import (LOCK_HELD_ENV, RunDirBusy, RunDirLock, check_checkpoints, move_aside,
+                                              previous_run)
 from megazoo.workers.supervisor import launch_local
 
 
@@ -41,6 +42,8 @@ def _train(args: argparse.Namespace) -> int:
             raise RecipeError(f"--nproc {nproc} is invalid: it must be a positive integer")
         from megazoo.recipes.resolve import resolve  # torch: imported once a command runs, not for --help
         resolve(recipe, world_size=nproc)
+        if not args.overwrite:  # --overwrite moves everything aside, a stray file included
+            check_checkpoints(recipe.run.dir)
         lock = RunDirLock.acquire(recipe.run.dir)  # one job per run.dir, held until this process ends
     except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from megazoo.data.catalog import default_folders
+from megazoo.data.token_dataset import DataCacheError
 from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
 from megazoo.workers.local import finish_worker
@@ -30,7 +31,8 @@ from megazoo.parallel.collective_check import diagnose_mismatch
 from megazoo.parallel.flight_recorder import diagnose, dump_ring, read_rings
 from megazoo.recipes.resolve import Resolved, resolve
 from megazoo.recipes.resolved_toml import resolved_toml
-from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, write_resolved_recipe
+from megazoo.recipes.training.run_dir import (LOCK_HELD_ENV, RunDirBusy, RunDirLock, check_checkpoints,
+                                              write_resolved_recipe)
 from megazoo.recipes.training.trainer import Trainer, TrainResult
 
 
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
                              catalog_dirs=default_folders(os.environ))  # catalog names: $MEGAZOO_DATA_DIR, cache
         res = resolve(recipe, world_size=world_size)
         own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
+        check_checkpoints(res.recipe.run.dir)
         lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends
     except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
@@ -161,14 +164,17 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         node_size = par.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(par, node_size=node_size)
         result = run(res, topo, stop)
-    except (CheckpointError, JobStalled) as err:
-        # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch; a stalled peer
-        # is reported by every rank that waited for it): say so once, plainly, and end the job.
+    except (CheckpointError, DataCacheError, JobStalled) as err:
+        # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch, a data cache that
+        # cannot be written; a stalled peer is reported by every rank that waited for it): say so once, plainly,
+        # and end the job.
         print(f"megazoo: error (rank {rank}): {err}", file=sys.stderr, flush=True)
-        code = 2 if isinstance(err, CheckpointError) else 1
-        if isinstance(err, CheckpointError):
+        code = 1 if isinstance(err, JobStalled) else 2
+        if code == 2:
             record_fatal()
         if world_size == 1:
+            if lock is not None:
+                lock.release()
             return code
         finish_worker(code)
     code = 0

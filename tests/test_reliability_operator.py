@@ -1,0 +1,123 @@
+"""Issue 26's operator defects, each refused or reported in one line with nothing lost: a run.dir on a read-only
+folder (named, before any process starts), a full disk while the data cache is written (no partial entry left)
+and a plain file named like a step folder under checkpoints/ (refused before start, never counted as a run)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jobs import write_recipe
+
+import megazoo.data.token_dataset as token_dataset
+from megazoo.data.token_dataset import DataCacheError, build_stdlib_corpus
+from megazoo.recipes import cli, train
+from megazoo.recipes.training.run_dir import previous_run
+
+
+def _mount_tmpfs(folder: Path, options: str) -> bool:
+    """A tmpfs on `folder` (root only): a real read-only or full file system, not a patched call."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    folder = tmp_path / "ro"
+    mounted = _mount_tmpfs(folder, "ro,size=64k")
+    if not mounted:
+        folder.chmod(0o555)  # not root: the permission bits refuse (root would write through them)
+    yield folder
+    if mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+    else:
+        folder.chmod(0o755)
+
+
+@pytest.fixture
+def full_disk(tmp_path, monkeypatch):
+    """A folder whose file system fills up while the data cache is written: a 64 KiB tmpfs as root, else a
+    writer that writes part of the array and then fails with ENOSPC, as a full disk does."""
+    folder = tmp_path / "disk"
+    mounted = _mount_tmpfs(folder, "size=64k")
+    if not mounted:
+        def save_until_full(path, array, *args, **kwargs):
+            Path(path).write_bytes(array.tobytes()[:100])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        monkeypatch.setattr(token_dataset.np, "save", save_until_full)
+    yield folder
+    if mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def _no_process_may_start(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(cli, "launch_local", refuse)
+
+
+@pytest.mark.parametrize("where", ["run.dir inside it", "run.dir is it"])
+def test_run_dir_on_a_read_only_folder_is_named_before_any_process_starts(tmp_path, read_only_folder, where,
+                                                                         monkeypatch, capsys):
+    run_dir = read_only_folder / "run" if where == "run.dir inside it" else read_only_folder
+    recipe = write_recipe(tmp_path / "job.toml", run_dir, dp=2)
+    _no_process_may_start(monkeypatch)
+    assert cli.main(["train", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("megazoo: error: run.dir = ") and str(run_dir) in err and "cannot be written" in err
+    assert ("Read-only file system" in err or "Permission denied" in err), err
+
+
+def test_a_full_disk_while_writing_the_data_cache_is_one_line_and_leaves_no_partial_entry(full_disk, capsys):
+    with pytest.raises(DataCacheError) as info:
+        build_stdlib_corpus(full_disk / "data_cache", vocab_size=300, max_bytes=200_000, val_fraction=0.1, seed=0)
+    message = str(info.value)
+    assert "No space left on device" in message and str(full_disk / "data_cache") in message
+    assert "nothing was kept" in message
+    assert list((full_disk / "data_cache").iterdir()) == []  # no entry, no hidden staging folder
+
+
+def test_the_training_job_reports_a_full_data_cache_in_one_line(tmp_path, full_disk, capsys):
+    recipe = tmp_path / "job.toml"
+    recipe.write_text(write_recipe(tmp_path / "base.toml", full_disk / "run", dp=1).read_text()
+                      .replace('source = "synthetic"', 'source = "stdlib"\nvocab_size = 300\nmax_bytes = 200000'))
+    assert train.main([str(recipe)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megazoo: error")]
+    assert len(err) == 1 and "cannot write the data cache entry" in err[0] and "No space left on device" in err[0]
+    assert not any(p.name.startswith(".") and "tmp" in p.name for p in (full_disk / "run" / "data_cache").iterdir())
+
+
+@pytest.mark.parametrize("flag", [[], ["--resume"]], ids=["fresh", "resume"])
+def test_a_plain_file_named_like_a_step_folder_is_refused_before_start_and_kept(tmp_path, flag, monkeypatch,
+                                                                               capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    stray = run_dir / "checkpoints" / "step_00000001"
+    stray.write_text("my notes\n")
+    (run_dir / "checkpoints" / "step_notes.txt").write_text("not a step name: left alone\n")
+    recipe = write_recipe(tmp_path / "job.toml", run_dir, dp=2, checkpoint="every = 1")
+    assert previous_run(run_dir) == []  # files are no checkpoints: not "a run" to resume or to move aside
+    _no_process_may_start(monkeypatch)
+    assert cli.main(["train", str(recipe), *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(stray) in err and "not a folder" in err and "move or remove" in err
+    assert stray.read_text() == "my notes\n"
+
+
+def test_a_lone_worker_refuses_the_stray_step_file_too(tmp_path, capsys):
+    """Started without the launcher (torchrun RECIPE, or python -m megazoo.recipes.train)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000002").write_bytes(b"")
+    recipe = write_recipe(tmp_path / "job.toml", run_dir, dp=1, checkpoint="every = 1")
+    assert train.main([str(recipe), "--set", "checkpoint.resume=true"]) == 2
+    assert "step_00000002" in capsys.readouterr().err
+    assert np.array_equal(sorted(p.name for p in (run_dir / "checkpoints").iterdir()), ["step_00000002"])
