@@ -61,6 +61,9 @@ def _train(args: argparse.Namespace) -> int:
             why = "--overwrite" if args.overwrite else "run.existing = 'start_over'"
             print(f"megazoo: starting over ({why}): moved the previous run in {run_dir} to {move_aside(run_dir)}",
                   file=sys.stderr)
+        elif previous and resuming and (reason := _no_good_checkpoint(run_dir)):
+            print(f"megazoo: error: {reason}", file=sys.stderr)  # before any worker starts: once, not per rank
+            return 2
         overrides = list(args.overrides)
         if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
             overrides.append("checkpoint.resume=true")
@@ -74,6 +77,19 @@ def _train(args: argparse.Namespace) -> int:
         return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
                             restart_note=" from the latest good checkpoint",
                             env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"})
+
+
+def _no_good_checkpoint(run_dir: Path) -> str | None:
+    """Why --resume cannot continue (run.dir's checkpoints are all damaged), in one line; None when one verifies
+    or there is none. The launcher checks once, so N workers do not each print it and torchrun its summary; the
+    cost is one more read of the latest checkpoint, whose sha256 the workers check again when they load it."""
+    from megazoo.parallel.checkpoint.io import latest_good_checkpoint
+    root, problems = run_dir / "checkpoints", []
+    if latest_good_checkpoint(root, report=lambda *_: None, problems=problems) is not None or not problems:
+        return None
+    return (f"--resume: no good checkpoint under {root}, and nothing there was changed ({len(problems)} damaged; "
+            f"the latest: {problems[0]}): repair or restore them, or use --overwrite to start over (the old run is "
+            "moved aside)")
 
 
 def _restarts(text: str) -> int:

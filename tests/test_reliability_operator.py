@@ -1,6 +1,8 @@
 """Issue 26's operator defects, each refused or reported in one line with nothing lost: a run.dir on a read-only
 folder (named, before any process starts), a full disk while the data cache is written (no partial entry left)
-and a plain file named like a step folder under checkpoints/ (refused before start, never counted as a run)."""
+a plain file named like a step folder under checkpoints/ (refused before start, never counted as a run), and
+`--resume` at 2 processes over only damaged checkpoints (one line from the launcher, exit 2, no worker started,
+nothing changed)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jobs import write_recipe
+from recipe_helpers import tiny_resolved
 
 import megazoo.data.token_dataset as token_dataset
 from megazoo.data.token_dataset import DataCacheError, build_stdlib_corpus
 from megazoo.recipes import cli, train
+from megazoo.parallel.topology import Topology
 from megazoo.recipes.training.run_dir import previous_run
+from megazoo.recipes.training.trainer import Trainer
 
 
 def _mount_tmpfs(folder: Path, options: str) -> bool:
@@ -121,3 +126,25 @@ def test_a_lone_worker_refuses_the_stray_step_file_too(tmp_path, capsys):
     assert train.main([str(recipe), "--set", "checkpoint.resume=true"]) == 2
     assert "step_00000002" in capsys.readouterr().err
     assert np.array_equal(sorted(p.name for p in (run_dir / "checkpoints").iterdir()), ["step_00000002"])
+
+
+def test_resume_at_two_processes_over_only_damaged_checkpoints_is_one_line_and_starts_nothing(tmp_path, monkeypatch,
+                                                                                             capsys):
+    run_dir = tmp_path / "run"
+    res = tiny_resolved(train={"steps": 2, "micro_batch": 2}, run={"dir": str(run_dir)},
+                        checkpoint={"every": 1, "keep": 5})
+    Trainer(res, Topology.solo()).fit()  # a checkpoint's layout does not matter to resume: any layout loads
+    root = run_dir / "checkpoints"
+    for shard in root.glob("step_*/rank*.pt"):
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    recipe = write_recipe(tmp_path / "job.toml", run_dir, dp=2, checkpoint="every = 1")
+    _no_process_may_start(monkeypatch)  # before the fix: each of the 2 workers printed it, then torchrun's summary
+    assert cli.main(["train", str(recipe), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("megazoo: error: --resume: no good checkpoint under "), err
+    assert "2 damaged" in err and "step_00000002" in err and "--overwrite" in err
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"} == \
+        {p: b for p, b in before.items() if p.name != ".lock"}
