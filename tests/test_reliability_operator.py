@@ -2,13 +2,18 @@
 folder (named, before any process starts), a full disk while the data cache is written (no partial entry left)
 a plain file named like a step folder under checkpoints/ (refused before start, never counted as a run), and
 `--resume` at 2 processes over only damaged checkpoints (one line from the launcher, exit 2, no worker started,
-nothing changed)."""
+nothing changed), and a stopped preprocess (Ctrl-C / SIGTERM: one line, 130 / 143, no temporary file; a SIGKILLed
+one's temporary file is removed by the next run)."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +153,58 @@ def test_resume_at_two_processes_over_only_damaged_checkpoints_is_one_line_and_s
     assert "2 damaged" in err and "step_00000002" in err and "--overwrite" in err
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"} == \
         {p: b for p, b in before.items() if p.name != ".lock"}
+
+
+def _big_jsonl(path: Path) -> Path:
+    line = json.dumps({"text": "The quick brown fox jumps over the lazy dog, again and again. " * 40}) + "\n"
+    path.write_text(line * 6000)  # ~15 MB: encoding takes seconds, so the signal lands mid-run
+    return path
+
+
+def _preprocess(tmp_path, data_dir, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megazoo.data.preprocess", "--input",
+                             str(_big_jsonl(tmp_path / "in.jsonl")), "--tokenizer", str(data_dir / "gpt2_bpe"),
+                             "--output-prefix", str(tmp_path / "out" / "wiki"), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+def test_a_stopped_preprocess_says_one_line_and_leaves_no_temporary_file(tmp_path, data_dir, sig):
+    (tmp_path / "out").mkdir()
+    proc = _preprocess(tmp_path, data_dir, "--workers", "2")
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "out").glob(".wiki.bin.*.tmp")):  # the writer has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        # Ctrl-C reaches the terminal's whole process group (the pool's workers too); SIGTERM the command alone
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("preprocess:")]  # no bar
+    assert lines == [f"megazoo preprocess: stopped by {'Ctrl-C' if sig == signal.SIGINT else 'SIGTERM'}; no output "
+                     "and no temporary file were left"], err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_temporary_file_left_by_a_killed_preprocess_is_removed_by_the_next_run(tmp_path, data_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = out / f".wiki.bin.{int(dead.stdout)}-0123abcd.tmp"  # as AtomicFile names it, for a pid now gone
+    stale.write_bytes(b"\0" * 1000)
+    live = out / f".wiki.bin.{os.getpid()}-0123abcd.tmp"  # a running writer's file is left alone
+    live.write_bytes(b"")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "megazoo.data.preprocess", "--input", str(tmp_path / "in.jsonl"),
+                           "--tokenizer", str(data_dir / "gpt2_bpe"), "--output-prefix", str(out / "wiki"),
+                           "--workers", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"megazoo preprocess: removed {stale}, left by an interrupted run" in done.stderr
+    assert not stale.exists() and live.exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "wiki.bin", "wiki.idx"])
