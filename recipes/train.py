@@ -73,6 +73,9 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                 result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
                                      stop_requested=stop.requested)
             except Exception as err:
+                # A peer killed mid-collective (SIGKILL, the OOM killer): name it, not gloo's "Connection reset".
+                if trainer.progress is not None and (dead := trainer.progress.dead_peers(wait_s=2.0)):
+                    raise JobStalled(trainer.progress.explain_dead(err, dead)) from err
                 if trainer.progress is not None and is_collective_timeout(err):
                     raise JobStalled(trainer.progress.explain(err) + _last_collectives(recipe, topo)) from err
                 if (diverged := diagnose_mismatch(err)) is not None:  # parallel.check_collectives caught it
@@ -117,8 +120,8 @@ def _last_collectives(recipe, topo: Topology) -> str:
 
 
 class JobStalled(RuntimeError):
-    """A collective timed out (the message names the operation and the ranks that did not arrive), or ranks called
-    different collectives (parallel.check_collectives: it names both ranks and calls)."""
+    """A collective timed out (the message names the operation and the ranks that did not arrive), ranks called
+    different collectives (parallel.check_collectives: it names both ranks and calls), or a peer died (named)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

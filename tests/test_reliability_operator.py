@@ -3,7 +3,8 @@ folder (named, before any process starts), a full disk while the data cache is w
 a plain file named like a step folder under checkpoints/ (refused before start, never counted as a run), and
 `--resume` at 2 processes over only damaged checkpoints (one line from the launcher, exit 2, no worker started,
 nothing changed), and a stopped preprocess (Ctrl-C / SIGTERM: one line, 130 / 143, no temporary file; a SIGKILLed
-one's temporary file is removed by the next run)."""
+one's temporary file is removed by the next run), and a worker killed by SIGKILL (the survivor names the dead
+rank in one line instead of gloo's traceback; the launcher exits non-zero and no process outlives the job)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs import write_recipe
+from jobs import end_processes, processes, wait_gone, write_recipe
 from recipe_helpers import tiny_resolved
 
 import megazoo.data.token_dataset as token_dataset
@@ -208,3 +209,29 @@ def test_a_temporary_file_left_by_a_killed_preprocess_is_removed_by_the_next_run
     assert f"megazoo preprocess: removed {stale}, left by an interrupted run" in done.stderr
     assert not stale.exists() and live.exists()
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "wiki.bin", "wiki.idx"])
+
+
+def test_a_worker_killed_by_sigkill_is_named_by_the_survivor_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "job.toml", run_dir, dp=2, steps=400, stage=0, train='precision = "fp32"')
+    launcher = subprocess.Popen([sys.executable, "-m", "megazoo.recipes.cli", "train", str(recipe)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.05)
+        torchrun = processes(str(recipe), b"torch.distributed.run")
+        workers = sorted(set(processes(str(recipe), b"megazoo.recipes.train")) - set(torchrun))
+        ranks = {int(dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                          if "=" in v)["RANK"]): pid for pid in workers}
+        os.kill(ranks[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=300)
+        assert launcher.returncode != 0
+        assert not wait_gone(processes(str(recipe)), timeout=30)  # nothing outlives the job
+    finally:
+        end_processes(str(tmp_path))
+    assert "[rank0]:" not in err and "This is typically caused by" not in err, err[-3000:]  # gloo's traceback
+    named = [line for line in err.splitlines() if line.startswith("megazoo: error (rank 0): rank 1 died")]
+    assert len(named) == 1, err[-3000:]
+    assert f"pid {ranks[1]}" in named[0] and "rank 0 lost it during step" in named[0]
