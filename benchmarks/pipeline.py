@@ -1,77 +1,21 @@
 """Pipeline bubble, throughput and activation memory per schedule, measured next to the theory.
 
-For each (pp, schedule) the real Trainer runs a few steps on `pp` local gloo ranks (CPU) and every rank reports
-its PipelineEngine statistics: compute time vs wall time (the bubble), compute seconds per action kind (F, B,
-W), the most micro-batches whose activations were alive at once, and the step's wall time (tokens/s). Theory,
-with F = B = W: bubble (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1) for
-ZB-H1 ((p-1)(F+B-W) of idle), (p-1)/(6m+p-1) for ZBV (rank r starts at r, 6m units of work each) and for
-DualPipeV run without overlapping its paired F and B (it needs m >= 2p - 1: rows with fewer are left out); "ideal" is
-the same schedule's own action lists run on parallel/pipeline/timeline.py's ideal pipeline (equal to the
-formula for m >= p). 1F1B keeps at most p micro-batches of activations on the first stage, GPipe m, ZB-H1 p on
-every rank (held from F to W), ZBV 2p half-size chunks, DualPipeV 2p + 1.
-
     python benchmarks/pipeline.py [--m 8] [--steps 4] [--layers 8] [--schedules gpipe,1f1b,...] [--json out.json]
 
+The measuring lives in the installed package (megazoo/recipes/reproduce/pipeline_bench.py, whose docstring gives
+the method and the formulas; `megazoo reproduce pipeline-bubble` runs the same); this script prints the table.
 On a 2-core CPU machine 4 ranks share 2 cores, so the measured bubble is inflated by time-slicing; the
-activation counts are exact everywhere. F / B / W seconds: the compute of each action kind per rank (an unsplit
-schedule's B is its whole backward; a zero-bubble W re-runs only the weight nodes: parallel/pipeline/
-split_backward.py).
+activation counts are exact everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megazoo.workers.local import run_distributed  # noqa: E402
-from megazoo.parallel.pipeline.schedules import placement, schedule as actions_of  # noqa: E402
-from megazoo.parallel.pipeline.timeline import simulate  # noqa: E402
-from megazoo.parallel.topology import Topology  # noqa: E402
-from megazoo.recipes.config import Recipe, from_dict  # noqa: E402
-from megazoo.recipes.resolve import resolve  # noqa: E402
-from megazoo.recipes.training.trainer import Trainer  # noqa: E402
-
-
-def _measure(table: dict, warmup: int):
-    res = resolve(from_dict(Recipe, table))
-    par = res.recipe.parallel
-    trainer = Trainer(res, Topology.build(par.dp, par.tp, par.pp))
-    for step in range(warmup):
-        trainer.train_step(step)
-    trainer.engine.stats.reset()
-    start = time.perf_counter()
-    for step in range(warmup, res.recipe.train.steps):
-        trainer.train_step(step)
-    seconds = time.perf_counter() - start
-    stats = trainer.engine.stats
-    t = res.recipe.train
-    act_bytes = t.micro_batch * t.seq_len * res.model.d_model * 4
-    return {"pp_rank": trainer.topo.pp_rank, "bubble": stats.bubble, "live": stats.max_live_micro_batches,
-            "activation_bytes": stats.max_live_micro_batches * act_bytes, "compute_s": stats.compute_s,
-            "tokens_per_s": (t.steps - warmup) * t.grad_accum * t.micro_batch * t.seq_len / seconds}
-
-
-def theory(schedule: str, p: int, m: int, v: int) -> float:
-    """The bubble fraction with F = B = W (formulas in the module docstring)."""
-    if schedule == "zb_h1":
-        return (p - 1) / (3 * m + p - 1)
-    if schedule in ("zbv", "dualpipev"):
-        return (p - 1) / (6 * m + p - 1)
-    return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
-
-
-def ideal(schedule: str, p: int, m: int, v: int) -> float:
-    """The bubble of the schedule's own action lists on an ideal pipeline (F = B = W = 1, free communication)."""
-    return simulate([actions_of(schedule, m, p, r, v) for r in range(p)], p * v, placement(schedule)).bubble
-
-
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
+from megazoo.recipes.reproduce.pipeline_bench import SCHEDULES, measure_schedules
 
 
 def main(argv=None) -> int:
@@ -86,31 +30,7 @@ def main(argv=None) -> int:
     unknown = [s for s in chosen if s not in SCHEDULES]
     if unknown:
         parser.error(f"--schedules: {', '.join(unknown)} invalid; valid: {', '.join(SCHEDULES)}")
-    rows = []
-    for pp in (2, 4):
-        for schedule, v in ((s, SCHEDULES[s]) for s in chosen):
-            if schedule == "dualpipev" and args.m < 2 * pp - 1:
-                print(f"pp {pp} dualpipev left out: it needs --m >= {2 * pp - 1}", file=sys.stderr)
-                continue
-            table = {
-                "model": {"preset": "gpt2-tiny", "n_layer": args.layers, "vocab_size": 512, "dropout": 0.0,
-                          "attn_dropout": 0.0},
-                "parallel": {"pp": pp, "schedule": schedule, "virtual_stages": v},
-                "train": {"steps": args.steps + 1, "micro_batch": 4, "grad_accum": args.m, "seq_len": 64,
-                          "precision": "fp32"},
-                "data": {"source": "synthetic", "synthetic_tokens": 100_000},
-                "logging": {"progress": False},
-            }
-            ranks = run_distributed(_measure, pp, table, 1)
-            kinds = {k: statistics.mean(r["compute_s"].get(k, 0.0) for r in ranks) for k in "FBW"}
-            rows.append({"pp": pp, "schedule": schedule, "v": v, "m": args.m,
-                         "bubble_measured": statistics.mean(r["bubble"] for r in ranks),
-                         "bubble_theory": theory(schedule, pp, args.m, v),
-                         "bubble_ideal": ideal(schedule, pp, args.m, v),
-                         "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in ranks),
-                         "compute_s_per_rank": kinds,
-                         "live_per_stage": [r["live"] for r in sorted(ranks, key=lambda r: r["pp_rank"])],
-                         "activation_mb_first_stage": ranks[0]["activation_bytes"] / 2**20})
+    rows = measure_schedules(args.m, args.steps, args.layers, chosen, report=lambda line: print(line, file=sys.stderr))
     print("| pp | schedule | v | m | bubble measured | bubble theory | bubble ideal (lists) | tokens/s | "
           "F / B / W compute s per rank | live micro-batches per stage | first stage: live x b*s*d fp32 (MiB) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|")

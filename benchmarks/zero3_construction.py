@@ -24,7 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.zero import GiB, launch, mem_available, model_config, peak_rss
+from megazoo.recipes.reproduce.zero_bench import model_config
+from megazoo.workers.guarded import GiB, launch, mem_available, peak_rss
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_
 from megazoo.parallel.tensor import named_shards

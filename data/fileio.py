@@ -18,6 +18,7 @@ Home: data/ is the lowest layer, so data/, models/, eval/ and recipes/ may all i
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import secrets
@@ -71,6 +72,24 @@ class AtomicFile:
             self.file.close()
         if not self.committed:
             self.tmp_path.unlink(missing_ok=True)
+
+
+def stale_temp_files(path: str | Path) -> list[Path]:
+    """AtomicFile temporaries of `path` whose writer is no longer running on this host (killed by SIGKILL or a
+    power cut, which no handler sees): safe to remove. A live writer's file is never listed."""
+    path = Path(path)
+    stale = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*-*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.append(tmp)
+        except PermissionError:
+            pass  # alive, another user's
+    return sorted(stale)
 
 
 @contextmanager

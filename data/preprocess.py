@@ -22,7 +22,9 @@ import argparse
 import collections
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megazoo.data.fileio import stale_temp_files
 from megazoo.data.corpus_inputs import (JSONL_SUFFIXES, TEXT_SUFFIXES, PreprocessError,  # noqa: F401 (re-exported)
                                         Record, check_inputs, input_bytes, iter_records, parse_record)
 from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
@@ -74,6 +77,23 @@ _STATE: tuple[Tokenizer, int | None, str] | None = None
 def _init_worker(state: tuple[Tokenizer, int | None, str] | None) -> None:
     global _STATE
     _STATE = state
+
+
+def _init_pool_worker(state: tuple[Tokenizer, int | None, str]) -> None:
+    """A pool process: Ctrl-C reaches the whole process group, but only the parent answers it (no traceback
+    per worker); the parent's SIGTERM handler is not inherited, so pool.terminate() ends a worker quietly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(state)
+
+
+class _Terminated(BaseException):
+    """SIGTERM during a preprocess, raised in the main thread so the writer removes its temporary files on the
+    way out (a BaseException: no `except Exception` on the way may swallow it)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
 
 
 def _encode_chunk(records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +159,7 @@ def preprocess(
                 for records, nbytes in chunks:
                     write(_encode_chunk(records), nbytes)
             else:
-                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(state,))
+                pool = multiprocessing.Pool(workers, initializer=_init_pool_worker, initargs=(state,))
                 # At most 2 chunks per worker in flight: workers stay busy while memory stays bounded
                 # (Pool.imap would read the whole input ahead). Results are taken in submission order.
                 pending: collections.deque = collections.deque()
@@ -200,7 +220,28 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run a parsed `preprocess` command: 0 on success, 2 with one `error:` line on bad input."""
+    """Run a parsed `preprocess` command: 0 on success, 2 with one `error:` line on bad input; stopped by Ctrl-C
+    or SIGTERM, one line and 130 / 143, with no temporary file left (one that a SIGKILLed run left is removed
+    by the next run, which says so)."""
+    for stale in [t for p in data_paths(args.output_prefix) for t in stale_temp_files(p)]:
+        stale.unlink(missing_ok=True)
+        print(f"megazoo preprocess: removed {stale}, left by an interrupted run", file=sys.stderr)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        return _run_cli(args)
+    except KeyboardInterrupt:
+        print("megazoo preprocess: stopped by Ctrl-C; no output and no temporary file were left", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except _Terminated:
+        print("megazoo preprocess: stopped by SIGTERM; no output and no temporary file were left", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
     if getattr(args, "format", "text") == "sft":
         return run_sft_cli(args)
     if getattr(args, "seq_len", None) is not None:

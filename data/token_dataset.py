@@ -72,6 +72,10 @@ class DemoCorpus:
     val_tokens: np.ndarray
 
 
+class DataCacheError(RuntimeError):
+    """The data cache could not be written (ENOSPC, EDQUOT, EROFS): said in one line, nothing partial left."""
+
+
 def build_stdlib_corpus(
     cache_dir: str | Path, vocab_size: int, max_bytes: int, val_fraction: float, seed: int
 ) -> DemoCorpus:
@@ -99,9 +103,15 @@ def build_stdlib_corpus(
         np.save(staging / "val.npy", corpus.val_tokens)
         os.replace(staging, entry)
         return corpus
-    except OSError:
-        if not entry.is_dir():
-            raise
+    except OSError as err:
+        if not entry.is_dir():  # a full disk, a quota, a read-only cache: the staging folder goes (finally)
+            reason = err.strerror or str(err)
+            if err.errno is None and "written" in reason:  # numpy's short write: the file system filled up
+                reason = f"No space left on device: {reason}"
+            free = shutil.disk_usage(entry.parent).free
+            raise DataCacheError(f"cannot write the data cache entry {entry} ({reason}; {free:,} bytes free "
+                                 f"there); nothing was kept (its partial files are removed): free space in "
+                                 f"{entry.parent} or choose another run.dir") from err
         return _load_entry(entry)  # another process published first: use its entry
     finally:
         shutil.rmtree(staging, ignore_errors=True)

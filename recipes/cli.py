@@ -25,7 +25,8 @@ from pathlib import Path
 # own module is imported when that command runs (COMMANDS below); train's checks import torch inside _train.
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
-from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, move_aside, previous_run
+from megazoo.recipes.training.run_dir import (LOCK_HELD_ENV, RunDirBusy, RunDirLock, check_checkpoints, move_aside,
+                                              previous_run)
 from megazoo.workers.supervisor import launch_local
 
 
@@ -41,6 +42,8 @@ def _train(args: argparse.Namespace) -> int:
             raise RecipeError(f"--nproc {nproc} is invalid: it must be a positive integer")
         from megazoo.recipes.resolve import resolve  # torch: imported once a command runs, not for --help
         resolve(recipe, world_size=nproc)
+        if not args.overwrite:  # --overwrite moves everything aside, a stray file included
+            check_checkpoints(recipe.run.dir)
         lock = RunDirLock.acquire(recipe.run.dir)  # one job per run.dir, held until this process ends
     except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
@@ -58,6 +61,9 @@ def _train(args: argparse.Namespace) -> int:
             why = "--overwrite" if args.overwrite else "run.existing = 'start_over'"
             print(f"megazoo: starting over ({why}): moved the previous run in {run_dir} to {move_aside(run_dir)}",
                   file=sys.stderr)
+        elif previous and resuming and (reason := _no_good_checkpoint(run_dir)):
+            print(f"megazoo: error: {reason}", file=sys.stderr)  # before any worker starts: once, not per rank
+            return 2
         overrides = list(args.overrides)
         if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
             overrides.append("checkpoint.resume=true")
@@ -71,6 +77,19 @@ def _train(args: argparse.Namespace) -> int:
         return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
                             restart_note=" from the latest good checkpoint",
                             env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"})
+
+
+def _no_good_checkpoint(run_dir: Path) -> str | None:
+    """Why --resume cannot continue (run.dir's checkpoints are all damaged), in one line; None when one verifies
+    or there is none. The launcher checks once, so N workers do not each print it and torchrun its summary; the
+    cost is one more read of the latest checkpoint, whose sha256 the workers check again when they load it."""
+    from megazoo.parallel.checkpoint.io import latest_good_checkpoint
+    root, problems = run_dir / "checkpoints", []
+    if latest_good_checkpoint(root, report=lambda *_: None, problems=problems) is not None or not problems:
+        return None
+    return (f"--resume: no good checkpoint under {root}, and nothing there was changed ({len(problems)} damaged; "
+            f"the latest: {problems[0]}): repair or restore them, or use --overwrite to start over (the old run is "
+            "moved aside)")
 
 
 def _restarts(text: str) -> int:

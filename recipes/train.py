@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from megazoo.data.catalog import default_folders
+from megazoo.data.token_dataset import DataCacheError
 from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
 from megazoo.workers.local import finish_worker
@@ -30,7 +31,8 @@ from megazoo.parallel.collective_check import diagnose_mismatch
 from megazoo.parallel.flight_recorder import diagnose, dump_ring, read_rings
 from megazoo.recipes.resolve import Resolved, resolve
 from megazoo.recipes.resolved_toml import resolved_toml
-from megazoo.recipes.training.run_dir import LOCK_HELD_ENV, RunDirBusy, RunDirLock, write_resolved_recipe
+from megazoo.recipes.training.run_dir import (LOCK_HELD_ENV, RunDirBusy, RunDirLock, check_checkpoints,
+                                              write_resolved_recipe)
 from megazoo.recipes.training.trainer import Trainer, TrainResult
 
 
@@ -71,6 +73,9 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                 result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
                                      stop_requested=stop.requested)
             except Exception as err:
+                # A peer killed mid-collective (SIGKILL, the OOM killer): name it, not gloo's "Connection reset".
+                if trainer.progress is not None and (dead := trainer.progress.dead_peers(wait_s=2.0)):
+                    raise JobStalled(trainer.progress.explain_dead(err, dead)) from err
                 if trainer.progress is not None and is_collective_timeout(err):
                     raise JobStalled(trainer.progress.explain(err) + _last_collectives(recipe, topo)) from err
                 if (diverged := diagnose_mismatch(err)) is not None:  # parallel.check_collectives caught it
@@ -115,8 +120,8 @@ def _last_collectives(recipe, topo: Topology) -> str:
 
 
 class JobStalled(RuntimeError):
-    """A collective timed out (the message names the operation and the ranks that did not arrive), or ranks called
-    different collectives (parallel.check_collectives: it names both ranks and calls)."""
+    """A collective timed out (the message names the operation and the ranks that did not arrive), ranks called
+    different collectives (parallel.check_collectives: it names both ranks and calls), or a peer died (named)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
                              catalog_dirs=default_folders(os.environ))  # catalog names: $MEGAZOO_DATA_DIR, cache
         res = resolve(recipe, world_size=world_size)
         own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
+        check_checkpoints(res.recipe.run.dir)
         lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends
     except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
@@ -161,14 +167,17 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         node_size = par.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(par, node_size=node_size)
         result = run(res, topo, stop)
-    except (CheckpointError, JobStalled) as err:
-        # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch; a stalled peer
-        # is reported by every rank that waited for it): say so once, plainly, and end the job.
+    except (CheckpointError, DataCacheError, JobStalled) as err:
+        # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch, a data cache that
+        # cannot be written; a stalled peer is reported by every rank that waited for it): say so once, plainly,
+        # and end the job.
         print(f"megazoo: error (rank {rank}): {err}", file=sys.stderr, flush=True)
-        code = 2 if isinstance(err, CheckpointError) else 1
-        if isinstance(err, CheckpointError):
+        code = 1 if isinstance(err, JobStalled) else 2
+        if code == 2:
             record_fatal()
         if world_size == 1:
+            if lock is not None:
+                lock.release()
             return code
         finish_worker(code)
     code = 0

@@ -195,3 +195,61 @@ def test_test_modules_never_import_each_other():
             found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
                       if n.split(".")[-1].startswith("test_") or n.startswith("tests.")]
     assert not found, "\n".join(found)
+# Imports decided at run time, in library code: each one here says why it cannot be a plain import. Anything
+# else (a module reached through sys.path, a file loaded by path, a computed import_module) is a module the
+# installed package may not have: `megazoo reproduce` once imported the checkout's benchmarks/ that way.
+DYNAMIC_IMPORTS = {
+    "parallel/zero/__init__.py": "lazy ZeroEngine: the ZeRO formulas' users load no torch (names from _LAZY)",
+    "kernels/availability.py": "probes the optional triton install",
+    "recipes/planner/dry_run_cuda.py": "tests plant a bug through a 'module:function' the fake-CUDA child imports",
+}
+PATH_LOADERS = {"spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader", "load_source",
+                "run_path", "module_from_spec"}
+
+
+def _dynamic_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of every sys.path use, loader-by-path call and computed import in the file (import_module,
+    __import__ or runpy.run_module on anything but a string literal)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) in ("sys", "os.sys"):
+            found.append((node.lineno, "sys.path"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
+            found.append((node.lineno, "from sys import path"))
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in PATH_LOADERS:
+                found.append((node.lineno, name))
+            elif name in ("import_module", "__import__", "run_module") and not (
+                    node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                found.append((node.lineno, f"{name}({ast.unparse(node.args[0]) if node.args else ''})"))
+    return found
+
+
+@pytest.mark.parametrize("path", _sources(*PACKAGES), ids=lambda p: str(p.relative_to(REPO)))
+def test_library_code_imports_nothing_through_sys_path_or_by_path(path):
+    rel = str(path.relative_to(REPO))
+    found = [] if rel in DYNAMIC_IMPORTS else _dynamic_imports(path)
+    assert not found, (f"{rel} imports at run time: " + ", ".join(f"line {n}: {what}" for n, what in found)
+                       + ". Import it plainly (the installed package must hold what it imports), or add the file "
+                       "to DYNAMIC_IMPORTS with the reason it cannot")
+
+
+def test_the_dynamic_import_scan_sees_what_reproduce_once_did(tmp_path):
+    """The scan must catch the checkout-only import `megazoo reproduce` used before its benchmarks moved into the
+    package, and each other form; a plain or literal import stays allowed."""
+    source = tmp_path / "module.py"
+    source.write_text("import importlib, sys, runpy\nfrom importlib import util\n"
+                      "def benchmark(name):\n    sys.path.append('/checkout')\n"
+                      "    return importlib.import_module(f'benchmarks.{name}')\n"
+                      "spec = util.spec_from_file_location('m', '/x.py')\n"
+                      "mod = __import__(name)\nrunpy.run_path('/x.py')\nimportlib.import_module('triton')\n"
+                      "import megazoo.models\n")
+    assert sorted(n for n, _ in _dynamic_imports(source)) == [4, 5, 6, 7, 8]
+
+
+def test_dynamic_import_exceptions_are_still_needed():
+    """An entry of DYNAMIC_IMPORTS whose file no longer imports at run time goes (the list only shrinks)."""
+    stale = [rel for rel in DYNAMIC_IMPORTS if not _dynamic_imports(REPO / rel)
+             and "import_module(" not in (REPO / rel).read_text()]
+    assert not stale, f"DYNAMIC_IMPORTS lists files with no run-time import: {stale}"

@@ -1,11 +1,10 @@
-"""Shared parts of `megazoo reproduce`: the report each table returns, markdown tables, headless figures, and the
-benchmarks/ scripts (which live beside the package in a checkout, not inside it).
+"""Shared parts of `megazoo reproduce`: the report each table returns, markdown tables and headless figures.
+Everything a reproduction measures lives in the installed package (zero_bench.py, pipeline_bench.py); the
+benchmarks/ scripts of a checkout print the same measurements and are never imported from here.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,17 +55,6 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 5.0, height: float = 3
 
 def save_figure(fig, path: Path, dpi: int = 80) -> None:
     fig.savefig(path, dpi=dpi)
-
-
-def benchmark(name: str):
-    """benchmarks/NAME.py of this checkout (benchmarks/ is a folder of scripts beside the package)."""
-    if str(REPO) not in sys.path and (REPO / "benchmarks" / "__init__.py").is_file():
-        sys.path.append(str(REPO))
-    try:
-        return importlib.import_module(f"benchmarks.{name}")
-    except ImportError as err:
-        raise ReproduceError(f"benchmarks/{name}.py is not importable ({err}): run from a megazoo checkout "
-                             f"(it is not part of the installed package)") from None
 
 
 def gb(nbytes: float, digits: int = 2) -> str:

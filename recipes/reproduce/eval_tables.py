@@ -5,20 +5,17 @@ eval             WikiText-103 adjusted perplexity and LAMBADA accuracy of every 
                  (eval/cli.py's evaluate: eval/wikitext103.py with Megatron-LM's overlapping windows, stride 32,
                  and its detokenizer-based token ratio; eval/lambada.py's strict last-word accuracy), beside the
                  published numbers of the model NAME names.
-pipeline-bubble  benchmarks/pipeline.py (the Trainer on pp local gloo ranks per schedule): measured bubble next to
+pipeline-bubble  pipeline_bench.py (the Trainer on pp local gloo ranks per schedule): measured bubble next to
                  (p - 1) / (v m + p - 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
-import tempfile
 from pathlib import Path
 
-from megazoo.recipes.reproduce.common import Report, ReproduceError, benchmark, figure, table
+from megazoo.recipes.reproduce.common import Report, ReproduceError, figure, table
+from megazoo.recipes.reproduce.pipeline_bench import measure_schedules
 
 SRC_GPT2 = "Radford et al. 2019, \"Language Models are Unsupervised Multitask Learners\", Table 3"
 SRC_MEGATRON = "Shoeybi et al. 2019, \"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model " \
@@ -125,15 +122,8 @@ def eval_table(args) -> Report:
 
 
 def pipeline_bubble(args) -> Report:
-    bp = benchmark("pipeline")
-    argv = ["--m", "4", "--steps", "1", "--layers", "8"] if args.quick else []
-    with tempfile.TemporaryDirectory(prefix="megazoo-reproduce-") as tmp:
-        out = Path(tmp) / "pipeline.json"
-        with contextlib.redirect_stdout(io.StringIO()):
-            code = bp.main([*argv, "--json", str(out)])
-        if code:
-            raise ReproduceError(f"benchmarks/pipeline.py exited with {code}")
-        rows = json.loads(out.read_text())
+    rows = (measure_schedules(m=4, steps=1, layers=8, report=args.report) if args.quick
+            else measure_schedules(report=args.report))
     rep = Report("Pipeline bubble per schedule: measured on local gloo ranks vs theory")
     rep.add("Theory (Narayanan et al. 2021, \"Efficient Large-Scale Language Model Training on GPU Clusters Using "
             "Megatron-LM\", sec. 2.2): bubble fraction (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + "
@@ -141,7 +131,7 @@ def pipeline_bubble(args) -> Report:
             "Bubble Pipeline Parallelism\"): (p - 1) / (3 m + p - 1) for ZB-H1 and (p - 1) / (6 m + p - 1) for ZBV "
             "(two chunks per rank in a V) and for DualPipeV run without overlap (it needs m >= 2p - 1); 1F1B and "
             "ZB-H1 keep at most p micro-batches of activations alive, GPipe all m, ZBV 2p half-size chunks, "
-            "DualPipeV 2p + 1. Measured: benchmarks/pipeline.py"
+            "DualPipeV 2p + 1. Measured: recipes/reproduce/pipeline_bench.py (benchmarks/pipeline.py)"
             + (" --m 4 --steps 1 --layers 8 (--quick)" if args.quick else " (m 8, 4 steps, 8 layers)")
             + ": the Trainer on pp CPU gloo ranks, gpt2-tiny, micro-batch 4 x seq 64, fp32; each rank's idle share "
             "of the schedule, averaged over ranks. On this 2-core machine pp ranks time-slice 2 cores, so the "

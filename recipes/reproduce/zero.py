@@ -4,8 +4,8 @@ zero-memory  the paper's Table 1 (per-device model-state GB for Psi = 7.5B / 128
              from the planner (recipes/planner/zero.py), beside the model-state bytes each ZeRO stage really holds
              on this machine: a tiny GPT trained 2 steps by the Trainer on dp = 2 and 4 gloo ranks, then each
              rank's `memory_bytes()` (as tests/parallel/zero/test_zero.py measures it), against the planner's fp32 bytes.
-zero-scale   the largest GPT (benchmarks/zero.py's depth/width ladder, its forked 4-rank launcher with a memory
-             guard) that completes 3 training steps per ZeRO stage on this machine, beside the paper's claims
+zero-scale   the largest GPT (zero_bench.py's depth/width ladder, workers/guarded.py's forked 4-rank launcher
+             with a memory guard) that completes 3 training steps per ZeRO stage on this machine, beside the paper's claims
              (P_os 4x, P_os+g 8x, P_os+g+p N_d x the model size of the baseline) and what the planner expects at
              N_d = 4 in fp32.
 """
@@ -17,7 +17,9 @@ import time
 
 from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, STAGE_NAMES, StateBytes, format_sig,
                                            model_state_memory)
-from megazoo.recipes.reproduce.common import Report, benchmark, figure, table
+from megazoo.recipes.reproduce import zero_bench as bz
+from megazoo.recipes.reproduce.common import Report, figure, table
+from megazoo.workers.guarded import GiB, launch, mem_available
 
 FP32 = FP32_ADAM  # the planner's `--precision fp32`: 4 + 4 bytes of params and grads, K = 8 (Adam's two moments)
 
@@ -134,9 +136,9 @@ QUICK_LADDER = [(2, 64, 4), (2, 128, 4), (4, 128, 4)]
 CLAIMS = {0: "1x (baseline)", 1: "4x (P_os)", 2: "8x (P_os+g)", 3: "N_d x (P_os+g+p)"}
 
 
-def _estimate(bz, stage: int, cfg, world: int) -> float:
+def _estimate(stage: int, cfg, world: int) -> float:
     """Bytes one rank needs (to choose where the search starts; the run decides): fp32 model states by the
-    planner, plus benchmarks/zero.py's transients (embedding gradients and buckets, a few blocks, the process)."""
+    planner, plus zero_bench.py's transients (embedding gradients and buckets, a few blocks, the process)."""
     n = cfg.num_parameters()
     states = model_state_memory(n, world, stage, fp32_states(stage)).total_bytes
     return states + (bz.estimate_rank_bytes(3, n, cfg, world) - 20 * n / world)
@@ -144,21 +146,20 @@ def _estimate(bz, stage: int, cfg, world: int) -> float:
 
 def largest_per_stage(quick: bool, world: int = 4, reserve_gib: float = 4.0, timeout: float = 900,
                       report=print) -> dict:
-    bz = benchmark("zero")
     ladder = [(s, bz.model_config(s).num_parameters()) for s in (QUICK_LADDER if quick else bz.LADDER)]
     seq = 16 if quick else 64
-    budget = bz.mem_available() - reserve_gib * bz.GiB
+    budget = mem_available() - reserve_gib * GiB
     out = {"world": world, "seq": seq, "budget_bytes": budget, "attempts": [], "largest": {}, "quick": quick}
     for stage in STAGE_NAMES:
         fits = [i for i, (s, _) in enumerate(ladder)
-                if world * _estimate(bz, stage, bz.model_config(s), world) <= budget]
+                if world * _estimate(stage, bz.model_config(s), world) <= budget]
         i, best, tried = (fits[-1] if fits else 0), None, set()
         while 0 <= i < len(ladder) and i not in tried:
             tried.add(i)
             shape, n = ladder[i]
             t0 = time.time()
-            res, why = bz.launch(bz.train_worker, world, f"zero{stage}", shape, seq, 1, 0, 3,
-                                 as_bytes=int(budget / world + 2 * bz.GiB), floor_bytes=int(reserve_gib * bz.GiB),
+            res, why = launch(bz.train_worker, world, f"zero{stage}", shape, seq, 1, 0, 3,
+                                 as_bytes=int(budget / world + 2 * GiB), floor_bytes=int(reserve_gib * GiB),
                                  timeout_s=timeout)
             att = {"stage": stage, "shape": list(shape), "params": n, "ok": res is not None, "failed": why,
                    "wall_s": time.time() - t0, "peak_rss": max(r["peak_rss"] for r in res) if res else None}
@@ -182,10 +183,10 @@ def zero_scale(args) -> Report:
     rep.add(f"Claims: {PAPER}, sec. 5 / Table 1: with N_d data-parallel devices P_os cuts model-state memory up to "
             "4x, P_os+g up to 8x, P_os+g+p by N_d (mixed precision, K = 12, N_d large), so the trainable model "
             "grows in proportion.",
-            f"Measured: benchmarks/zero.py's forked 4-rank gloo launcher, 3 fp32 AdamW steps at micro-batch 1 x "
+            f"Measured: workers/guarded.py's forked 4-rank gloo launcher, 3 fp32 AdamW steps at micro-batch 1 x "
             f"seq {out['seq']}, memory budget {budget:.1f} GiB for the 4 ranks (MemAvailable minus 4 GiB), the "
             + ("--quick ladder (3 tiny shapes: the top rung fits every stage, so it only shows the search runs)"
-               if out["quick"] else "benchmarks/zero.py LADDER (GPT-2 shapes and rungs between them)")
+               if out["quick"] else "zero_bench.py's LADDER (GPT-2 shapes and rungs between them)")
             + "; each rung's measured peak RSS per rank includes torch and the process (~0.2 GB).")
     base = out["largest"].get(0)
     head = ["stage", "largest GPT (layers x width)", "parameters", "x baseline (measured)",

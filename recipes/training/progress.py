@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -76,3 +77,41 @@ class Progress:
             lines.append("every rank reached this operation: the collective itself stalled (a network or "
                          "device problem), or a rank died inside it")
         return "\n".join(lines)
+
+    def dead_peers(self, wait_s: float = 5.0) -> list[dict]:
+        """The other ranks on this host whose process is gone (or a zombie), per their progress records; waits
+        up to `wait_s` for one, since a peer's socket closes a moment before its launcher reaps it. Ranks on
+        other hosts cannot be checked from here (their own output says what happened)."""
+        host, deadline = socket.gethostname(), time.monotonic() + wait_s
+        while True:
+            dead = [r for r in self.others() if r["rank"] != self.rank and r.get("host") == host
+                    and isinstance(r.get("pid"), int) and not _alive(r["pid"])]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.2)
+
+    def explain_dead(self, error: BaseException, dead: list[dict]) -> str:
+        """One line: which rank(s) died and where this rank lost them (instead of the transport's traceback)."""
+        where = f"step {self.step}, {self.operation}" if self.step is not None else self.operation
+        who = "; ".join(f"rank {r['rank']} (pid {r['pid']}, last seen in "
+                        f"{'step ' + str(r['step']) + ', ' if r.get('step') is not None else ''}{r['operation']})"
+                        for r in dead)
+        # the transport's first sentence, without its source location ("[.../pair.cc:537] Read error ...")
+        first = re.sub(r"^\[[^\]]*\]\s*", "", str(error).splitlines()[0] if str(error) else "").split(". ")[0][:160]
+        return (f"{'rank' if len(dead) == 1 else 'ranks'} {', '.join(str(r['rank']) for r in dead)} died: {who}; "
+                f"rank {self.rank} lost {'it' if len(dead) == 1 else 'them'} during {where} "
+                f"({type(error).__name__}: {first}). The job stops; its launcher's output says how the rank ended")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        try:
+            os.kill(pid, 0)  # no /proc (not Linux): existence only
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")  # a zombie has ended

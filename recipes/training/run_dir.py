@@ -16,11 +16,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
 
+from megazoo.recipes.config import RecipeError
+
 LOCK_NAME = ".lock"
+STEP_DIR_NAME = re.compile(r"step_\d{8,}")  # parallel/checkpoint/io.py's STEP_NAME (that module loads torch)
 RESOLVED_RECIPE = "recipe.resolved.toml"
 LOCK_HELD_ENV = "MEGAZOO_RUN_LOCK_HELD"  # set by `megazoo train` for its workers: "the launcher holds the lock"
 
@@ -37,11 +41,17 @@ class RunDirLock:
 
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirLock:
-        """Take the lock (creating run.dir), or raise RunDirBusy naming the holder's pid and host."""
+        """Take the lock (creating run.dir), or raise RunDirBusy naming the holder's pid and host (RecipeError
+        naming the folder when it cannot be created or written: a read-only file system, no permission)."""
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (O_CLOEXEC)
+        try:  # a folder this job cannot write is bad input: said before any process starts, not as a traceback
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (O_CLOEXEC)
+        except OSError as err:
+            where = err.filename or path
+            raise RecipeError(f"run.dir = '{run_dir}' cannot be written ({err.strerror}: {where}): choose a "
+                              f"folder this user can write, e.g. --set run.dir=runs/NAME") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,14 +92,29 @@ def previous_run(run_dir: str | Path) -> list[str]:
     """What an earlier run left in run_dir (empty when nothing): its checkpoints and its metrics."""
     run_dir, found = Path(run_dir), []
     checkpoints = run_dir / "checkpoints"
-    steps = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) \
-        if checkpoints.is_dir() else []
+    steps = sorted(p.name for p in checkpoints.iterdir() if STEP_DIR_NAME.fullmatch(p.name) and p.is_dir()) \
+        if checkpoints.is_dir() else []  # a plain file named step_* is no checkpoint (check_checkpoints says so)
     if steps:
         found.append(f"{len(steps)} checkpoint(s) up to {steps[-1]}")
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
     return found
+
+
+def check_checkpoints(run_dir: str | Path) -> None:
+    """Refuse, before any process starts, a plain file (or anything but a folder) named like a checkpoint's step
+    folder under run.dir/checkpoints: resume would pass over it and the save of that step would fail after
+    training up to it. Nothing is moved or deleted: it may be someone's file."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    if not checkpoints.is_dir():
+        return
+    stray = sorted(p for p in checkpoints.iterdir() if STEP_DIR_NAME.fullmatch(p.name) and not p.is_dir())
+    if stray:
+        raise RecipeError(f"run.dir's checkpoints folder holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} "
+                          f"named like a checkpoint but not a folder ({', '.join(str(p) for p in stray[:3])}): "
+                          "a checkpoint is a step_NNNNNNNN folder; move or remove "
+                          f"{'it' if len(stray) == 1 else 'them'}, or choose another run.dir")
 
 
 def move_aside(run_dir: str | Path) -> Path:

@@ -1,5 +1,9 @@
-"""Launching benchmark ranks: fresh forked gloo processes with a memory guard (benchmarks/zero.py and
-benchmarks/zero3_construction.py).
+"""Measuring ranks: fresh forked gloo processes with a memory guard (recipes/reproduce/zero_bench.py, behind
+`megazoo reproduce zero-scale` and benchmarks/zero.py, and benchmarks/zero3_construction.py).
+
+Beside workers/local.py's run_distributed (tests: any exception is a failure) because a measurement expects some
+attempts to fail: the one that does not fit must end as a result ("out of memory", "memory guard") the caller
+can walk a ladder with, not as a crash or as the machine swapping.
 
 Every configuration runs in fresh forked processes, because ru_maxrss is a process high-water mark. A forked
 rank starts with its parent's resident pages (torch imported: the "idle rank" row). The parent kills every rank
