@@ -63,30 +63,61 @@ def _launch(kernel, m: int, n: int, *args) -> None:
                                                                  num_warps=4)
 
 
-class _BiasGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias):
-        for t in (x, bias):
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise TypeError(f"the Triton bias-GELU takes fp32/bf16/fp16 tensors, got {t.dtype}")
-        n = x.shape[-1]
-        if bias.shape != (n,):
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the last dim {n} of x")
-        x2 = x.reshape(-1, n).contiguous()
-        y = torch.empty_like(x2)
-        _launch(_bias_gelu_fwd, x2.shape[0], n, x2, bias.contiguous(), y)
-        ctx.save_for_backward(x2, bias)
-        return y.view(x.shape)
+def _check(x: torch.Tensor, bias: torch.Tensor) -> None:
+    for t in (x, bias):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"the Triton bias-GELU takes fp32/bf16/fp16 tensors, got {t.dtype}")
+    n = x.shape[-1]
+    if bias.shape != (n,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the last dim {n} of x")
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, bias = ctx.saved_tensors
-        m, n = x2.shape
-        dz = torch.empty_like(x2)
-        _launch(_bias_gelu_bwd, m, n, x2, bias.contiguous(), dy.reshape(-1, n).contiguous(), dz)
-        dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype) if ctx.needs_input_grad[1] else None
-        return dz.view(dy.shape), dbias
+
+# Torch ops (kernels/triton_common.py says why custom_op), with fake (shape-only) and autograd implementations.
+@torch.library.custom_op("megazoo::bias_gelu_fwd", mutates_args=())
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    _check(x, bias)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    y = torch.empty_like(x2)
+    _launch(_bias_gelu_fwd, x2.shape[0], n, x2, bias.contiguous(), y)
+    return y.view(x.shape)
+
+
+@bias_gelu_fwd.register_fake
+def _(x, bias):
+    _check(x, bias)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("megazoo::bias_gelu_bwd", mutates_args=())
+def bias_gelu_bwd(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dz = dy * gelu'(x + bias), in x's shape and dtype (dbias is its column sum, taken by the caller)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    dz = torch.empty_like(x2)
+    _launch(_bias_gelu_bwd, x2.shape[0], n, x2, bias.contiguous(), dy.reshape(-1, n).contiguous(), dz)
+    return dz.view(x.shape)
+
+
+@bias_gelu_bwd.register_fake
+def _(x, bias, dy):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # x before the bias, and the bias: backward recomputes z = x + bias
+
+
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dz = bias_gelu_bwd(x, bias, dy)
+    n = x.shape[-1]
+    dbias = dz.reshape(-1, n).sum(0, dtype=torch.float32).to(bias.dtype) if ctx.needs_input_grad[1] else None
+    return dz, dbias
+
+
+bias_gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def bias_gelu_triton(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return _BiasGelu.apply(x, bias)
+    return bias_gelu_fwd(x, bias)

@@ -3,6 +3,16 @@
 Triton fixes at `@triton.jit` time whether a kernel is compiled (CUDA) or interpreted (TRITON_INTERPRET=1, any
 device, numpy underneath). Every kernel module imports this one first, so INTERPRETED says which mode all our
 kernels are in.
+
+Each kernel module registers its launches as torch ops (`torch.library.custom_op("megazoo::...")`) with a fake
+implementation (output shapes and dtypes only: what FakeTensorMode - the dry run, fake CUDA, torch.compile's
+tracing - calls instead of launching) and, for the forward ops, an autograd formula that calls the matching
+backward op. So the model's Triton ops are single nodes to Dynamo and AOTAutograd (no graph break), and a fake
+tensor never reaches a launch. custom_op, not torch.library.triton_op (which would let Inductor see into the
+kernel and fuse around it on a GPU): under the interpreter, the only way Triton runs here, triton_op's tracing
+runs the interpreted kernel on fake tensors (torch 2.13: "Attempted to access the data pointer on an invalid
+python storage" under aot_eager), so it could not be tested on this machine. On a GPU Inductor calls a custom op
+as an extern kernel: the same launch, no fusion across it.
 """
 
 from __future__ import annotations

@@ -64,6 +64,51 @@ def _blocks(v: int, block_v: int | None) -> tuple[int, int]:
     return (32 if tc.INTERPRETED else 4), block_v
 
 
+# Torch ops (kernels/triton_common.py says why custom_op) with fake (shape-only) implementations. They need no
+# autograd formula: kernels/cross_entropy.py's autograd Function calls "stats" in its forward and "grad" in its
+# backward (the tp all-reduces between them are its own). block_v 0: the default tile width.
+@torch.library.custom_op("megazoo::cross_entropy_stats", mutates_args=())
+def cross_entropy_stats(logits: torch.Tensor, local_target: torch.Tensor, n_valid: int,
+                        block_v: int) -> torch.Tensor:
+    """(3, M) fp32: each row's max, sum of exp(x - max) and target logit (0 where another rank owns it)."""
+    _check(logits)
+    m, v = logits.shape
+    stats = torch.empty(3, m, dtype=torch.float32, device=logits.device)
+    block_m, block_v = _blocks(v, block_v or None)
+    if m:
+        _ce_stats[(triton.cdiv(m, block_m),)](logits, local_target, stats[0], stats[1], stats[2], m, v, n_valid,
+                                              BLOCK_M=block_m, BLOCK_V=block_v, num_warps=8)
+    return stats
+
+
+@cross_entropy_stats.register_fake
+def _(logits, local_target, n_valid, block_v):
+    _check(logits)
+    return logits.new_empty(3, logits.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("megazoo::cross_entropy_grad", mutates_args=())
+def cross_entropy_grad(logits: torch.Tensor, local_target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                       n_valid: int, block_v: int) -> torch.Tensor:
+    m, v = logits.shape
+    grad = torch.empty_like(logits)
+    block_m, block_v = _blocks(v, block_v or None)
+    if m:
+        _ce_grad[(triton.cdiv(m, block_m), triton.cdiv(v, block_v))](
+            logits, local_target, lse, scale, grad, m, v, n_valid, BLOCK_M=block_m, BLOCK_V=block_v, num_warps=8)
+    return grad
+
+
+@cross_entropy_grad.register_fake
+def _(logits, local_target, lse, scale, n_valid, block_v):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _check(logits: torch.Tensor) -> None:
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"the Triton cross-entropy takes fp32/bf16/fp16 logits, got {logits.dtype}")
+
+
 class TritonBackend:
     """Per-row statistics and the gradient for kernels/cross_entropy.py's vocab-parallel Function."""
 
@@ -75,23 +120,9 @@ class TritonBackend:
         self.block_v = block_v
 
     def local_stats(self, logits: torch.Tensor, local_target: torch.Tensor, n_valid: int):
-        if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"the Triton cross-entropy takes fp32/bf16/fp16 logits, got {logits.dtype}")
-        m, v = logits.shape
-        stats = torch.empty(3, m, dtype=torch.float32, device=logits.device)
-        block_m, block_v = _blocks(v, self.block_v)
-        if m:
-            _ce_stats[(triton.cdiv(m, block_m),)](logits, local_target, stats[0], stats[1], stats[2], m, v, n_valid,
-                                                  BLOCK_M=block_m, BLOCK_V=block_v, num_warps=8)
+        stats = cross_entropy_stats(logits, local_target, n_valid, self.block_v or 0)
         return stats[0], stats[1], stats[2]
 
     def grad(self, logits: torch.Tensor, local_target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
              n_valid: int) -> torch.Tensor:
-        m, v = logits.shape
-        grad = torch.empty_like(logits)
-        block_m, block_v = _blocks(v, self.block_v)
-        if m:
-            _ce_grad[(triton.cdiv(m, block_m), triton.cdiv(v, block_v))](
-                logits, local_target, lse, scale, grad, m, v, n_valid, BLOCK_M=block_m, BLOCK_V=block_v,
-                num_warps=8)
-        return grad
+        return cross_entropy_grad(logits, local_target, lse, scale, n_valid, self.block_v or 0)

@@ -85,42 +85,74 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return tc.rows_per_program(block_n), block_n, tc.num_warps(block_n)
 
 
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        _check(x, weight, bias)
-        n = x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()  # (M, N), rows dense: the kernels index row * N + col
-        m = x2.shape[0]
-        y = torch.empty_like(x2)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block_m, block_n, warps = _blocks(n)
-        if m:
-            _layer_norm_fwd[(triton.cdiv(m, block_m),)](x2, weight.contiguous(), bias.contiguous(), y, mean, rstd,
-                                                        m, n, eps, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                        num_warps=warps)
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.bias_dtype = bias.dtype
-        return y.view(x.shape)
+# Torch ops (kernels/triton_common.py says why custom_op): "megazoo::layer_norm_fwd" returns y and the per-row
+# statistics the backward reads; autograd and fake (shape-only) implementations are registered below.
+@torch.library.custom_op("megazoo::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(x, weight, bias)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()  # (M, N), rows dense: the kernels index row * N + col
+    m = x2.shape[0]
+    y = torch.empty_like(x2)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block_m, block_n, warps = _blocks(n)
+    if m:
+        _layer_norm_fwd[(triton.cdiv(m, block_m),)](x2, weight.contiguous(), bias.contiguous(), y, mean, rstd,
+                                                    m, n, eps, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return y.view(x.shape), mean, rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = dy.reshape(-1, n).contiguous()
-        dx = torch.empty_like(x2)
-        block_m, block_n, warps = _blocks(n)
-        programs = tc.num_programs_for_reduction(x2.device, triton.cdiv(max(m, 1), block_m))
-        dw_partial = torch.zeros(programs, n, dtype=torch.float32, device=x2.device)
-        db_partial = torch.zeros_like(dw_partial)
-        if m:
-            _layer_norm_bwd[(programs,)](x2, weight.contiguous(), mean, rstd, dy2, dx, dw_partial, db_partial, m, n,
-                                         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(ctx.bias_dtype)
-        return dx.view(dy.shape), dw, db, None
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    _check(x, weight, bias)
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    stats = x.new_empty(m, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("megazoo::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx (x's shape and dtype), dweight and dbias in fp32 (the caller casts them to the parameters' dtypes)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    m = x2.shape[0]
+    dy2 = dy.reshape(-1, n).contiguous()
+    dx = torch.empty_like(x2)
+    block_m, block_n, warps = _blocks(n)
+    programs = tc.num_programs_for_reduction(x2.device, triton.cdiv(max(m, 1), block_m))
+    dw_partial = torch.zeros(programs, n, dtype=torch.float32, device=x2.device)
+    db_partial = torch.zeros_like(dw_partial)
+    if m:
+        _layer_norm_bwd[(programs,)](x2, weight.contiguous(), mean, rstd, dy2, dx, dw_partial, db_partial, m, n,
+                                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return dx.view(x.shape), dw_partial.sum(0), db_partial.sum(0)
+
+
+@layer_norm_bwd.register_fake
+def _(x, weight, mean, rstd, dy):
+    n = x.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(n, dtype=torch.float32),
+            x.new_empty(n, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.bias_dtype = bias.dtype
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_bwd(x, weight, mean, rstd, dy)
+    return dx, dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+
+
+layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return _LayerNorm.apply(x, weight, bias, eps)
+    return layer_norm_fwd(x, weight, bias, eps)[0]

@@ -50,35 +50,64 @@ def _blocks(s: int) -> tuple[int, int, int]:
     return tc.rows_per_program(block_n), block_n, tc.num_warps(block_n)
 
 
-class _CausalSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"the Triton softmax takes fp32/bf16/fp16 scores, got {x.dtype}")
-        s = x.shape[-1]
-        if x.dim() < 2 or x.shape[-2] != s:
-            raise ValueError(f"causal softmax needs square (..., s, s) scores, got {tuple(x.shape)}")
-        x2 = x.reshape(-1, s).contiguous()
-        p = torch.empty_like(x2)
-        block_m, block_n, warps = _blocks(s)
-        if x2.shape[0]:
-            _causal_softmax_fwd[(triton.cdiv(x2.shape[0], block_m),)](x2, p, x2.shape[0], s, scale, BLOCK_M=block_m,
-                                                                     BLOCK_N=block_n, num_warps=warps)
-        ctx.save_for_backward(p)
-        ctx.scale = scale
-        return p.view(x.shape)
+def _check(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"the Triton softmax takes fp32/bf16/fp16 scores, got {x.dtype}")
+    s = x.shape[-1]
+    if x.dim() < 2 or x.shape[-2] != s:
+        raise ValueError(f"causal softmax needs square (..., s, s) scores, got {tuple(x.shape)}")
 
-    @staticmethod
-    def backward(ctx, dp):
-        (p,) = ctx.saved_tensors
-        m, s = p.shape
-        dx = torch.empty_like(p)
-        block_m, block_n, warps = _blocks(s)
-        if m:
-            _causal_softmax_bwd[(triton.cdiv(m, block_m),)](p, dp.reshape(-1, s).contiguous(), dx, m, s, ctx.scale,
-                                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-        return dx.view(dp.shape), None
+
+# Torch ops (kernels/triton_common.py says why custom_op), with fake (shape-only) and autograd implementations.
+@torch.library.custom_op("megazoo::causal_softmax_fwd", mutates_args=())
+def causal_softmax_fwd(x: torch.Tensor, scale: float) -> torch.Tensor:
+    _check(x)
+    s = x.shape[-1]
+    x2 = x.reshape(-1, s).contiguous()
+    p = torch.empty_like(x2)
+    block_m, block_n, warps = _blocks(s)
+    if x2.shape[0]:
+        _causal_softmax_fwd[(triton.cdiv(x2.shape[0], block_m),)](x2, p, x2.shape[0], s, scale, BLOCK_M=block_m,
+                                                                 BLOCK_N=block_n, num_warps=warps)
+    return p.view(x.shape)
+
+
+@causal_softmax_fwd.register_fake
+def _(x, scale):
+    _check(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("megazoo::causal_softmax_bwd", mutates_args=())
+def causal_softmax_bwd(p: torch.Tensor, dp: torch.Tensor, scale: float) -> torch.Tensor:
+    s = p.shape[-1]
+    p2 = p.reshape(-1, s).contiguous()
+    m = p2.shape[0]
+    dx = torch.empty_like(p2)
+    block_m, block_n, warps = _blocks(s)
+    if m:
+        _causal_softmax_bwd[(triton.cdiv(m, block_m),)](p2, dp.reshape(-1, s).contiguous(), dx, m, s, scale,
+                                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return dx.view(p.shape)
+
+
+@causal_softmax_bwd.register_fake
+def _(p, dp, scale):
+    return torch.empty_like(p, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)  # the probabilities: backward needs nothing else
+    ctx.scale = inputs[1]
+
+
+def _backward(ctx, dp):
+    (p,) = ctx.saved_tensors
+    return causal_softmax_bwd(p, dp, ctx.scale), None
+
+
+causal_softmax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def scaled_causal_softmax_triton(scores: torch.Tensor, scale: float) -> torch.Tensor:
-    return _CausalSoftmax.apply(scores, scale)
+    return causal_softmax_fwd(scores, scale)

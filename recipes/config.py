@@ -103,6 +103,7 @@ class TrainSection:
     # (2 bytes each) and the fp32 master weights live in the partitioned optimizer.
     precision: str = "auto"
     activation_checkpointing: bool = False
+    compile: str = "none"  # "none" | "blocks": each block through torch.compile (inductor) | "blocks:aot_eager"
     tf32: bool = True  # on GPU, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)
     eval_every: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8  # global batches of validation samples in one validation pass

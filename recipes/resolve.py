@@ -28,6 +28,7 @@ from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.sft_check import check_sft
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp64")
+COMPILE_MODES = ("none", "blocks", "blocks:aot_eager")  # recipes/training/model_setup.py: compile_blocks
 RUN_EXISTING = ("refuse", "start_over")  # run.existing
 DATA_SOURCES = ("stdlib", "indexed", "synthetic")
 WANDB_MODES = ("off", "offline", "online")
@@ -331,6 +332,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
     for name in ("initial_scale", "min_scale", "growth_interval", "hysteresis", "max_consecutive_skips"):
         _positive(f"loss_scale.{name}", getattr(ls, name))
     _choice("train.precision", train.precision, PRECISIONS)
+    _choice("train.compile", train.compile, COMPILE_MODES)
     _choice("data.source", data.source, DATA_SOURCES)
     _choice("logging.wandb", recipe.logging.wandb, WANDB_MODES)
     if not 0.0 <= data.val_fraction < 1.0:

@@ -90,6 +90,12 @@ class GradientReducer:
             staging.copy_(out, non_blocking=True)
             event = accelerator.copy_event(out.device)
             self._host_adds.append((event, staging, owned_grad))
+            # `out` goes back to the pool at once: its next user (a reduce-scatter into it, or a copy) is queued
+            # behind this copy on the device (NCCL's stream waits for the current one at launch), as the caching
+            # allocator lets a freed block be reused. Kept until the step's end (it was), every bucket's
+            # reduce-scatter output stayed on the device: +0.70 MB of 3.78 (+19%) in the fake-CUDA dry run of
+            # tests/test_dry_run_cuda.py's offload config.
+            self.pool.give(out)
         elif callable(owned_grad):
             if not owned_grad(out, self.scale):
                 self.pool.give(out)

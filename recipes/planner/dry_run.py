@@ -225,24 +225,23 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
 
 
 def fake_cuda_kernels(res: Resolved) -> tuple[Resolved, list[str]]:
-    """The recipe as the dry run runs it on fake CUDA, and a note per op swapped: Triton and apex kernels launch
-    on real device memory (they are not torch ops with fake implementations yet), so where the recipe's choice
-    resolves to one on CUDA the op runs torch's implementation instead."""
+    """The recipe as the dry run runs it on fake CUDA, and a note per op swapped. Our Triton kernels are torch
+    ops with fake implementations (kernels/triton_common.py): they run as chosen. apex's kernels are not torch
+    ops (its autograd Functions launch on real device memory), so where the recipe's choice resolves to apex on
+    CUDA the op runs torch's implementation instead."""
     from megazoo.kernels.dispatch import OPS, resolve_op
 
     kernels, swapped = res.recipe.kernels, {}
     for op in OPS:
         if op == "adamw" and res.recipe.zero.offload == "cpu":
             continue  # ZeRO-Offload's AdamW runs on the host's fp32 masters
-        name = resolve_op(op, kernels.choice(), torch.device("cuda")).name
-        if name in ("triton", "apex"):
-            swapped[op] = name
+        if resolve_op(op, kernels.choice(), torch.device("cuda")).name == "apex":
+            swapped[op] = "apex"
     if not swapped:
         return res, []
     fields = {op: "torch" for op in swapped}
-    note = ("fake CUDA runs torch's " + ", ".join(swapped) + " in place of " +
-            ", ".join(f"{name} ({op})" for op, name in swapped.items()) +
-            ": those kernels launch on real device memory (not yet torch ops with fake implementations)")
+    note = ("fake CUDA runs torch's " + ", ".join(swapped) + " in place of apex's: apex's kernels launch on real "
+            "device memory (they are not torch ops with fake implementations)")
     return replace(res, recipe=replace(res.recipe, kernels=replace(kernels, **fields))), [note]
 
 

@@ -112,7 +112,25 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
             chunk.wte = chunks[0].wte  # the V's last stage beside the first: one tied weight
         chunks.append(chunk)
     assert len(chunks) == par.virtual_stages
+    if train.compile != "none":
+        compile_blocks(chunks, train.compile)
     return chunks
+
+
+def compile_blocks(chunks: list[GPT], mode: str) -> None:
+    """train.compile = "blocks": each transformer block's forward (and, through AOTAutograd, its backward) runs
+    torch.compile'd, in place (nn.Module.compile: parameter names, state dicts and hooks stay the module's own).
+    Blocks, not the whole stage: they are where the FLOPs and the elementwise chains are, they are alike (one
+    compiled graph reused by every block: the guards are on shapes and dtypes, parameters are graph inputs), and
+    what lies between them (embedding, head, loss, ZeRO's bucket hooks, pipeline sends) keeps its eager
+    collectives. The fused kernels are torch ops with fake implementations (kernels/triton_common.py), so the
+    model's Triton kernels are traced as one node each. "blocks:aot_eager": the same capture without code
+    generation (AOTAutograd runs the captured graphs eagerly): for tests and for telling a tracing problem from
+    an Inductor one. benchmarks/compile.py measures what it buys on this machine."""
+    backend = "aot_eager" if mode == "blocks:aot_eager" else "inductor"
+    for chunk in chunks:
+        for block in chunk.h.values():
+            block.compile(backend=backend, dynamic=False)
 
 
 def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: Kernels) -> ZeroOptimizer:

@@ -91,9 +91,12 @@ def test_fake_cuda_step_matches_the_cpu_dry_run(fake_cuda_runs, name):
         assert fake["dp_ring_bytes"] == host["dp_ring_bytes"]
         # FLOPs: CUDA's flash attention has torch's own formula (the CPU kernel, fake_world's): both the formula's
         assert abs(fake["flops"] - fake["formula_flops"]) <= 0.02 * fake["formula_flops"]
-        if "offload" not in name:
-            assert abs(fake["measured_peak_bytes"] - host["measured_peak_bytes"]) <= \
-                0.10 * host["measured_peak_bytes"], (name, fake["by_category"], host["by_category"])
+        # Offload too since its reduce-scatter outputs go back to the pool once their copy to the host is queued
+        # (they stayed on the device to the step's end: +23% before, +4% after). The rest, +1.4% in every 16-bit
+        # config: CUDA autocast runs LayerNorm in fp32 and keeps an fp32 copy of its input for backward (CPU
+        # autocast does not; with the Triton LayerNorm, a torch op, the gap is 13.5 kB of its fp32 statistics).
+        assert abs(fake["measured_peak_bytes"] - host["measured_peak_bytes"]) <= \
+            0.10 * host["measured_peak_bytes"], (name, fake["by_category"], host["by_category"])
     stubbed = {row["call"]: row for row in cuda["not_executed"]}
     assert {"get_rng_state", "manual_seed", "event", "reset_peak_memory_stats", "device_name"} <= set(stubbed)
     assert all(row["count"] > 0 and row["kind"] and row["answer"] for row in cuda["not_executed"])

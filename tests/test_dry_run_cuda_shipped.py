@@ -1,0 +1,73 @@
+"""Every shipped recipe's step on fake CUDA (default kernels: `auto` as on a GPU, Triton ops included) next to
+its CPU dry run: the same collectives op by op, peaks within the planner's tolerance (10%), FLOPs within 2% of
+the formula, the CUDA-only calls listed as stubbed.
+
+Budget: one fresh interpreter (recipes/planner/dry_run_cuda.run_jobs with "also_cpu") runs both dry runs of every
+recipe, so the shim's start-up and the imports are paid once. Each recipe is shrunk where the per-layer figures
+do not change (tests/test_dry_run.py runs the full-size CPU dry runs against the planner):
+  * model.n_layer: one block per pipeline (virtual) stage, at least 2 - every block of a recipe is the same
+    block, so its bytes, collectives and FLOPs are the same per block at any depth;
+  * train.grad_accum: at most max(pp, 1) micro-batches, as the full-size test does for pipelines;
+  * train.precision "auto" pinned to bf16 (what it is on CUDA; the CPU dry run's "auto" is fp32);
+  * fine-tuning recipes: the model from their preset instead of their checkpoint (not on this machine).
+The widths, heads, vocabulary, sequence length, micro-batch, world size, ZeRO stage and offload are the recipe's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megazoo.recipes.config import RecipeError
+from megazoo.recipes.planner.dry_run import load
+from megazoo.recipes.planner.dry_run_cuda import run_jobs
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p.stem for p in (REPO / "recipes").glob("*.toml"))
+
+
+def shrunk(name: str) -> list[str]:
+    """The `--set` overrides of the module docstring for shipped recipe `name`."""
+    path = REPO / "recipes" / f"{name}.toml"
+    try:
+        res, sets = load(path), []
+    except RecipeError:  # a fine-tuning recipe whose checkpoint is not here
+        sets = ['checkpoint.load=""', "model.from_checkpoint=false"]
+        res = load(path, sets)
+    par, train = res.recipe.parallel, res.recipe.train
+    accum = min(train.grad_accum, max(par.pp, 1))
+    sets += [f"model.n_layer={max(par.pp * par.virtual_stages, 2)}", f"train.grad_accum={accum}",
+             f"train.global_batch={train.micro_batch * accum * par.dp}"]
+    if par.layers:
+        sets.append("parallel.layers=[]")
+    if train.precision == "auto":
+        sets.append("train.precision=bf16")
+    return sets
+
+
+@pytest.fixture(scope="module")
+def reports():
+    jobs = [{"recipe": str(REPO / "recipes" / f"{n}.toml"), "sets": shrunk(n), "gpu_memory_gb": 80,
+             "also_cpu": True} for n in SHIPPED]
+    out = dict(zip(SHIPPED, run_jobs(jobs)))
+    for name, rep in out.items():  # the CI cost per recipe (shown with -s)
+        print(f"{name}: {rep.get('process_seconds', 0):.1f} s CPU for both dry runs")
+    return out
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipe_on_fake_cuda_matches_its_cpu_dry_run(reports, name):
+    cuda = reports[name]
+    assert "error" not in cuda, cuda.get("error")
+    cpu = cuda["cpu"]
+    assert cuda["device"].startswith("cuda") and cuda["world_size"] == cpu["world_size"]
+    for fake, host in zip(cuda["roles"], cpu["roles"], strict=True):
+        assert fake["rank"] == host["rank"]
+        assert fake["collectives"] == host["collectives"], name
+        assert fake["dp_ring_bytes"] == host["dp_ring_bytes"]
+        assert abs(fake["flops"] - fake["formula_flops"]) <= 0.02 * fake["formula_flops"]
+        assert abs(fake["measured_peak_bytes"] - host["measured_peak_bytes"]) <= \
+            0.10 * host["measured_peak_bytes"], (name, fake["by_category"], host["by_category"])
+    stubbed = {row["call"] for row in cuda["not_executed"]}
+    assert {"get_rng_state", "reset_peak_memory_stats"} <= stubbed, stubbed
