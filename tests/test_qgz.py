@@ -18,6 +18,7 @@ from megazoo.parallel.zero.qgz import (QGZ_BLOCK, QGZ_LEVELS, HierarchicalReduce
                                        error_bound, pack_int4, unpack_int4)
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
+from megazoo.recipes.training.trainer import Trainer
 
 CHUNK = QGZ_BLOCK + 44  # a ragged last block in every chunk
 
@@ -129,3 +130,37 @@ def test_qgz_with_cp_or_a_compressed_optimizer_is_refused():
     with pytest.raises(RecipeError, match=r"with optimizer.name = 'onebit_adam' is not supported"):
         resolve(tiny_recipe(parallel={"dp": 2}, zero={"stage": 1, "quantized_gradients": "int8"},
                             optimizer={"name": "onebit_adam"}))
+
+
+def _train_layouts():
+    topo = Topology.build(4, node_size=2)
+    out = {}
+    for name, zero, bypass in [("flat-1", {"stage": 1}, False), ("qgz-1", {"stage": 1}, True),
+                               ("flat-2", {"stage": 2}, False), ("qgz-2", {"stage": 2}, True),
+                               ("int8-2", {"stage": 2}, False), ("qgz-hpz-3", {"stage": 3, "hpz": True}, True)]:
+        quantized = "int8" if name.startswith(("qgz", "int8")) else "none"
+        res = resolve(tiny_recipe(parallel={"dp": 4, "node_size": 2}, zero={**zero, "quantized_gradients": quantized},
+                                  train={"steps": 3, "micro_batch": 1, "grad_accum": 2}))
+        trainer = Trainer(res, topo)
+        if bypass:  # the same hierarchical all-to-alls, unquantized values on the wire
+            trainer.zero.reducer.hierarchical.bits = "none"
+        out[name] = {"losses": trainer.fit().losses, "params": trainer.full_state_dict(),
+                     "hierarchical": trainer.zero.reducer.hierarchical is not None,
+                     "kinds": sorted(trainer.zero.comm.bytes)}
+    return out
+
+
+def test_training_with_the_bypassed_hierarchical_reduce_equals_flat_zero():
+    got = run_distributed(_train_layouts, 4)[0]
+    for name, ref in (("qgz-1", "flat-1"), ("qgz-2", "flat-2")):
+        assert got[name]["hierarchical"] and not got[ref]["hierarchical"]
+        assert "all_to_all" in got[name]["kinds"] and "reduce_scatter" not in got[name]["kinds"]
+        for a, b in zip(got[name]["losses"], got[ref]["losses"]):
+            assert abs(a - b) < 1e-10
+        for key, value in got[ref]["params"].items():
+            assert torch.allclose(got[name]["params"][key], value, rtol=0, atol=1e-10), key
+    for a, b in zip(got["qgz-hpz-3"]["losses"], got["flat-1"]["losses"]):  # ZeRO-3 + hpZ: the same function
+        assert abs(a - b) < 1e-10
+    assert "all_to_all_int8" in got["int8-2"]["kinds"]
+    diffs = [abs(a - b) / b for a, b in zip(got["int8-2"]["losses"][1:], got["flat-2"]["losses"][1:])]
+    assert 0 < max(diffs) < 1e-3  # quantized gradients: close, not equal (the first loss precedes any update)
