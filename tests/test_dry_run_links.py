@@ -95,6 +95,7 @@ def test_plan_cli_prints_bytes_per_link_and_the_winner(capsys):
     assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--node-size", "8", "--inter-bw", "3"]) == 0
     out = capsys.readouterr().out
     assert "8 dp ranks per node (8 nodes)" in out and "| 3 | hsdp (wins) |" in out and "| 3 | hpz |" in out
+    assert "| 3 | hpz + qwZ + qgZ int4 | 16.5 | 7.92 |" in out  # ZeRO++ quantized, listed unranked
     assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--node-size", "3"]) == 2
     assert "dp ranks per node = 3 must divide dp = 64" in capsys.readouterr().err
 
