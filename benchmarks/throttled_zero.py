@@ -1,5 +1,5 @@
-"""ZeRO across two "nodes" with a throttled inter-node link: flat ZeRO-3, HSDP, hpZ, hpZ + qwZ and 1-bit Adam
-(ZeRO stages 0 and 1), tokens/s and bytes per link class. Prints JSON and a markdown table; never a timed test.
+"""ZeRO across two "nodes" with a throttled inter-node link: flat ZeRO-3, HSDP, hpZ, hpZ + qwZ, hpZ + qwZ + qgZ
+(int4), 1-bit Adam and 0/1 Adam (ZeRO stages 0 and 1), tokens/s and bytes per link class. Prints JSON and a markdown table; never a timed test.
 
     python -m benchmarks.throttled_zero                                  (root: network namespaces)
     python -m benchmarks.throttled_zero --rates 100mbit,1gbit --rounds 2 --warm 3 --timed 3 --json out.json
@@ -12,7 +12,7 @@ GLOO_SOCKET_IFNAME = the namespace's veth end) starts 2 x 2 gloo ranks: dp 4, pa
 
 Each rate is one launch, and one interleaved run inside it: every rank builds one Trainer per layout (same
 model, same seed, same synthetic data), runs --warm untimed steps of each (1-bit Adam's freeze_step lies inside
-them, so only compressed steps are timed), then --rounds rounds of A B C D E F, each layout --timed steps per
+them, so only compressed steps are timed), then --rounds rounds of every layout in turn, --timed steps each per
 round, so load from other users of the machine falls on every layout alike. The model is communication-bound
 (GPT 4 x 256, vocab 8192, 5.6 M parameters, fp32, one sequence of 64 tokens per rank). Bytes per step per rank
 come from the trainer's CommLedger (`zero.comm.link_bytes`: a collective over a group inside one node counts as
@@ -37,14 +37,21 @@ REPO = Path(__file__).resolve().parents[1]
 PAIR = netns.VethPair(("mzz0", "mzz1"), ("mzz-veth0", "mzz-veth1"), "10.231.78")
 NODES, PER_NODE = 2, 2
 RESULT_TAG = "THROTTLED_ZERO_RESULT "
+ZERO_ONE = {"name": "zero_one_adam", "freeze_step": 1, "var_freeze_step": 2, "local_step_scaler": 1,
+            "local_step_clipper": 4}
 # name -> (zero section, optimizer section); the first is the baseline the ratios divide by.
 LAYOUTS: dict[str, tuple[dict, dict]] = {
     "flat-zero3": ({"stage": 3}, {}),
     "hsdp-zero3": ({"stage": 3, "shard_group": "node"}, {}),
     "hpz": ({"stage": 3, "hpz": True}, {}),
     "hpz+qwz": ({"stage": 3, "hpz": True, "quantized_weights": True}, {}),
+    "hpz+qwz+qgz": ({"stage": 3, "hpz": True, "quantized_weights": True, "quantized_gradients": "int4"}, {}),
     "onebit-zero0": ({"stage": 0}, {"name": "onebit_adam", "freeze_step": 2}),
     "onebit-zero1": ({"stage": 1}, {"name": "onebit_adam", "freeze_step": 2}),
+    # 0/1 Adam: variance frozen from step 2, then local steps (sync every 1, 2, 4 steps, at most 4 apart), as
+    # benchmarks/compressed.py's network part; the timed steps are all in that phase
+    "zeroone-zero0": ({"stage": 0}, ZERO_ONE),
+    "zeroone-zero1": ({"stage": 1}, ZERO_ONE),
 }
 BASELINE = "flat-zero3"
 

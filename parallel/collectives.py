@@ -149,10 +149,10 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = 
 
 
 def all_to_all_flat(out: torch.Tensor, x: torch.Tensor, group, ledger: CommLedger | None = None,
-                    kind: str = "all_to_all"):
+                    kind: str = "all_to_all", async_op: bool = False):
     """out[k-th of N equal pieces] = x[this rank's piece] from rank k (pieces along dim 0). Sends (N-1)/N of x."""
     _record(ledger, kind, x, group)
-    return dist.all_to_all_single(out, x, group=group)
+    return dist.all_to_all_single(out, x, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False,

@@ -117,6 +117,7 @@ class ZeroSection:
     shard_group: str = "dp"  # "dp": partition over all dp ranks | "node": HSDP, inside a node, replicated across
     hpz: bool = False  # stage 3: ZeRO++ hpZ, backward all-gathers from a secondary shard inside the node
     quantized_weights: bool = False  # stage 3: ZeRO++ qwZ, parameter gathers in int8 blocks of 256 (masters exact)
+    quantized_gradients: str = "none"  # stages 1-3: ZeRO++ qgZ "int8" | "int4" hierarchical reduce (zero/qgz.py)
 
 
 @dataclass(frozen=True)

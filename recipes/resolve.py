@@ -218,8 +218,13 @@ def _check_nodes(recipe: Recipe) -> None:
     par, zero = recipe.parallel, recipe.zero
     try:
         check_node_size(par.node_size, par.dp, par.tp, par.pp, par.dp * par.tp * par.pp * par.cp, par.cp)
-        if zero.shard_group != "dp" or zero.hpz or zero.quantized_weights:
-            check_shard_choice(zero.shard_group, zero.hpz, zero.stage, par.cp, zero.quantized_weights)
+        if zero.shard_group != "dp" or zero.hpz or zero.quantized_weights or zero.quantized_gradients != "none":
+            check_shard_choice(zero.shard_group, zero.hpz, zero.stage, par.cp, zero.quantized_weights,
+                               zero.quantized_gradients, zero.offload)
+        if zero.quantized_gradients != "none" and recipe.optimizer.name != "adamw":
+            raise ValueError(f"zero.quantized_gradients = {zero.quantized_gradients!r} with optimizer.name = "
+                             f"{recipe.optimizer.name!r} is not supported (it compresses its own gradient "
+                             "exchange); valid: optimizer.name = 'adamw' or zero.quantized_gradients = 'none'")
     except ValueError as err:
         raise RecipeError(str(err)) from None
 

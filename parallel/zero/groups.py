@@ -45,6 +45,7 @@ class ShardGroups:
     secondary_size: int = 1
     secondary_rank: int = 0
     hpz: bool = False
+    quantized_gradients: str = "none"  # qgZ (qgz.py): "int8" | "int4" hierarchical reduce instead of the flat one
 
     @property
     def reduce_size(self) -> int:
@@ -52,9 +53,11 @@ class ShardGroups:
         return self.shard_size * self.replica_size
 
 
-def check_shard_choice(shard_group: str, hpz: bool, stage: int, cp: int = 1, quantized_weights: bool = False) -> None:
-    """A ValueError naming the field when zero.shard_group / zero.hpz / zero.quantized_weights do not fit the
-    stage and layout."""
+def check_shard_choice(shard_group: str, hpz: bool, stage: int, cp: int = 1, quantized_weights: bool = False,
+                       quantized_gradients: str = "none", offload: str = "none") -> None:
+    """A ValueError naming the field when zero.shard_group / zero.hpz / zero.quantized_weights /
+    zero.quantized_gradients do not fit the stage and layout."""
+    check_quantized_gradients(quantized_gradients, stage, shard_group, cp, offload)
     if quantized_weights and stage != 3:
         raise ValueError(f"zero.quantized_weights = true needs zero.stage = 3 (got {stage}): only stage 3 gathers "
                          "parameters for compute (stages 1-2 gather the updated masters themselves)")
@@ -72,15 +75,38 @@ def check_shard_choice(shard_group: str, hpz: bool, stage: int, cp: int = 1, qua
         raise ValueError(f"zero.shard_group = 'node' / zero.hpz need parallel.cp = 1 (got {cp})")
 
 
-def shard_groups(topo: Topology, shard_group: str = "dp", hpz: bool = False, stage: int = 3) -> ShardGroups:
-    """The ShardGroups of `topo` for zero.shard_group / zero.hpz, or a ValueError naming the field."""
-    check_shard_choice(shard_group, hpz, stage, topo.cp)
+def check_quantized_gradients(bits: str, stage: int, shard_group: str = "dp", cp: int = 1,
+                              offload: str = "none") -> None:
+    """zero.quantized_gradients (qgZ, qgz.py) fits: a valid value, a stage that reduce-scatters gradients over
+    the flat dp group, no cp (the hierarchy is built over dp ranks only), no offload."""
+    valid = ("none", "int8", "int4")
+    if bits not in valid:
+        raise ValueError(f"zero.quantized_gradients = {bits!r} is invalid; valid: {', '.join(map(repr, valid))}")
+    if bits == "none":
+        return
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero.quantized_gradients = {bits!r} needs zero.stage 1, 2 or 3 (got {stage}): stage 0 "
+                         "all-reduces gradients, there is no reduce-scatter to replace")
+    if shard_group != "dp":
+        raise ValueError(f"zero.quantized_gradients = {bits!r} needs zero.shard_group = 'dp' (got {shard_group!r}):"
+                         " HSDP reduce-scatters inside the node only; valid: flat ZeRO or zero.hpz")
+    if cp > 1:
+        raise ValueError(f"zero.quantized_gradients = {bits!r} needs parallel.cp = 1 (got {cp})")
+    if offload != "none":
+        raise ValueError(f"zero.quantized_gradients = {bits!r} with zero.offload = {offload!r} is not supported; "
+                         "valid: zero.offload = 'none'")
+
+
+def shard_groups(topo: Topology, shard_group: str = "dp", hpz: bool = False, stage: int = 3,
+                 quantized_gradients: str = "none") -> ShardGroups:
+    """The ShardGroups of `topo` for zero.shard_group / zero.hpz / zero.quantized_gradients, or a ValueError
+    naming the field."""
+    check_shard_choice(shard_group, hpz, stage, topo.cp, quantized_gradients=quantized_gradients)
     if shard_group == "node":
         return ShardGroups(topo.dp_intra_group, topo.dp // topo.dp_nodes, topo.dp_intra_rank,
                            topo.dp_inter_group, topo.dp_nodes, topo.dp_inter_rank)
-    flat = ShardGroups(topo.grad_group, topo.grad_size, topo.grad_rank)
-    if not hpz:
-        return flat
     per_node = topo.dp // topo.dp_nodes
-    return ShardGroups(flat.shard_group, flat.shard_size, flat.shard_rank, secondary_group=topo.dp_intra_group,
-                       secondary_size=per_node, secondary_rank=topo.dp_intra_rank, hpz=True)
+    return ShardGroups(topo.grad_group, topo.grad_size, topo.grad_rank,
+                       secondary_group=topo.dp_intra_group if hpz else None, secondary_size=per_node if hpz else 1,
+                       secondary_rank=topo.dp_intra_rank if hpz else 0, hpz=hpz,
+                       quantized_gradients=quantized_gradients)

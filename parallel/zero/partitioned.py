@@ -27,6 +27,7 @@ from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, BufferPool
 from megazoo.parallel.zero.groups import ShardGroups, shard_groups
+from megazoo.parallel.zero.qgz import HierarchicalReduce
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # full-size gradient buffers alive at once while reductions overlap backward
 # (stages 1-2: buckets of reduce_bucket_size; stage 3 passes 1: its buckets are whole units, e.g. a transformer
@@ -54,8 +55,9 @@ class GradientReducer:
     """
 
     def __init__(self, group, dp: int, ledger: CommLedger, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT, *,
-                 replica_group=None, replicas: int = 1):
+                 replica_group=None, replicas: int = 1, hierarchical: HierarchicalReduce | None = None):
         self.group, self.dp, self.ledger, self.max_in_flight = group, dp, ledger, max_in_flight
+        self.hierarchical = hierarchical  # qgZ: quantized all-to-all in the node, then across nodes (qgz.py)
         self.replica_group = replica_group
         self.scale = 1.0 / (dp * replicas)  # the mean over every rank holding these parameters
         self.pool = BufferPool()  # this step's full-size gradient buckets (stages 2-3) and reduce-scatter outputs
@@ -73,6 +75,8 @@ class GradientReducer:
         if self.group is None:
             out.copy_(flat)
             work = None
+        elif self.hierarchical is not None:
+            work = self.hierarchical.launch(out, flat)
         else:
             work = reduce_scatter_flat(out, flat, self.group, async_op=True, ledger=self.ledger)
         self._pending.append((work, out, owned_grad, on_done))
@@ -189,8 +193,12 @@ class PartitionedOptimizer:
                    "weight_decay": 0.0}]
         adamw = adamw or torch.optim.AdamW  # kernels' adamw op: reference loop, foreach, torch fused or apex
         self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        bits = self.groups.quantized_gradients  # qgZ replaces the flat reduce-scatter over dp
+        hierarchical = None if bits == "none" else HierarchicalReduce(
+            topo.dp_intra_group, topo.dp_inter_group, topo.dp // topo.dp_nodes, topo.dp_nodes, bits, self.comm)
         self.reducer = GradientReducer(self.group, self.groups.shard_size, self.comm, max_in_flight,
-                                       replica_group=self.groups.replica_group, replicas=self.groups.replica_size)
+                                       replica_group=self.groups.replica_group, replicas=self.groups.replica_size,
+                                       hierarchical=hierarchical)
         self.wait_s: dict[str, float] = defaultdict(float)  # host seconds waiting on all-gathers (benchmarks)
 
     def _timed_wait(self, works: list, kind: str = "all-gather") -> None:

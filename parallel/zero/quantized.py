@@ -22,17 +22,18 @@ QWZ_BLOCK = 256  # elements per quantization block (one scale each)
 QMAX = 127  # symmetric int8: -127..127 (no -128, so the grid is symmetric about 0)
 
 
-def quantize_blocks(x: torch.Tensor, block: int = QWZ_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values of ceil(n / block) x block elements, one scale per block) of the 1-D tensor `x`."""
+def quantize_blocks(x: torch.Tensor, block: int = QWZ_BLOCK, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values of ceil(n / block) x block elements, one scale per block) of the 1-D tensor `x`, on the
+    symmetric grid -qmax..qmax (127: int8; qgZ's int4 passes 7)."""
     n = x.numel()
     blocks = -(-n // block)
     dtype = torch.promote_types(x.dtype, torch.float32)
     padded = torch.zeros(blocks * block, dtype=dtype, device=x.device)
     padded[:n] = x
     rows = padded.view(blocks, block)
-    scale = rows.abs().amax(dim=1) / QMAX
+    scale = rows.abs().amax(dim=1) / qmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
-    q = torch.round(rows / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.round(rows / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q.view(-1), scale
 
 

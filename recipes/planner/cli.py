@@ -22,7 +22,7 @@ from decimal import Decimal, InvalidOperation
 from megazoo.recipes.planner.zero import (FP32_ADAM, MIXED_ADAM, STAGE_NAMES, STAGES, BufferConfig, Plan, PlanError,
                                            StateBytes, format_gb, format_sig, plan)
 from megazoo.recipes.planner import fit_cli as plan_fit_cli
-from megazoo.recipes.planner.links import rank_shardings
+from megazoo.recipes.planner.links import link_bytes, rank_shardings
 from megazoo.recipes.planner.zero import GB
 from megazoo.recipes.planner.shards import plan_model
 
@@ -244,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def link_lines(p: Plan, node_dp: int, intra_gbs: float, inter_gbs: float) -> list[str]:
-    """Per stage: flat ZeRO, HSDP and hpZ's bytes per rank per step on each link class, fastest first."""
+    """Per stage: flat ZeRO, HSDP and hpZ's bytes per rank per step on each link class, fastest first; then the
+    ZeRO++ quantized variants (qgZ; stage 3: hpZ + qwZ + qgZ), unranked."""
     element = p.state.params
     lines = [f"Per link class: {node_dp} dp ranks per node ({p.dp // min(node_dp, p.dp)} nodes), "
              f"{intra_gbs:g} GB/s intra-node, {inter_gbs:g} GB/s inter-node per GPU; GB per rank per step, "
@@ -259,6 +260,16 @@ def link_lines(p: Plan, node_dp: int, intra_gbs: float, inter_gbs: float) -> lis
             lines.append(f"| {s.stage} | {v.sharding}{' (wins)' if i == 0 and len(ranked) > 1 else ''} | "
                          f"{v.intra * element / GB:.3g} | {v.inter * element / GB:.3g} | {c.seconds:.3g} | "
                          f"{c.state_bytes / GB:.3g} |")
+        # ZeRO++'s quantized collectives, beside the exact layouts but not ranked with them: they change the
+        # numerics (int8 weights, int4 gradients; loss bound in the README), so choosing them is the user's call
+        by_sharding = {c.volume.sharding: c for c in ranked}
+        for sharding, qwz, label in (("flat", False, "flat + qgZ int4"), ("hpz", True, "hpz + qwZ + qgZ int4")):
+            if sharding in by_sharding and s.stage > 0:
+                q = link_bytes(p.psi, p.dp, node_dp, s.stage, sharding, grad_accum=p.grad_accum,
+                               element_bytes=element, quantized_weights=qwz, quantized_gradients="int4")
+                seconds = q.intra / (intra_gbs * 1e9) + q.inter / (inter_gbs * 1e9)
+                lines.append(f"| {s.stage} | {label} | {q.intra / GB:.3g} | {q.inter / GB:.3g} | {seconds:.3g} | "
+                             f"{by_sharding[sharding].state_bytes / GB:.3g} |")
     return lines
 
 

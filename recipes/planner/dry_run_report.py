@@ -26,7 +26,7 @@ from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.planner.dry_run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
                                         state_memory)
-from megazoo.recipes.planner.links import link_volume
+from megazoo.recipes.planner.links import link_bytes
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
@@ -56,9 +56,11 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
         root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
-        links = link_volume(st.numel, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
-                            grad_accum=layout.grad_accum, root=root)
-        out["link_bytes"] = {"intra": links.intra * state.params, "inter": links.inter * state.params}
+        links = link_bytes(st.numel, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
+                           grad_accum=layout.grad_accum, root=root, element_bytes=state.params,
+                           quantized_weights=layout.quantized_weights,
+                           quantized_gradients=layout.quantized_gradients)  # ZeRO++ qwZ / qgZ bytes
+        out["link_bytes"] = {"intra": links.intra, "inter": links.inter}
     return out
 
 

@@ -62,6 +62,8 @@ class Layout:
     lora: LoRAConfig | None = None  # LoRA: only the adapters have gradients and optimizer states
     sharding: str = "flat"  # ZeRO over all dp ranks | "hsdp" (inside a node) | "hpz" (stage 3): planner/links.py
     node_size: int = 0  # GPUs per node (HSDP / hpZ); 0: one node
+    quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
+    quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
 
     @property
     def dp_per_node(self) -> int:
@@ -235,7 +237,8 @@ def recipe_layout(resolved) -> Layout:
                   r.kernels.attention in ("", "torch", "recompute"),  # SDPA and "recompute": no scores kept
                   cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
-                  node_size=par.node_size)
+                  node_size=par.node_size, quantized_weights=zero.quantized_weights,
+                  quantized_gradients=zero.quantized_gradients)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

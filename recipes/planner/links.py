@@ -19,6 +19,15 @@ Stage 3 gathers each block twice per micro-batch but its root unit (embeddings, 
 once, so its "3 one(.)" is (3 Psi - root) (k - 1) / k and hpZ's backward gather is (Psi - root) (n - 1) / n;
 root = 0 gives the paper's figures.
 
+ZeRO++'s quantized collectives change bytes, not elements (link_bytes): qwZ (stage 3) sends every gather of the
+parameters that compute reads (flat: both; hpZ: the forward one across nodes, the backward one from the
+secondaries stays unquantized; HSDP: both, inside the node) as int8 + one scale per block of QUANT_BLOCK
+(1 + s / 256 bytes per element, s = the scale's bytes, 4 for 16- and 32-bit parameters). qgZ (stages 1-3, flat
+or hpZ) replaces the gradient reduce-scatter of R = Psi (stage 1) or A Psi (stages 2-3) elements by a quantized
+all-to-all inside the node, R (n - 1) / n elements, and one across nodes of the node's partial sums, R / n
+(m - 1) / m, at b + s / 256 bytes each (b = 1 int8, 1/2 int4): per rank, n times fewer elements cross nodes
+than in the flat reduce-scatter, each 2-8x smaller.
+
 Memory (model states, parallel/zero/groups.py): HSDP partitions over n instead of N; hpZ keeps stage 3's
 partition over N plus a secondary copy of Psi / n parameters (held from a unit's forward to its backward, here
 counted whole: the upper bound).
@@ -80,6 +89,62 @@ def link_volume(psi: int, dp: int, per_node: int, stage: int, sharding: str = "f
     chunk_all_reduce = 2 * (psi / n) * (m - 1) / m
     intra = {1: 2 * one(n), 2: (a + 1) * one(n), 3: a * (3 * psi - root) * (n - 1) / n}[stage]
     return LinkVolume(sharding, stage, intra, (1 if stage == 1 else a) * chunk_all_reduce)
+
+
+QUANT_BLOCK = 256  # elements per scale (parallel/zero/quantized.py QWZ_BLOCK, qgz.py QGZ_BLOCK)
+QUANT_BYTES = {"int8": 1.0, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes each rank sends per step on each link class."""
+
+    intra: float
+    inter: float
+
+
+def wire_bytes(kind: str, element_bytes: float) -> float:
+    """Bytes per element on the wire: `element_bytes` unquantized ("none"), else the int8 / int4 value plus its
+    share of one scale per QUANT_BLOCK elements (the scale in the tensor's dtype, at least fp32)."""
+    if kind == "none":
+        return element_bytes
+    if kind not in QUANT_BYTES:
+        raise PlanError(f"quantization {kind!r} is invalid; valid: none, {', '.join(QUANT_BYTES)}")
+    return QUANT_BYTES[kind] + max(4, element_bytes) / QUANT_BLOCK
+
+
+def link_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str = "flat", *, grad_accum: int = 1,
+               root: int = 0, element_bytes: float = 2, quantized_weights: bool = False,
+               quantized_gradients: str = "none") -> LinkBytes:
+    """link_volume in bytes, with qwZ (`quantized_weights`, stage 3) and qgZ (`quantized_gradients` "int8" |
+    "int4", stages 1-3, not HSDP) applied to the collectives they replace (module docstring)."""
+    vol = link_volume(psi, dp, per_node, stage, sharding, grad_accum=grad_accum, root=root)
+    if quantized_weights and stage != 3:
+        raise PlanError(f"qwZ (quantized weights) needs ZeRO stage 3 (got {stage})")
+    if quantized_gradients != "none" and (stage == 0 or sharding == "hsdp"):
+        raise PlanError(f"qgZ (quantized gradients) needs ZeRO stage 1-3, flat or hpz (got stage {stage}, "
+                        f"{sharding})")
+    eb = element_bytes
+    intra, inter = vol.intra * eb, vol.inter * eb
+    n = min(per_node, dp)
+    m, a = dp // n, grad_accum
+    spans = "inter" if m > 1 else "intra"  # where the flat ring's bytes count
+    moved = {"intra": 0.0, "inter": 0.0}  # bytes to take out (unquantized) and put back (quantized)
+    if quantized_weights:
+        if sharding == "flat":
+            gathers, link = a * (2 * psi - root) * (dp - 1) / dp, spans
+        elif sharding == "hpz":
+            gathers, link = a * psi * (dp - 1) / dp, spans  # the forward gather; the backward one is intra, exact
+        else:
+            gathers, link = a * (2 * psi - root) * (n - 1) / n, "intra"
+        moved[link] += gathers * (wire_bytes("int8", eb) - eb)
+    if quantized_gradients != "none":
+        reduced = psi * (1 if stage == 1 else a)
+        moved[spans] -= reduced * (dp - 1) / dp * eb  # the flat reduce-scatter, gone
+        q = wire_bytes(quantized_gradients, eb)
+        moved["intra"] += reduced * (n - 1) / n * q
+        moved["inter"] += reduced / n * (m - 1) / m * q
+    return LinkBytes(intra + moved["intra"], inter + moved["inter"])
 
 
 def link_state_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str,

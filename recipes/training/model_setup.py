@@ -165,4 +165,5 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         compression=compression_of(res.recipe),  # [optimizer]: 1-bit / 0-1 Adam (parallel/compressed/)
         shard_group=zero.shard_group, hpz=zero.hpz,  # HSDP / ZeRO++ hpZ (parallel/zero/groups.py)
         quantized_weights=zero.quantized_weights,  # ZeRO++ qwZ (parallel/zero/quantized.py)
+        quantized_gradients=zero.quantized_gradients,  # ZeRO++ qgZ (parallel/zero/qgz.py)
         init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))

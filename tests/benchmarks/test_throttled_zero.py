@@ -34,7 +34,7 @@ def test_defaults():
 @pytest.mark.parametrize("argv, message", [
     (["--rates", "100mbit,10mb"], "--rates: rate '10mb' is not a tc rate in bits per second; valid:"),
     (["--rates", ","], "--rates is empty; valid:"),
-    (["--layouts", "flat-zero3,zero4"], "--layouts zero4 unknown; valid: flat-zero3, hsdp-zero3, hpz, hpz+qwz"),
+    (["--layouts", "flat-zero3,zero4"], "--layouts zero4 unknown; valid: flat-zero3, hsdp-zero3, hpz, hpz+qwz, hpz+qwz+qgz"),
     (["--rounds", "0"], "--rounds = 0 is too small; valid: an integer >= 1"),
     (["--timed", "0"], "--timed = 0 is too small; valid: an integer >= 1"),
     (["--warm", "2"], "--warm = 2 is too small; valid: an integer >= 3 (1-bit Adam compresses from step 2"),
