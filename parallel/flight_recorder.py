@@ -23,12 +23,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megazoo.data.fileio import atomic_write_bytes
-
-if TYPE_CHECKING:
-    from megazoo.parallel.topology import Topology
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FRESH_S = 5.0  # a ring dumped this long before rank 0 saw the signal is still this signal's (peers see it first)
@@ -57,8 +53,9 @@ def ring_path(folder: str | Path, rank: int) -> Path:
     return Path(folder) / f"collectives_rank{rank:05d}.json"
 
 
-def group_labels(topo: Topology) -> dict[str, str]:
-    """torch's process-group name -> what this rank's Topology calls the group ("dp", "tp", ...). A dp group that
+def group_labels(topo) -> dict[str, str]:
+    """torch's process-group name -> what this rank's Topology `topo` (not imported: topology.py imports this
+    module) calls the group ("dp", "tp", ...). A dp group that
     spans the whole world is torch's default group itself; a group that plays two parts keeps its first name."""
     labels: dict[str, str] = {}
     for label in ("dp", "tp", "pp", "cp", "dp_cp", "embedding", "dp_intra", "dp_inter"):
