@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace) -> int:
         # resumes from the latest good checkpoint (checkpoint.resume=true above); a stop by signal ends the job.
         return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
                             restart_note=" from the latest good checkpoint",
-                            env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"})
+                            env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"}, ring_dump=True)
 
 
 def _no_good_checkpoint(run_dir: Path) -> str | None:

@@ -3,7 +3,8 @@
 `megazoo train` checks the recipe and launches this under torchrun (or runs it in place for one process); the
 loop itself is recipes/training/trainer.py. This module reads the launcher's RANK / WORLD_SIZE, builds the Topology,
 restores a checkpoint when asked, handles SIGTERM / SIGINT (preemption: finish the step, save, stop; exit status
-128 + signal), holds run.dir's lock when no `megazoo train` launcher does, and prints the run's summary on rank 0.
+128 + signal) and SIGUSR1 (every rank writes its ring of recent collectives to run.dir/.progress, rank 0 prints
+which rank waits in which call: parallel/flight_recorder.py), holds run.dir's lock when no `megazoo train` launcher does, and prints the run's summary on rank 0.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megazoo.recipes.training.metrics import MetricsLog
 from megazoo.recipes.training.plot import plot_runs, read_metrics
 from megazoo.recipes.training.progress import Progress, is_collective_timeout
 from megazoo.parallel.collective_check import diagnose_mismatch
-from megazoo.parallel.flight_recorder import diagnose, dump_ring, read_rings
+from megazoo.parallel.flight_recorder import RingDumpOnSignal, diagnose, dump_ring, group_labels, read_rings
 from megazoo.recipes.resolve import Resolved, resolve
 from megazoo.recipes.resolved_toml import resolved_toml
 from megazoo.recipes.training.run_dir import (LOCK_HELD_ENV, RunDirBusy, RunDirLock, check_checkpoints,
@@ -114,7 +115,7 @@ def _last_collectives(recipe, topo: Topology) -> str:
     if recipe.parallel.flight_recorder <= 0:
         return ""
     folder = Path(recipe.run.dir) / ".progress"
-    dump_ring(folder, topo.rank)
+    dump_ring(folder, topo.rank, group_labels(topo))
     rings = read_rings(folder, topo.world_size, wait_s=min(10.0, recipe.parallel.timeout_s))
     return f". Last collectives (rings in {folder}): {diagnose(rings, topo.world_size)}"
 
@@ -166,7 +167,12 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         # Processes per node: the recipe's, else the launcher's (torchrun sets LOCAL_WORLD_SIZE), read here only.
         node_size = par.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(par, node_size=node_size)
-        result = run(res, topo, stop)
+        if world_size == 1:
+            result = run(res, topo, stop)
+        else:  # SIGUSR1 (from `megazoo train`, scancel --signal=USR1, kill): every rank writes its ring
+            with RingDumpOnSignal(Path(res.recipe.run.dir) / ".progress", rank, world_size, group_labels(topo),
+                                  recorder=par.flight_recorder > 0):
+                result = run(res, topo, stop)
     except (CheckpointError, DataCacheError, JobStalled) as err:
         # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch, a data cache that
         # cannot be written; a stalled peer is reported by every rank that waited for it): say so once, plainly,

@@ -9,6 +9,9 @@
   one kills the job; a stop by signal ends the job (no restart) with exit status 128 + signal (143 for
   SIGTERM); an error a restart would repeat (`record_fatal`) ends it too; and no attempt starts while a process
   of the previous one is alive.
+- With `ring_dump` (`megazoo train`): SIGUSR1 to the launcher is forwarded to the workers (each writes its ring of
+  recent collectives, rank 0 prints which rank waits where: parallel/flight_recorder.py), and before the job is
+  killed the workers get SIGUSR1 and `RING_DUMP_WAIT_S` to do the same.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ LAUNCHER_PID_ENV = "MEGAZOO_LAUNCHER_PID"  # the launcher's pid, for a worker's 
 STOP_FILE_ENV = "MEGAZOO_STOP_FILE"  # where a worker stopped by a signal records it (the launcher ends the job)
 STOP_GRACE_S = 300.0  # after forwarding a stop, how long the workers may take to save before they are killed
 NO_WORKER_WAIT_S = 10.0  # a stop that finds no worker waits this long for one (or for torchrun to end) first
+RING_DUMP_WAIT_S = 12.0  # before a kill: time for the workers' ring dumps (rank 0 waits up to 10 s for its peers')
 _PR_SET_PDEATHSIG = 1
 _LIBC: Any = None
 
@@ -177,7 +181,9 @@ class Job:
     """
 
     def __init__(self, env: dict[str, str] | None = None, *, stop_grace_s: float = STOP_GRACE_S,
-                 no_worker_wait_s: float = NO_WORKER_WAIT_S):
+                 no_worker_wait_s: float = NO_WORKER_WAIT_S, ring_dump: bool = False,
+                 ring_dump_wait_s: float = RING_DUMP_WAIT_S):
+        self.ring_dump, self.ring_dump_wait_s, self._dump_requests = ring_dump, ring_dump_wait_s, 0
         self.token = f"{os.getpid()}-{os.urandom(6).hex()}"
         self.stop_grace_s, self.no_worker_wait_s = stop_grace_s, no_worker_wait_s
         self._stop_announced: float | None = None
@@ -193,6 +199,8 @@ class Job:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+            if self.ring_dump:
+                self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_dump_signal)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -202,6 +210,17 @@ class Job:
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.signals.append(signum)  # acted upon by the attempt's wait loop, not inside the handler
+
+    def _on_dump_signal(self, _signum: int, _frame) -> None:
+        self._dump_requests += 1  # forwarded by the attempt's wait loop
+
+    def _workers(self, torchrun_pid: int) -> list[int]:
+        return [pid for pid in _job_processes(self.token) if _ppid_of(pid) == torchrun_pid]
+
+    def _dump_rings(self, torchrun_pid: int) -> None:
+        """SIGUSR1 to every worker (each writes its ring; rank 0 prints the diagnosis): not a stop."""
+        for pid in self._workers(torchrun_pid):
+            _signal(pid, signal.SIGUSR1, group=False)
 
     def stopped_by(self, code: int) -> int | None:
         """The signal that stopped the attempt that ended with `code`: one a worker recorded after saving, else
@@ -236,12 +255,16 @@ class Job:
                     break
                 except subprocess.TimeoutExpired:
                     pass
+                if self._dump_requests:
+                    self._dump_requests = 0
+                    self._dump_rings(proc.pid)
                 if not self.signals:
                     continue
                 now = time.monotonic()
                 if len(self.signals) > 1 or (forwarded_at is not None and now - forwarded_at > self.stop_grace_s):
                     if not killed:
                         print("megazoo: killing the job", file=sys.stderr, flush=True)
+                        self._dump_before_kill(proc)
                         self._kill_all(proc.pid)
                         killed = True
                 elif forwarded_at is None and self._forward(proc.pid, now):
@@ -266,7 +289,7 @@ class Job:
             print(f"megazoo: {name}: stopping the job (the workers finish their step, save a checkpoint "
                   f"and stop; send it again to kill them now)", file=sys.stderr, flush=True)
             self._stop_announced = now
-        workers = [pid for pid in _job_processes(self.token) if _ppid_of(pid) == torchrun_pid]
+        workers = self._workers(torchrun_pid)
         for pid in workers:
             _signal(pid, self.signals[0], group=True)
         if workers or os.path.exists(self.stop_file):
@@ -275,6 +298,17 @@ class Job:
             return False
         _signal(torchrun_pid, self.signals[0], group=True)
         return True
+
+    def _dump_before_kill(self, proc: subprocess.Popen) -> None:
+        """With `ring_dump`: the workers' rings written (and rank 0's diagnosis printed) before the kill; the wait
+        ends early once torchrun is gone (a third signal does not shorten it: the kill follows in seconds)."""
+        if not self.ring_dump or not self._workers(proc.pid):
+            return
+        self._dump_rings(proc.pid)
+        try:
+            proc.wait(timeout=self.ring_dump_wait_s)
+        except subprocess.TimeoutExpired:
+            pass
 
     def _kill_all(self, torchrun_pid: int) -> None:
         _signal(torchrun_pid, signal.SIGKILL, group=True)
@@ -313,7 +347,7 @@ def worker_threads(nproc: int) -> dict[str, str]:
 
 
 def launch_local(nproc: int, module: str, argv: Sequence[str] = (), *, max_restarts: int = 0,
-                 restart_note: str = "", env: dict[str, str] | None = None) -> int:
+                 restart_note: str = "", env: dict[str, str] | None = None, ring_dump: bool = False) -> int:
     """Run `torchrun_command(nproc, module, argv)` and return its exit status; after a failure start it again,
     every worker, up to `max_restarts` times (a message on stderr names the attempt; `restart_note` adds what
     the restarted job will do). Each attempt is a fresh torchrun with a fresh rendezvous: torchrun's own
@@ -322,11 +356,12 @@ def launch_local(nproc: int, module: str, argv: Sequence[str] = (), *, max_resta
 
     A stop by signal is not a failure and is never restarted: SIGTERM / SIGINT to this process (forwarded to the
     workers, see `Job`), or a worker that recorded a stop by signal (`record_stop`), end the job with
-    status 128 + signal. `env` is added to the workers' environment, with OMP_NUM_THREADS (`worker_threads`)."""
+    status 128 + signal. `env` is added to the workers' environment, with OMP_NUM_THREADS (`worker_threads`).
+    `ring_dump`: the workers handle SIGUSR1 (recipes/train.py), so the launcher forwards it (see `Job`)."""
     if max_restarts < 0:
         raise ValueError(f"max_restarts {max_restarts} is invalid: it must be 0 (no restarts) or more")
     command = torchrun_command(nproc, module, argv)
-    with Job({**worker_threads(nproc), **(env or {})}) as job:
+    with Job({**worker_threads(nproc), **(env or {})}, ring_dump=ring_dump) as job:
         for attempt in range(max_restarts + 1):
             code = job.attempt(command)
             stopped = job.stopped_by(code)

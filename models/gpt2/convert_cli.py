@@ -17,7 +17,9 @@ AutoTokenizer loads the directory and generate() stops at end-of-text (models/gp
 directions write into a temporary directory beside --out and rename it at the end: a failed or interrupted
 conversion leaves nothing half-written, and an existing non-empty --out is refused before anything is read.
 With --verify the result is published only once it scores the same as its source (models/gpt2/convert_verify.py:
-logits and loss of a fixed sample, fp64); otherwise exit 1 and nothing is written.
+logits and loss of a fixed sample, fp64, and a WikiText / LAMBADA slice scored both ways, models/gpt2/
+convert_slices.py, when the data is found: --verify-data, else $MEGAZOO_DATA_DIR, else the cache); otherwise
+exit 1 and nothing is written.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
     from megazoo.models.llama.hf import FAMILIES
 
     check_out_dir(args.out)  # checked before the (slow) read
+    slices = _verify_data(args)
     model_type = hf_model_type(args.hf_dir)
     if model_type == "gpt2":
         from megazoo.models.gpt2.hf import read_hf_dir
@@ -158,7 +161,7 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
                 record["source"] = str(Path(args.out).resolve() / HF_TOKENIZER_DIR)
             write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging, tokenizer=record)
             if args.verify:  # the checkpoint as written, read back, against the HF source
-                _verified(*load_consolidated(staging), args.hf_dir)
+                _verified(*load_consolidated(staging), args.hf_dir, slices)
     except ConversionRefused as refused:
         print(f"megazoo: convert hf-to-megazoo: {refused}", file=sys.stderr)
         return 1
@@ -172,14 +175,39 @@ class ConversionRefused(Exception):
     """--verify: the converted model does not score as its source; nothing is written to --out."""
 
 
-def _verified(cfg: ModelConfig, full_state: dict[str, torch.Tensor], hf_dir: str | Path) -> None:
+def _verify_data(args: argparse.Namespace):
+    """--verify's WikiText / LAMBADA slices (convert_slices.SliceData), read before any conversion work; None (and
+    one line saying so) when no data folder holds them. A given --verify-data without them is bad input."""
+    if not args.verify:
+        return None
+    from megazoo.data.catalog import default_folders
+    from megazoo.models.gpt2.convert_slices import find_slice_data, load_slices
+
+    looked = [Path(args.verify_data)] if args.verify_data else default_folders(os.environ)
+    folder = find_slice_data(looked)
+    if folder is None and args.verify_data:
+        raise FileNotFoundError(f"--verify-data {args.verify_data} lacks wikitext103/, lambada/ or gpt2_bpe/ (the "
+                                f"layout `megazoo data fetch all --dir {args.verify_data}` writes)")
+    if folder is None:
+        print(f"verify: no WikiText / LAMBADA data in {', '.join(map(str, looked))} (--verify-data DIR, "
+              "$MEGAZOO_DATA_DIR, the cache; `megazoo data fetch all`): scoring the fixed sample only")
+        return None
+    return load_slices(folder, args.verify_tokens, args.verify_lambada)
+
+
+def _verified(cfg: ModelConfig, full_state: dict[str, torch.Tensor], hf_dir: str | Path, slices=None) -> None:
+    from megazoo.models.gpt2.convert_slices import GPT2_VOCAB
     from megazoo.models.gpt2.convert_verify import check_export
 
-    check = check_export(cfg, full_state, hf_dir)
+    if slices is not None and cfg.vocab_size < GPT2_VOCAB:
+        print(f"verify: the model's vocabulary ({cfg.vocab_size:,}) is smaller than GPT-2 BPE's {GPT2_VOCAB:,}: the "
+              "WikiText / LAMBADA slices are not scored, the fixed sample only")
+        slices = None
+    check = check_export(cfg, full_state, hf_dir, slices)
     print(check.table())
     if not check.passed:
-        raise ConversionRefused("the converted model does not compute the same logits as its source (table "
-                                "above): refused, nothing written to --out")
+        raise ConversionRefused("the converted model does not score as its source (tables above): refused, "
+                                "nothing written to --out")
 
 # A Llama-family conversion copies the HF tokenizer here (beside the checkpoints' step directories).
 HF_TOKENIZER_DIR = "hf_tokenizer"
@@ -221,6 +249,7 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
         raise ValueError(f"checkpoint {args.checkpoint} is a LoRA run's (it holds only the adapters): pass "
                          "--merge-lora (merged HF model) or --peft-adapter (PEFT adapter folder)")
     tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
+    slices = _verify_data(args)
     cfg = load_consolidated_config(args.checkpoint)
     if cfg.positions == "learned":  # the GPT-2 block
         from megazoo.models.gpt2.hf import export_hf_dir
@@ -233,7 +262,7 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
         with staged_out_dir(args.out) as staging:
             export_hf_dir(full_state, cfg, staging, tokenizer=tokenizer)
             if args.verify:  # the directory as transformers loads it, against the checkpoint's weights
-                _verified(cfg, full_state, staging)
+                _verified(cfg, full_state, staging, slices)
     except ConversionRefused as refused:
         print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
         return 1
@@ -243,7 +272,18 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
 
 
 VERIFY_HELP = ("after converting, run a fixed sample through megazoo and through transformers (fp64) and compare "
-               "logits and loss; exit 1 and write nothing beyond the tolerance (models/gpt2/convert_verify.py)")
+               "logits and loss, and score a WikiText and a LAMBADA slice both ways (when the data is found); exit 1 "
+               "and write nothing beyond the tolerance (models/gpt2/convert_verify.py, convert_slices.py)")
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    parser.add_argument("--verify-data", default=None, metavar="DIR", help="data folder for --verify's slices "
+                        "(wikitext103/, lambada/, gpt2_bpe/); default: $MEGAZOO_DATA_DIR, else the cache")
+    parser.add_argument("--verify-tokens", type=int, default=1024, metavar="N",
+                        help="WikiText tokens --verify scores (default 1024)")
+    parser.add_argument("--verify-lambada", type=int, default=20, metavar="N",
+                        help="LAMBADA passages --verify scores (default 20)")
 
 
 def _run(func):
@@ -268,7 +308,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                            "megazoo checkpoint")
     to_mz.add_argument("hf_dir", help="HF directory (config.json + model.safetensors, its index, or pytorch_model.bin)")
     to_mz.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
-    to_mz.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    _verify_arguments(to_mz)
     to_mz.set_defaults(func=_run(_hf_to_megazoo))
     to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF directory (GPT-2, or the "
                            "Llama / Qwen2 / Mistral family its config computes) + tokenizer")
@@ -278,7 +318,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                        help="tokenizer to write beside the weights (a GPT-2 BPE directory, a tokenizer .json, a "
                             "sentencepiece .model or hf:NAME); default: the one the checkpoint records; none: "
                             "no tokenizer. Its end-of-text id becomes the model's bos / eos / pad id")
-    to_hf.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    _verify_arguments(to_hf)
     to_hf.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: fold the adapters into "
                        "the base weights (W += alpha/r B A) and write a plain HF model")
     to_hf.add_argument("--peft-adapter", action="store_true", help="a LoRA run's checkpoint: write the adapter "

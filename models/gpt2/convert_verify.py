@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 from megazoo.models.config import ModelConfig
 from megazoo.models.gpt2.hf import gpt_from_full_state
 from megazoo.parallel.topology import Topology
+
+if TYPE_CHECKING:
+    from megazoo.models.gpt2.convert_slices import SliceComparison, SliceData
 
 LOGITS_ATOL = 1e-10  # fp64: implementations agree to ~1e-14 on logits of order 1-10
 LOSS_RTOL = 1e-10
@@ -30,6 +34,7 @@ class ExportCheck:
     logits_max_abs: float
     loss_megazoo: float
     loss_hf: float
+    slices: SliceComparison | None = None  # the WikiText / LAMBADA slices (convert_slices.py), when data was found
 
     @property
     def loss_rel(self) -> float:
@@ -37,7 +42,8 @@ class ExportCheck:
 
     @property
     def passed(self) -> bool:
-        return self.logits_max_abs <= LOGITS_ATOL and self.loss_rel <= LOSS_RTOL
+        sample_ok = self.logits_max_abs <= LOGITS_ATOL and self.loss_rel <= LOSS_RTOL
+        return sample_ok and (self.slices is None or self.slices.passed)
 
     def table(self) -> str:
         rows = [("logits (max abs difference)", self.logits_max_abs, LOGITS_ATOL),
@@ -46,7 +52,7 @@ class ExportCheck:
                  f"through transformers, fp64 (loss: megazoo {self.loss_megazoo:.12g}, HF {self.loss_hf:.12g})",
                  f"  {'quantity':<36}{'deviation':>12}{'tolerance':>11}  result"]
         lines += [f"  {name:<36}{dev:>12.2e}{tol:>11.0e}  {'pass' if dev <= tol else 'FAIL'}" for name, dev, tol in rows]
-        return "\n".join(lines)
+        return "\n".join(lines + ([self.slices.table()] if self.slices is not None else []))
 
 
 def fixed_sample(cfg: ModelConfig, sequences: int = 2, tokens: int = 64) -> torch.Tensor:
@@ -58,25 +64,33 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
 
 
-@torch.no_grad()
-def megazoo_logits(cfg: ModelConfig, full_state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+def megazoo_logits_fn(cfg: ModelConfig, full_state: dict[str, torch.Tensor]):
     model = gpt_from_full_state(cfg, full_state, Topology.solo(), dtype=torch.float64)
-    return model(ids)[..., : cfg.vocab_size]  # drop the padded vocabulary's columns
+    return torch.no_grad()(lambda ids: model(ids)[..., : cfg.vocab_size])  # drop the padded vocabulary's columns
 
 
-@torch.no_grad()
-def hf_dir_logits(hf_dir: str | Path, ids: torch.Tensor) -> torch.Tensor:
+def hf_dir_logits_fn(hf_dir: str | Path):
     from transformers import AutoModelForCausalLM  # GPT2LMHeadModel, or the Llama family's class config.json names
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float64, attn_implementation="eager")
-    return model.eval()(ids).logits
+    return torch.no_grad()(lambda ids: model.eval()(ids).logits)
 
 
-def check_export(cfg: ModelConfig, full_state: dict[str, torch.Tensor], hf_dir: str | Path) -> ExportCheck:
-    """Hold the HF directory `hf_dir` to the megazoo weights `full_state` (either may be the conversion's output)."""
+def check_export(cfg: ModelConfig, full_state: dict[str, torch.Tensor], hf_dir: str | Path,
+                 slices: SliceData | None = None) -> ExportCheck:
+    """Hold the HF directory `hf_dir` to the megazoo weights `full_state` (either may be the conversion's output):
+    the fixed sample's logits and loss, and (given `slices`) the WikiText / LAMBADA slices scored both ways."""
     ids = fixed_sample(cfg)
-    ours, theirs = megazoo_logits(cfg, full_state, ids), hf_dir_logits(hf_dir, ids)
+    ours_fn, theirs_fn = megazoo_logits_fn(cfg, full_state), hf_dir_logits_fn(hf_dir)
+    ours, theirs = ours_fn(ids), theirs_fn(ids)
     if ours.shape != theirs.shape:
         return ExportCheck(tuple(ids.shape), float("inf"), _loss(ours, ids), float("nan"))
+    compared = None
+    if slices is not None:
+        from megazoo.models.gpt2.convert_slices import SliceComparison, score_slices
+
+        compared = SliceComparison(score_slices(ours_fn, slices, cfg.n_positions),
+                                   score_slices(theirs_fn, slices, cfg.n_positions), slices.folder)
     diff = (ours - theirs).abs().max().item()
-    return ExportCheck(tuple(ids.shape), diff if diff == diff else float("inf"), _loss(ours, ids), _loss(theirs, ids))
+    return ExportCheck(tuple(ids.shape), diff if diff == diff else float("inf"), _loss(ours, ids),
+                       _loss(theirs, ids), compared)

@@ -1,10 +1,14 @@
-"""`megazoo verify RECIPE|NAME [--steps N] [--set k=v ...] [--json OUT]`: does my layout compute the same function?
+"""`megazoo verify RECIPE|NAME [--steps N] [--set k=v ...] [--json OUT] [--precision own] [--device cuda]`: does
+my layout compute the same function?
 
 Runs the recipe's own features at degree <= 2 on this machine (recipes/verify/shrink.py), on its architecture
 shrunk to a few layers, in fp64, and holds losses, gradient norms, the validation loss and the final full
 parameters to one process (recipes/verify/compare.py). Prints which features ran, what was shrunk, a table per
 quantity and a verdict. Exit 0: every quantity within 1e-10; 1: some quantity deviated (or a rank failed);
-2: bad input (the recipe, an override, --steps), before any process starts.
+2: bad input (the recipe, an override, --steps, --device cuda without enough GPUs), before any process starts.
+`--precision own` runs both sides in the recipe's precision against a data-parallel reference, with that
+precision's tolerances; `--device cuda` does so on GPUs (one per rank) with a truncated model at realistic widths
+(recipes/verify/precision.py).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def _print_quantity(q: Quantity) -> None:
 
 def report(name: str, vp: VerifyPlan, outcome: Outcome) -> None:
     print(f"megazoo verify {name}: {vp.layout.recipe.train.steps} steps of the layout "
-          f"{_layout_text(vp.layout)} against one process, fp64")
+          f"{_layout_text(vp.layout)} against {vp.reference_text}, {vp.precision} on {vp.device}")
     sections = (("exercised", vp.exercised or ["(nothing parallel: the recipe runs one process)"]),
                 ("shrunk", vp.shrunk or ["(nothing)"]), ("set by verify", vp.changed),
                 ("not compared", vp.not_compared))
@@ -65,11 +69,13 @@ def report(name: str, vp: VerifyPlan, outcome: Outcome) -> None:
     if failed:
         print(f"FAIL: the layout does not compute the same function: {', '.join(failed)} deviated ({timing})")
     else:
-        print(f"PASS: the layout computes the same function as one process ({timing})")
+        print(f"PASS: the layout computes the same function as {vp.reference_text}, within {vp.precision}'s "
+              f"tolerances ({timing})")
 
 
 def _json(path: str, name: str, vp: VerifyPlan, outcome: Outcome | None, error: str | None) -> None:
     record = {"recipe": name, "steps": vp.layout.recipe.train.steps, "layout": _layout_text(vp.layout),
+              "reference": vp.reference_text, "precision": vp.precision, "device": vp.device,
               "exercised": vp.exercised, "shrunk": vp.shrunk, "set_by_verify": vp.changed,
               "not_compared": vp.not_compared, "passed": outcome is not None and outcome.passed, "error": error}
     if outcome is not None:
@@ -84,10 +90,16 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         path = find_recipe(args.recipe)
         from megazoo.recipes.verify.shrink import plan
-        vp = plan(load_recipe(path, args.overrides, data_dir=args.data_dir), args.steps)
+        vp = plan(load_recipe(path, args.overrides, data_dir=args.data_dir), args.steps, args.precision,
+                  args.device)
     except RecipeError as err:
         print(f"megazoo: error: {err}", file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        from megazoo.recipes.verify.precision import cuda_problem
+        if problem := cuda_problem(max(vp.layout.world_size, vp.reference.world_size)):
+            print(f"megazoo: error: {problem}", file=sys.stderr)
+            return 2
     name = args.recipe
     try:
         from megazoo.recipes.verify.compare import run
@@ -125,4 +137,10 @@ def register(sub) -> None:
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="as for megazoo train (verify itself trains on synthetic tokens)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON to OUT")
+    p.add_argument("--precision", choices=("fp64", "own"), default="fp64",
+                   help="fp64 (default): against one process to 1e-10; own: in the recipe's precision against a "
+                        "data-parallel reference, with that precision's tolerances")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: on this machine's GPUs (one per rank, NCCL), a truncated model at realistic widths, "
+                        "the recipe's own precision")
     p.set_defaults(func=_verify)

@@ -18,6 +18,7 @@ from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
 from megazoo.recipes.resolve import Resolved
 from megazoo.recipes.training.trainer import Trainer
+from megazoo.recipes.verify.precision import TOLERANCES, Tolerances
 from megazoo.recipes.verify.shrink import VerifyPlan
 from megazoo.workers.local import run_distributed
 
@@ -48,18 +49,21 @@ def _train(res: Resolved, topo: Topology, loss_scaling: bool) -> dict:
             "params": trainer.full_state_dict()}
 
 
-def _layout_ranks(res: Resolved, loss_scaling: bool) -> list[dict]:
+def _rank_train(res: Resolved, loss_scaling: bool) -> dict:
+    """One rank of a multi-process run (module level: spawned GPU ranks unpickle it)."""
+    return _train(res, Topology.of(res.recipe.parallel), loss_scaling)  # the recipe's nodes (HSDP / hpZ)
+
+
+def _layout_ranks(res: Resolved, loss_scaling: bool, device: str = "cpu") -> list[dict]:
     par = res.recipe.parallel
-
-    def work():
-        topo = Topology.of(par)  # the recipe's nodes (HSDP / hpZ), else one node
-        return _train(res, topo, loss_scaling)
-
     if res.world_size == 1:
-        return [_train(res, Topology.solo(), loss_scaling)]
+        return [_train(res, Topology.solo(torch.device(device)), loss_scaling)]
     # Collective fingerprints on (parallel/collective_check.py): a layout whose ranks call different collectives
-    # fails at once with both calls named, instead of hanging until the timeout.
-    return run_distributed(work, res.world_size, timeout_s=par.timeout_s, check_collectives=True)
+    # fails at once with both calls named, instead of hanging until the timeout. On CUDA the ranks are spawned
+    # (a forked child cannot use its parent's CUDA context) and rank r runs on GPU r with NCCL.
+    gpu = {"start_method": "spawn", "device": None} if device == "cuda" else {}
+    return run_distributed(_rank_train, res.world_size, res, loss_scaling, timeout_s=par.timeout_s,
+                           check_collectives=True, **gpu)
 
 
 def _relative(a: float | None, b: float | None) -> float:
@@ -68,8 +72,8 @@ def _relative(a: float | None, b: float | None) -> float:
     return abs(a - b) / max(abs(b), 1e-300)
 
 
-def _per_step(name: str, key: str, ref: dict, ranks: list[dict]) -> Quantity:
-    q = Quantity(name, "relative, per step", 0.0)
+def _per_step(name: str, key: str, ref: dict, ranks: list[dict], tolerance: float = TOLERANCE) -> Quantity:
+    q = Quantity(name, "relative, per step", 0.0, tolerance)
     for step, expected in enumerate(ref[key]):
         devs = [_relative(r[key][step] if step < len(r[key]) else None, expected) for r in ranks]
         worst = max(range(len(devs)), key=devs.__getitem__)
@@ -79,16 +83,17 @@ def _per_step(name: str, key: str, ref: dict, ranks: list[dict]) -> Quantity:
     return q
 
 
-def _parameters(ref: dict, ranks: list[dict]) -> Quantity:
-    q = Quantity("parameters (final, full)", "absolute, per element", 0.0)
+def _parameters(ref: dict, ranks: list[dict], tolerance: float = TOLERANCE) -> Quantity:
+    q = Quantity("parameters (final, full)", "absolute, per element", 0.0, tolerance)
     for rank, got in enumerate(ranks):
         missing = sorted(set(ref["params"]) ^ set(got["params"]))
         if missing:
-            return Quantity(q.name, q.how, math.inf, worst=f"rank {rank}: names differ: {', '.join(missing[:4])}")
+            return Quantity(q.name, q.how, math.inf, tolerance,
+                            worst=f"rank {rank}: names differ: {', '.join(missing[:4])}")
         for name, expected in ref["params"].items():
             value = got["params"][name]
             if value.shape != expected.shape:
-                return Quantity(q.name, q.how, math.inf,
+                return Quantity(q.name, q.how, math.inf, tolerance,
                                 worst=f"rank {rank}: {name} has shape {tuple(value.shape)}, not {tuple(expected.shape)}")
             diff = (value.double() - expected.double()).abs().max().item()
             diff = diff if math.isfinite(diff) else math.inf
@@ -97,11 +102,12 @@ def _parameters(ref: dict, ranks: list[dict]) -> Quantity:
     return q
 
 
-def compare(ref: dict, ranks: list[dict]) -> list[Quantity]:
+def compare(ref: dict, ranks: list[dict], tolerances: Tolerances = TOLERANCES["fp64"]) -> list[Quantity]:
     val = Quantity("validation loss (after the last step)", "relative", max(_relative(r["val"], ref["val"])
-                                                                           for r in ranks))
-    return [_per_step("loss", "losses", ref, ranks), _per_step("gradient norm (before clipping)", "norms", ref, ranks),
-            val, _parameters(ref, ranks)]
+                                                                           for r in ranks), tolerances.val_loss)
+    return [_per_step("loss", "losses", ref, ranks, tolerances.loss),
+            _per_step("gradient norm (before clipping)", "norms", ref, ranks, tolerances.grad_norm),
+            val, _parameters(ref, ranks, tolerances.parameters)]
 
 
 @dataclass
@@ -121,10 +127,10 @@ def run(plan: VerifyPlan) -> Outcome:
     start, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(1)  # one thread, as each forked rank has
     try:
-        ref = _train(plan.reference, Topology.solo(), loss_scaling=False)
+        ref = _layout_ranks(plan.reference, False, plan.device)[0]  # its dp ranks hold the same model
         middle = time.perf_counter()
-        ranks = _layout_ranks(plan.layout, plan.loss_scaling)
+        ranks = _layout_ranks(plan.layout, plan.loss_scaling, plan.device)
         end = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
-    return Outcome(compare(ref, ranks), middle - start, end - middle)
+    return Outcome(compare(ref, ranks, plan.tolerances), middle - start, end - middle)

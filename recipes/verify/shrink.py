@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.resolve import Resolved, model_config, resolve
+from megazoo.recipes.verify.precision import TOLERANCES, Tolerances, own_precision
 
 MAX_DEGREE = 2
 SHRUNK_HEADS, HEAD_DIM = 4, 8  # 4 heads: divisible by tp (<= 2) x cp (<= 2) for all-to-all attention
@@ -26,6 +27,9 @@ SHRUNK_VOCAB, SHRUNK_SEQ = 300, 32  # 300: not a multiple of 128, so the padded-
 MICRO_BATCH = 2
 BUCKET_ELEMENTS = 10_000  # a few ZeRO buckets on the shrunk model (~40k parameters)
 LR, MIN_LR = 1e-3, 1e-4  # large enough that a few steps move every parameter visibly
+# --device cuda: a truncated model at realistic widths (max(2, pp x v) blocks), where low-precision rounding
+# behaves as in the real run: d_model up to 1024 in heads of 64, the recipe's vocabulary, 128 positions.
+GPU_MAX_D_MODEL, GPU_HEAD_DIM, GPU_SEQ = 1024, 64, 128
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,14 @@ class VerifyPlan:
     changed: list[str]  # what verify sets for every recipe, and why
     not_compared: list[str]  # features of the recipe that cannot be held to one process here, and why
     loss_scaling: bool  # fp16 recipe: the layout runs its dynamic loss scaling (exact in fp64: powers of two)
+    precision: str = "fp64"  # what both runs compute in
+    device: str = "cpu"  # "cuda": one GPU per rank, NCCL
+    tolerances: Tolerances = TOLERANCES["fp64"]
+
+    @property
+    def reference_text(self) -> str:
+        ref = self.reference.recipe.parallel
+        return "one process" if ref.dp == 1 else f"data parallelism dp={ref.dp} ({ref.dp} processes, ZeRO 0)"
 
 
 def _for_checking(recipe: Recipe) -> tuple[Recipe, list[str]]:
@@ -72,24 +84,34 @@ def _grad_accum(recipe: Recipe, pp: int) -> int:
     return ga
 
 
-def plan(recipe: Recipe, steps: int) -> VerifyPlan:
+def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu") -> VerifyPlan:
     """The layout and reference runs for `recipe`; raises RecipeError (before any process) when the recipe is
-    invalid at its own size or `steps` is not positive."""
+    invalid at its own size or `steps` is not positive. `precision` "own": both runs in the recipe's precision
+    and the reference is data-parallel (recipes/verify/precision.py); `device` "cuda": a truncated model at
+    realistic widths, one GPU per rank (own precision)."""
     if steps < 1:
         raise RecipeError(f"--steps {steps} is invalid: it must be a positive number of steps")
+    if precision not in ("fp64", "own") or device not in ("cpu", "cuda"):
+        raise RecipeError(f"precision {precision!r} / device {device!r} is invalid: valid are fp64 or own / cpu or "
+                          "cuda")
+    own = precision == "own" or device == "cuda"
+    run_precision = own_precision(recipe.train.precision, device) if own else "fp64"
     checkable, changed = _for_checking(recipe)
     full = resolve(checkable)  # the recipe's own checks at its real size (arithmetic only)
     cfg, par, train = full.model, recipe.parallel, recipe.train
     deg = _shrunk_degrees(recipe)
     virtual = min(par.virtual_stages, MAX_DEGREE)
     n_layer = max(2, deg["pp"] * virtual)
-    d_model = SHRUNK_HEADS * HEAD_DIM
+    heads, head_dim, vocab, seq = SHRUNK_HEADS, HEAD_DIM, min(cfg.vocab_size, SHRUNK_VOCAB), SHRUNK_SEQ
+    if device == "cuda":  # heads of 64 up to d_model 1024, a multiple of 4 heads (tp x cp <= 4)
+        heads = max(SHRUNK_HEADS, 4 * (min(cfg.d_model, GPU_MAX_D_MODEL) // GPU_HEAD_DIM // 4))
+        head_dim, vocab, seq = GPU_HEAD_DIM, cfg.vocab_size, GPU_SEQ
+    d_model = heads * head_dim
     ratio = cfg.d_ff / cfg.d_model
     d_ff = max(2, 2 * round(d_model * ratio / 2))  # the preset's MLP ratio, even (divisible by tp <= 2)
     ga = _grad_accum(recipe, deg["pp"])
-    model_over = {"n_layer": n_layer, "n_head": SHRUNK_HEADS, "d_model": d_model, "d_ff": d_ff,
-                  "vocab_size": min(cfg.vocab_size, SHRUNK_VOCAB), "n_positions": SHRUNK_SEQ,
-                  "dropout": 0.0, "attn_dropout": 0.0}
+    model_over = {"n_layer": n_layer, "n_head": heads, "d_model": d_model, "d_ff": d_ff,
+                  "vocab_size": vocab, "n_positions": seq, "dropout": 0.0, "attn_dropout": 0.0}
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
     model = replace(checkable.model, from_checkpoint=False, **model_over)
@@ -101,20 +123,22 @@ def plan(recipe: Recipe, steps: int) -> VerifyPlan:
         model=model,
         parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0)),
         train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
-                      seq_len=SHRUNK_SEQ, lr=LR, min_lr=MIN_LR, warmup_steps=1, lr_decay_steps=None,
-                      precision="fp64", eval_every=0, eval_batches=1),
+                      seq_len=seq, lr=LR, min_lr=MIN_LR, warmup_steps=1, lr_decay_steps=None,
+                      precision=run_precision, eval_every=0, eval_batches=1),
         zero=replace(recipe.zero, reduce_bucket_size=min(recipe.zero.reduce_bucket_size, BUCKET_ELEMENTS)),
         optimizer=replace(recipe.optimizer, freeze_step=max(recipe.optimizer.freeze_step, steps)),
         kernels=replace(recipe.kernels, adamw="reference"),
         data=replace(checkable.data, synthetic_tokens=20_000),
         logging=replace(recipe.logging, wandb="off", progress=False),
     )
-    global_micro = MICRO_BATCH * deg["dp"]
+    # fp64: one process holding the global micro-batch; own precision: the layout's dp ranks, plain data
+    # parallelism (the same micro-batches, so the same rounding of each sample's forward and backward)
+    ref_dp, ref_micro = (deg["dp"], MICRO_BATCH) if own else (1, MICRO_BATCH * deg["dp"])
     reference = replace(
         layout,
-        parallel=replace(layout.parallel, dp=1, tp=1, pp=1, cp=1, schedule="1f1b", virtual_stages=1,
-                         partition="uniform"),
-        train=replace(layout.train, micro_batch=global_micro, activation_checkpointing=False),
+        parallel=replace(layout.parallel, dp=ref_dp, tp=1, pp=1, cp=1, schedule="1f1b", virtual_stages=1,
+                         partition="uniform", sequence_parallel=False, node_size=0),
+        train=replace(layout.train, micro_batch=ref_micro, activation_checkpointing=False),
         zero=replace(layout.zero, stage=0, offload="none"),
         optimizer=replace(layout.optimizer, name="adamw"),
     )
@@ -137,19 +161,23 @@ def plan(recipe: Recipe, steps: int) -> VerifyPlan:
     for name, old in before.items():
         if old != getattr(small, name):
             shrunk.append(f"model.{name}: {old} -> {getattr(small, name)}")
-    for name, new in (("seq_len", SHRUNK_SEQ), ("micro_batch", MICRO_BATCH), ("grad_accum", ga)):
+    for name, new in (("seq_len", seq), ("micro_batch", MICRO_BATCH), ("grad_accum", ga)):
         if getattr(train, name) != new:
             shrunk.append(f"train.{name}: {getattr(train, name)} -> {new}")
     changed += [
         f"train.precision: {train.precision!r} -> 'fp64' (layouts agree to ~1e-15; a bug shows by orders of "
-        "magnitude)",
+        "magnitude)" if not own else f"train.precision: {run_precision!r} (the recipe's own on {device}), "
+        "tolerances for it (recipes/verify/precision.py)",
         f"train.lr {LR:g} (min {MIN_LR:g}), 1 warmup step, cosine over the {steps} steps: every parameter moves",
         "model.dropout = attn_dropout = 0 (dropout masks depend on where a sample is computed)",
         "kernels.adamw = 'reference' (the fused CPU AdamW rounds by SIMD lane, i.e. by ZeRO buffer offset)",
     ]
     exercised, not_compared = _features(recipe, layout_res, steps)
+    if own:  # its rounding is what is compared now
+        not_compared = [line for line in not_compared if not line.startswith("train.precision")]
     return VerifyPlan(layout_res, reference_res, exercised, shrunk, changed, not_compared,
-                      loss_scaling=train.precision == "fp16")
+                      loss_scaling=train.precision == "fp16" and not own, precision=run_precision, device=device,
+                      tolerances=TOLERANCES.get(run_precision, TOLERANCES["fp32"]).for_steps(steps, run_precision))
 
 
 def _features(recipe: Recipe, layout: Resolved, steps: int) -> tuple[list[str], list[str]]:
