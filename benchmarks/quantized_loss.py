@@ -7,7 +7,7 @@ the validation loss at the end and their relative difference to the unquantized 
 
 All layouts train side by side in one launch of 4 forked gloo ranks (workers/local.py), fp32, synthetic tokens
 with a learnable successor structure (data/token_dataset.py) so the loss falls well below log(vocab).
-tests/test_quantized_loss.py holds a shorter run of the same function (< 1%, and not equal: quantized).
+tests/parallel/zero/test_quantized_loss.py holds a shorter run of the same function (< 1%, and not equal: quantized).
 """
 
 from __future__ import annotations

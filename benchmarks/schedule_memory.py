@@ -6,7 +6,7 @@ micro-batches at pp 2 and 8 at pp 4) under the dry run's MemoryTracker (parallel
 bytes the step created beyond the model states (activations + backward temporaries) at their highest until the
 schedule has run - the optimizer step after it makes its own temporaries (AdamW's), which the planner counts
 elsewhere. Planner: recipes/planner/dry_run_report.planned(...)["activations"], the walk of the rank's action list
-(recipes/planner/schedule_memory.py). tests/test_schedule_memory.py holds every rank within 10%.
+(recipes/planner/schedule_memory.py). tests/recipes/planner/test_schedule_memory.py holds every rank within 10%.
 
     python benchmarks/schedule_memory.py [--pp 2,4] [--schedules gpipe,1f1b,...]
 """

@@ -17,7 +17,7 @@ elements, against n x (dp - 1) / dp x 2-4 bytes for the flat reduce-scatter (who
 Wire format: int8 on -127..127; int4 on -7..7 packed two per byte (low nibble first, stored as q + 8); one fp32
 (fp64 for fp64 gradients) scale per block; the last block of each chunk zero-padded.
 
-Error bound (derived; tests/test_qgz.py holds it). Per element of the owned chunk, let M_r be the max |x| of the
+Error bound (derived; tests/parallel/zero/test_qgz.py holds it). Per element of the owned chunk, let M_r be the max |x| of the
 quantization block holding it in rank r's bucket and Q = 127 (int8) or 7 (int4). Rounding to nearest on the
 grid M_r / Q errs by at most M_r / (2Q) per sender in step 1, and every dequantized value is at most M_r in size,
 so node a's partial sum is at most sum_{r on a} M_r in size and its requantization in step 2 errs by at most

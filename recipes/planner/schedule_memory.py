@@ -26,7 +26,7 @@ from megazoo.parallel.pipeline.schedules import Action, schedule
 
 # zbv's lists come from a greedy simulation whose cost grows with m^2; its peak is reached within the first
 # few micro-batches per rank (at most 2 pp chunk-micro-batches in flight), so the planner walks a prefix of
-# ZBV_DEPTH pp micro-batches (tests/test_schedule_memory.py: the same peak as the whole list up to 8 pp).
+# ZBV_DEPTH pp micro-batches (tests/recipes/planner/test_schedule_memory.py: the same peak as the whole list up to 8 pp).
 ZBV_DEPTH = 4
 
 

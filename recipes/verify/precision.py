@@ -8,7 +8,7 @@ reference (ZeRO 0, fp32 parameters under autocast) does not round. So the refere
 still obviously right: plain data parallelism over the layout's dp ranks, same micro-batches, same precision,
 AdamW, no model parallelism, no ZeRO; and the tolerance is the precision's, set between what a good layout
 deviates by and what a bug does, measured on CPU (gloo, bf16 autocast, demo_tp2 shrunk): a good tp=2 layout's
-gradient norm deviates by ~1e-3, the injected tp bug of tests/test_verify.py (an input gradient not all-reduced)
+gradient norm deviates by ~1e-3, the injected tp bug of tests/recipes/verify/test_verify.py (an input gradient not all-reduced)
 by 0.145, the bf16 tolerance is 0.02.
 
 Tolerances (loss and validation loss: relative, per step; gradient norm: relative, per step), per precision:

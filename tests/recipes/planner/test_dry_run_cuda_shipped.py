@@ -4,7 +4,7 @@ the formula, the CUDA-only calls listed as stubbed.
 
 Budget: one fresh interpreter (recipes/planner/dry_run_cuda.run_jobs with "also_cpu") runs both dry runs of every
 recipe, so the shim's start-up and the imports are paid once. Each recipe is shrunk where the per-layer figures
-do not change (tests/test_dry_run.py runs the full-size CPU dry runs against the planner):
+do not change (tests/recipes/planner/test_dry_run.py runs the full-size CPU dry runs against the planner):
   * model.n_layer: one block per pipeline (virtual) stage, at least 2 - every block of a recipe is the same
     block, so its bytes, collectives and FLOPs are the same per block at any depth;
   * train.grad_accum: at most max(pp, 1) micro-batches, as the full-size test does for pipelines;
@@ -23,7 +23,7 @@ from megazoo.recipes.config import RecipeError
 from megazoo.recipes.planner.dry_run import load
 from megazoo.recipes.planner.dry_run_cuda import run_jobs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = sorted(p.stem for p in (REPO / "recipes").glob("*.toml"))
 
 

@@ -2,7 +2,7 @@
 data-parallel reference in the same precision, held to that precision's tolerances (recipes/verify/precision.py).
 
 On the CPU the same code path runs in bf16 (gloo, autocast): a good tp layout passes the bf16 tolerances while
-deviating far beyond fp64's (it really is compared in bf16), and the injected tp bug of tests/test_verify.py
+deviating far beyond fp64's (it really is compared in bf16), and the injected tp bug of tests/recipes/verify/test_verify.py
 fails them. `--device cuda` without CUDA is refused before any process starts; the GPU runs themselves are
 marked cuda / cuda_multi (skipped here: no GPU)."""
 
@@ -40,7 +40,7 @@ def test_bf16_tp_layout_passes_the_bf16_tolerances_and_is_really_bf16(tmp_path, 
 
 
 class _NoInputGradReduce(torch.autograd.Function):
-    """The injected bug (as tests/test_verify.py): a column-parallel input gradient not all-reduced over tp."""
+    """The injected bug (as tests/recipes/verify/test_verify.py): a column-parallel input gradient not all-reduced over tp."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -6,7 +6,7 @@ On CPU Triton runs only interpreted (TRITON_INTERPRET=1, set below before the ke
 compiled block here runs with backend "aot_eager": Dynamo captures the graph and AOTAutograd derives the backward
 through the ops' registered formulas, each Triton op one node that runs the interpreted kernel; Inductor cannot
 generate a Triton kernel for CPU tensors. Numerical parity of each kernel with its reference is
-tests/test_kernels.py's.
+tests/kernels/test_kernels.py's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The loss bound of qgZ (and hpZ + qwZ + qgZ) on a short run: benchmarks/quantized_loss.py's function at dp 4 =
 2 nodes x 2, a smaller gpt2-tiny (2 layers x 64) for 30 steps, fp32. qgZ int4 alone and with hpZ + qwZ (int8
-errs less; its bound is held in tests/test_qgz.py): the final loss stays within 1% of the unquantized ZeRO-3
+errs less; its bound is held in tests/parallel/zero/test_qgz.py): the final loss stays within 1% of the unquantized ZeRO-3
 run and differs from it (the quantization really ran); the masters stay fp32. The 300-step measurement is the
 benchmark's (README, ZeRO across nodes)."""
 
