@@ -37,7 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 PAIR = netns.VethPair(("mzz0", "mzz1"), ("mzz-veth0", "mzz-veth1"), "10.231.78")
 NODES, PER_NODE = 2, 2
 RESULT_TAG = "THROTTLED_ZERO_RESULT "
-ZERO_ONE = {"name": "zero_one_adam", "freeze_step": 1, "var_freeze_step": 2, "local_step_scaler": 1,
+# 0/1 Adam: AdamW for steps 0-1, variance frozen from step 3, local steps from there (sync every 1, 2, 4 steps, at
+# most 4 apart), so every timed step is in that phase. freeze_step 1 / var_freeze_step 2 (benchmarks/compressed.py's
+# network settings) diverged on this model (loss 9 -> 31 at step 3); these keep it near AdamW's (measured, 12 steps)
+ZERO_ONE = {"name": "zero_one_adam", "freeze_step": 2, "var_freeze_step": 3, "local_step_scaler": 1,
             "local_step_clipper": 4}
 # name -> (zero section, optimizer section); the first is the baseline the ratios divide by.
 LAYOUTS: dict[str, tuple[dict, dict]] = {
@@ -48,8 +51,6 @@ LAYOUTS: dict[str, tuple[dict, dict]] = {
     "hpz+qwz+qgz": ({"stage": 3, "hpz": True, "quantized_weights": True, "quantized_gradients": "int4"}, {}),
     "onebit-zero0": ({"stage": 0}, {"name": "onebit_adam", "freeze_step": 2}),
     "onebit-zero1": ({"stage": 1}, {"name": "onebit_adam", "freeze_step": 2}),
-    # 0/1 Adam: variance frozen from step 2, then local steps (sync every 1, 2, 4 steps, at most 4 apart), as
-    # benchmarks/compressed.py's network part; the timed steps are all in that phase
     "zeroone-zero0": ({"stage": 0}, ZERO_ONE),
     "zeroone-zero1": ({"stage": 1}, ZERO_ONE),
 }

@@ -140,7 +140,7 @@ def _train_layouts():
                                ("int8-2", {"stage": 2}, False), ("qgz-hpz-3", {"stage": 3, "hpz": True}, True)]:
         quantized = "int8" if name.startswith(("qgz", "int8")) else "none"
         res = resolve(tiny_recipe(parallel={"dp": 4, "node_size": 2}, zero={**zero, "quantized_gradients": quantized},
-                                  train={"steps": 3, "micro_batch": 1, "grad_accum": 2}))
+                                  train={"steps": 2, "micro_batch": 1, "grad_accum": 2}))
         trainer = Trainer(res, topo)
         if bypass:  # the same hierarchical all-to-alls, unquantized values on the wire
             trainer.zero.reducer.hierarchical.bits = "none"

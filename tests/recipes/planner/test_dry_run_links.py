@@ -39,7 +39,7 @@ def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding, quantized):
                          quantized_gradients=quantized.get("quantized_gradients", "none"))
     # Buckets are padded to a multiple of dp (< dp elements each) and the gradient norm adds 2 numbers: 0.1%;
     # quantized chunks are padded to whole blocks of 256 (the tiny model's chunks are a few thousand elements)
-    rel = 3e-2 if quantized else 1e-3
+    rel = 1e-2 if quantized else 1e-3  # measured: at most 0.54% (hpZ + qwZ + qgZ, inter)
     assert measured.get("inter", 0.0) == pytest.approx(planned.inter, rel=rel)
     assert measured.get("intra", 0.0) == pytest.approx(planned.intra, rel=rel)
     if quantized:  # the quantized collectives did run, and cut the cross-node bytes
