@@ -5,7 +5,7 @@ memory, dp communication per step beside the ZeRO paper's volume, FLOPs beside t
 
 Each recipe runs `megazoo plan --recipe R --dry-run`'s code (recipes/planner/dry_run.py) in this process, one role
 after another, and prints one markdown table (the README's "Dry run at the real size" table is this output for
-tnlg-17b and gpt-1t). GB = 1e9 bytes. `python benchmarks/dry_run.py --json benchmarks/dry_run_results.json`
+tnlg-17b and gpt-1t). GB = 1e9 bytes. `python benchmarks/dry_run.py --json recipes/reproduce/dry_run_results.json`
 records what `megazoo reproduce claims` shows as measured.
 
 The two pipeline recipes run pp micro-batches per step instead of all they train with

@@ -7,7 +7,7 @@ where they change a verdict; recipes/planner/shards.py: per-shard parameter coun
 recipes where one exists (recipes/tnlg-17b.toml, gpt-100b.toml, gpt-1t.toml, read as `megazoo plan --recipe`
 reads them). Published figures are quoted with their source; where our reading of a source is from memory it says
 so. Nothing here runs a model: the numbers are exact for the planner's formulas. Where a dry run of the recipe
-has been recorded (`python benchmarks/dry_run.py --json benchmarks/dry_run_results.json`, kept in the repository:
+has been recorded (`python benchmarks/dry_run.py --json recipes/reproduce/dry_run_results.json`, shipped in the package:
 the real training step at the full world size on fake tensors, recipes/planner/dry_run.py), its measured peak, dp bytes
 and FLOPs per role are shown beside the planner's, each column saying whether it is measured or computed.
 """
@@ -15,6 +15,7 @@ and FLOPs per role are shown beside the planner's, each column saying whether it
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from megazoo.models.presets import presets
 from megazoo.models.layout import divisors
@@ -24,9 +25,10 @@ from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch
 from megazoo.recipes.planner.gpus import GPUS
 from megazoo.recipes.planner.flops import model_flops_per_token
 from megazoo.recipes.planner.fit_cli import planned_recipe
-from megazoo.recipes.reproduce.common import REPO, Report, figure, table
+from megazoo.recipes.reproduce.common import Report, figure, table
 
-DRY_RUN_JSON = REPO / "benchmarks" / "dry_run_results.json"  # benchmarks/dry_run.py --json (measured)
+DRY_RUN_JSON = Path(__file__).with_name("dry_run_results.json")  # benchmarks/dry_run.py --json (measured),
+# package data: an installed megazoo shows it without a checkout
 V100 = GPUS["v100-32gb"]  # 32 GB, 125 TFLOP/s fp16, DGX-2: 16 per node on NVSwitch
 SRC_TNLG = ("Microsoft Research blog, \"Turing-NLG: A 17-billion-parameter language model by Microsoft\" (Rosset, "
             "Feb. 2020): with ZeRO, model parallelism 16 -> 4 and 4x the batch size per node")
@@ -187,7 +189,7 @@ def dry_run_section(rep: Report) -> None:
     import json
     if not DRY_RUN_JSON.is_file():
         rep.add("## Measured by the dry run", f"Not recorded: every figure above is computed. Record with `python "
-                f"benchmarks/dry_run.py --json {DRY_RUN_JSON.relative_to(REPO)}`.")
+                f"benchmarks/dry_run.py --json recipes/reproduce/{DRY_RUN_JSON.name}`.")
         return
     rows = []
     for r in json.loads(DRY_RUN_JSON.read_text()):
@@ -196,7 +198,7 @@ def dry_run_section(rep: Report) -> None:
                          f"{role['measured_peak_bytes'] / GB:.2f}", f"{role['planned_peak_bytes'] / GB:.2f}",
                          f"{role['dp_ring_bytes'] / GB:.2f}", f"{role['paper_dp_comm_bytes'] / GB:.2f}",
                          f"{role['flops'] / 1e15:.2f}", f"{role['formula_flops'] / 1e15:.2f}"])
-    rep.add("## Measured by the dry run", f"From {DRY_RUN_JSON.relative_to(REPO)} (benchmarks/dry_run.py): the "
+    rep.add("## Measured by the dry run", f"From recipes/reproduce/{DRY_RUN_JSON.name} (benchmarks/dry_run.py): the "
             "real training step per pipeline role at the recipe's full world size on fake tensors. GB = 1e9 bytes.",
             table(["recipe", "ranks", "role", "peak GB (measured)", "peak GB (computed, planner)",
                    "dp GB/step (measured)", "dp GB/step (computed, ZeRO paper)", "PFLOP (measured)",

@@ -8,9 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]  # recipes/reproduce/ sits two folders below a megazoo checkout
-
-
 class ReproduceError(Exception):
     """Bad input to a reproduction (a missing weights dir, a malformed --weights): exit 2 with the message."""
 

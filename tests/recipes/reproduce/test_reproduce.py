@@ -37,8 +37,8 @@ def test_claims(tmp_path):
     assert round(data["gpt100b"]["paper"]["2"] / 1e9, 1) == 25.3
     for source in ("Turing-NLG", "Rajbhandari et al. 2020", "Extreme-scale model training", "DeepSpeed README"):
         assert source in md
-    # the recorded dry runs (benchmarks/dry_run_results.json, in the repository) are shown as measured
-    assert "From benchmarks/dry_run_results.json" in md and "peak GB (measured)" in md
+    # the recorded dry runs (recipes/reproduce/dry_run_results.json, package data) are shown as measured
+    assert "From recipes/reproduce/dry_run_results.json" in md and "peak GB (measured)" in md
     assert {row[0] for row in data["dry_run"]} >= {"tnlg-17b", "gpt-100b", "gpt-1t"}
 
 
