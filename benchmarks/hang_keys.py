@@ -2,6 +2,7 @@
 and parallel.check_collectives (torch's DETAIL wrapper: a fingerprint all-gather before every collective).
 
     python -m benchmarks.hang_keys [--rounds 3] [--steps 6] [--layouts tp2 dp2] [--entries 2000]
+    python -m benchmarks.hang_keys --micro [--calls 2000]   # microseconds per bare all-reduce (1 KiB)
 
 Both keys act when the process groups are created, so every setting is its own job (forked gloo ranks through
 workers/local.py's run_distributed, the real Trainer); the settings run interleaved, round after round, so a
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from megazoo.parallel.topology import Topology
@@ -61,6 +63,19 @@ def worker(layout: str, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
+def micro_worker(calls: int) -> tuple[float, float]:
+    """Seconds per all-reduce of 256 floats (wall, CPU): the keys' cost per collective, without a model."""
+    x = torch.ones(256)
+    for _ in range(50):
+        dist.all_reduce(x)
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        dist.all_reduce(x)
+    dist.barrier()
+    return (time.perf_counter() - start) / calls, (time.process_time() - cpu) / calls
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -68,26 +83,35 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--entries", type=int, default=2000, help="flight recorder ring size when on")
+    p.add_argument("--micro", action="store_true", help="bare all-reduces instead of training steps")
+    p.add_argument("--calls", type=int, default=2000)
     args = p.parse_args(argv)
+    if args.micro:
+        args.layouts = ["allreduce-1KiB"]
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for round_ in range(args.rounds):
         for layout in args.layouts:
             for setting in args.settings:
                 entries, check = SETTINGS[setting]
-                wall, cpu = run_distributed(worker, 2, layout, args.steps, check_collectives=check,
+                work, work_args = (micro_worker, (args.calls,)) if args.micro else (worker, (layout, args.steps))
+                wall, cpu = run_distributed(work, 2, *work_args, check_collectives=check,
                                             flight_recorder=args.entries if entries is None else entries)[0]
                 times.setdefault((layout, setting), []).append((wall, cpu))
-                print(f"round {round_ + 1} {layout} {setting}: {wall * 1000:.1f} ms/step wall, {cpu * 1000:.1f} "
-                      "ms/step CPU", flush=True)
-    print(f"\n2 gloo ranks, fp32, {args.steps} steps per job after {WARMUP} warm-up, {args.rounds} interleaved "
-          f"rounds; median ms per step (rank 0), ratio to 'off' (flight recorder ring {args.entries} entries)\n")
+                unit = "call" if args.micro else "step"
+                print(f"round {round_ + 1} {layout} {setting}: {wall * 1000:.3f} ms/{unit} wall, {cpu * 1000:.3f} "
+                      f"ms/{unit} CPU", flush=True)
+    what = (f"{args.calls} all-reduces of 256 floats per job; median ms per call" if args.micro else
+            f"{args.steps} steps per job after {WARMUP} warm-up; median ms per step")
+    print(f"\n2 gloo ranks, fp32, {what} (rank 0), {args.rounds} interleaved rounds, ratio to 'off' (flight "
+          f"recorder ring {args.entries} entries)\n")
     print("| layout | measure | " + " | ".join(args.settings) + " |")
     print("|---|---|" + "---:|" * len(args.settings))
     for layout in args.layouts:
         for index, measure in enumerate(("wall", "CPU")):
             med = {s: statistics.median(t[index] for t in times[(layout, s)]) for s in args.settings}
             base = med.get("off")
-            cells = [f"{med[s] * 1000:.1f}" + (f" ({med[s] / base:.3f}x)" if base else "") for s in args.settings]
+            cells = [f"{med[s] * 1000:.{3 if args.micro else 1}f}" + (f" ({med[s] / base:.3f}x)" if base else "")
+                     for s in args.settings]
             print(f"| {layout} | {measure} | " + " | ".join(cells) + " |")
     return 0
 

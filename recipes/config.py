@@ -66,12 +66,12 @@ class ParallelSection:
     timeout_s: float = 600.0  # every collective; a dead or diverged rank ends the job instead of hanging it
     # Every collective first compares its fingerprint (op, sequence number, shapes, dtypes) across ranks (torch's
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper): a mismatched collective ends the job at once, naming both ranks and
-    # calls, instead of after timeout_s. One small extra collective per collective (parallel/collective_check.py).
+    # calls, instead of after timeout_s. An extra collective per collective: off, +50% CPU per tp=2 step here.
     check_collectives: bool = False
-    # Entries of torch's per-rank ring of recent collectives (its flight recorder, gloo and NCCL; 0: off). On a
-    # collective timeout each rank writes its ring to run.dir/.progress/ and the error names every rank's last
-    # collective (op, sequence number, group, shapes): parallel/flight_recorder.py.
-    flight_recorder: int = 0
+    # Entries of torch's per-rank ring of recent collectives (flight recorder, gloo and NCCL; 0: off; no measurable
+    # cost: benchmarks/hang_keys.py). On a collective timeout or SIGUSR1 every rank writes its ring to
+    # run.dir/.progress/ and each rank's last collective (op, seq, group, shapes) is named: parallel/flight_recorder.py
+    flight_recorder: int = 2000
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)

@@ -4,7 +4,8 @@
 loop itself is recipes/training/trainer.py. This module reads the launcher's RANK / WORLD_SIZE, builds the Topology,
 restores a checkpoint when asked, handles SIGTERM / SIGINT (preemption: finish the step, save, stop; exit status
 128 + signal) and SIGUSR1 (every rank writes its ring of recent collectives to run.dir/.progress, rank 0 prints
-which rank waits in which call: parallel/flight_recorder.py), holds run.dir's lock when no `megazoo train` launcher does, and prints the run's summary on rank 0.
+which rank waits in which call: parallel/flight_recorder.py), holds run.dir's lock when no `megazoo train`
+launcher does, and prints the run's summary on rank 0.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ item 11): every rank records where it is (recipes/training/progress.py); the ran
 
 from __future__ import annotations
 
+import re
+
 import torch.distributed as dist
 from jobs import write_recipe
 
@@ -75,3 +77,7 @@ def test_a_stalled_rank_is_named_with_what_it_was_doing(tmp_path):
         in out.stderr, out.stderr[-3000:]
     assert "ranks that did not arrive: 1" in out.stderr
     assert "rank 1 (host " in out.stderr and "is in step 2, loading batches" in out.stderr
+    # parallel.flight_recorder is on by default: the rings are written and every rank's last collective named
+    # (rank 1 sleeps in Python, outside any collective: its ring comes only on a signal, test_ring_dump_signal.py)
+    assert "Last collectives (rings in " in out.stderr, out.stderr[-3000:]
+    assert re.search(r"rank 0 (waits )?in \w+ #\d+ on dp \(", out.stderr), out.stderr[-3000:]
