@@ -169,10 +169,9 @@ class CheckpointSection:
     load_optimizer: bool = True  # false: weights only, from step 0 (fine-tuning)
     resume: bool = False  # continue from the latest good checkpoint in run.dir (megazoo train --resume)
     allow_batch_change: bool = False  # resume even if train.micro_batch / seq_len / the global batch changed
-    # Every rank re-reads the files it wrote (from the storage, not the page cache) and checks their sha256 against
-    # the bytes it meant to write, before the oldest checkpoint is rotated away; a mismatch keeps the older ones,
-    # keeps the new one aside as bad-step_N and stops the run. false: skip the re-read (the damage is then found
-    # when the checkpoint is loaded). Cost: benchmarks/checkpoint_verify.py.
+    # Every rank re-reads what it wrote (from the storage) against the sha256 of what it meant to write, before the
+    # oldest checkpoint is rotated away; a mismatch keeps the older ones, sets the new one aside as bad-step_N and
+    # stops the run. false: skip it (damage is found at load). Cost: benchmarks/checkpoint_verify.py.
     verify_on_save: bool = True
     # true: the saving step returns once the state is copied to host memory; a background thread writes, verifies
     # and publishes it with the same guarantees (parallel/checkpoint/async_save.py). The next save, the end of

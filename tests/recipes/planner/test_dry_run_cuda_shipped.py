@@ -80,7 +80,7 @@ def test_shipped_recipe_on_fake_cuda_matches_its_cpu_dry_run(reports, name):
         assert fake["collectives"] == host["collectives"], name
         assert fake["dp_ring_bytes"] == host["dp_ring_bytes"]
         # The same work: FLOPs within 2% of the CPU dry run's (their agreement with the formula is
-        # tests/test_dry_run.py's; the formula does not model LoRA's frozen weights, sft-demo counts 72% of it).
+        # tests/recipes/planner/test_dry_run.py's; the formula does not model LoRA's frozen weights, sft-demo counts 72% of it).
         assert abs(fake["flops"] - host["flops"]) <= 0.02 * host["flops"]
         # Peaks: `auto` is not the same kernel set on both devices - on CUDA the cross-entropy is Triton, which
         # keeps three fp32 numbers per row; on the CPU it is torch's chunked one, whose fp32 chunk of the logits
