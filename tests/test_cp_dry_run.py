@@ -105,3 +105,10 @@ def test_a_failing_role_names_itself_and_the_error(tmp_path, monkeypatch, capsys
     assert plan_main(["--recipe", str(path), "--dry-run", "--gpu-memory", "80"]) == 1
     err = capsys.readouterr().err
     assert "dry run of rank 0" in err and "ValueError: a fake-tensor op failed" in err
+
+
+def test_flops_formula_counts_this_cp_ranks_tokens(tmp_path):
+    res = load(_cp_recipe(tmp_path, "all_to_all"))
+    rep = report(res, [run_role(res, r) for r in roles(res)], 80, 0.0)
+    (row,) = rep["roles"]
+    assert abs(row["flops"] - row["formula_flops"]) <= 0.10 * row["formula_flops"], row

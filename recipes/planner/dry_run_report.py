@@ -66,7 +66,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
 
 
 def formula_flops(res: Resolved, pp_stage: int) -> float:
-    """6 x this tp rank's matmul parameters of the stage x its tokens + 12 L s d / tp attention per token
+    """6 x this tp rank's matmul parameters of the stage x its tokens (seq_len / cp of each sequence) + 12 L s d / tp
+    attention per token (s: the whole sequence, which every query of a causal cp chunk sees on average)
     (recipes/planner/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
     layers = [i for v in range(pp_stage, len(res.stage_layers), par.pp) for i in res.stage_layers[v]]
@@ -74,7 +75,7 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
     blocks = sum(p.local_numel(par.tp) for p in params if p.name.endswith(".weight") and ".ln_" not in p.name)
     head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
-    tokens = t.micro_batch * t.grad_accum * t.seq_len
+    tokens = t.micro_batch * t.grad_accum * t.seq_len // par.cp  # cp: this rank's chunks of every sequence
     attention = 12.0 * len(layers) * t.seq_len * cfg.d_model / par.tp
     # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: without dropout after
     # it, the block's last matmul (mlp.c_proj, whose output nothing saves) is not run again.
@@ -174,7 +175,8 @@ def to_text(res: Resolved, rep: dict) -> str:
                          f"{col['bytes'] / GB:.4f} GB")
         if par.cp > 1:
             lines.append(f"  cp attention bytes sent ({par.cp_attention}): {_gb(row['cp_attention_bytes'])} GB")
-        lines.append(f"  {'dp' if par.cp == 1 else 'dp x cp'} ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
+        grads = "dp" if par.cp == 1 else "dp x cp"
+        lines.append(f"  {grads} ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
                      f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
         for link, nbytes in sorted(row.get("link_bytes", {}).items()):  # with parallel.node_size
             want = row["planned_link_bytes"].get(link, 0.0)
