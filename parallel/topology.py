@@ -173,6 +173,12 @@ class Topology:
                          sequence_parallel=layout.sequence_parallel,
                          node_size=layout.node_size if node_size is None else node_size)
 
+    @staticmethod
+    def rank_at(layout, *, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank `of(layout)` places at mesh coordinate (pp, dp, cp, tp): init_device_mesh numbers
+        the (pp, dp, cp, tp) grid row-major, tp innermost (the dry run picks its roles' ranks with it)."""
+        return ((pp * layout.dp + dp) * layout.cp + cp) * layout.tp + tp
+
     @classmethod
     def build(cls, dp: int, tp: int = 1, pp: int = 1, device: str | torch.device | None = None, *, cp: int = 1,
               cp_attention: str = "all_to_all", sequence_parallel: bool = False,
@@ -223,7 +229,7 @@ class Topology:
         if dp > 1 and cp > 1:  # gradients are averaged over dp x cp (cp ranks hold the same parameters)
             for p in range(pp):
                 for t in range(tp):
-                    created = dist.new_group([int(r) for r in grid[p, :, :, t].flatten()])
+                    created = dist.new_group([int(r) for r in grid[p, :, :, t].flatten()], group_desc="dp_cp")
                     if (p, t) == (pp_rank, tp_rank):
                         dp_cp_group = created
         dp_group = group("dp", dp)

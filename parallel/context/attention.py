@@ -115,19 +115,22 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, :, i0:i1] = new
             if t < cp - 1:
                 k_cur, v_cur = ring.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        # Saved: the output as returned (in q's dtype, the very tensor the output projection keeps, so no second
+        # copy: FlashAttention's choice too) and the fp32 log-sum-exp; backward's rowsum(dO * O) reads it.
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.tile = group, tile
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp, rank = group_size(group), group_rank(group)
-        dtype, n, scale = out.dtype, q.shape[2], 1.0 / math.sqrt(q.shape[-1])
+        dtype, n, scale = lse.dtype, q.shape[2], 1.0 / math.sqrt(q.shape[-1])
         tiles, q_pos = _tiles(n, ctx.tile), _position_list(n, cp, rank)
         qd, do = q.to(dtype), grad.to(dtype)
-        delta = (do * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction, (b, h, n)
+        delta = (do * out.to(dtype)).sum(-1)  # rowsum(dO * O): the softmax backward's correction, (b, h, n)
         dq = torch.zeros_like(qd)
         kv_ring, dkv_ring = RingExchange(group, tag=2), RingExchange(group, tag=3)
         k_cur, v_cur = k, v

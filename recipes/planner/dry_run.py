@@ -157,18 +157,22 @@ def stated_gpu(path: str | Path) -> str | None:
     return None
 
 
-def _global_rank(res: Resolved, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-    par = res.recipe.parallel
-    return (pp_rank * par.dp + dp_rank) * par.tp + tp_rank  # mesh ("pp", "dp", "tp"), tp innermost
+def _global_rank(res: Resolved, pp_rank: int, dp_rank: int = 0, cp_rank: int = 0, tp_rank: int = 0) -> int:
+    """The global rank at mesh coordinate (pp, dp, cp, tp), as Topology.of lays the recipe's [parallel] out."""
+    return Topology.rank_at(res.recipe.parallel, pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
 
 
 def roles(res: Resolved) -> list[Role]:
     """The first stage, the last stage and one middle stage (pp > 2): the middle stage with the most blocks,
-    the earliest among equals, which under 1F1B also keeps the most micro-batches in flight (pp - stage)."""
+    the earliest among equals, which under 1F1B also keeps the most micro-batches in flight (pp - stage).
+    Each role runs at dp, cp and tp rank 0 and stands for its stages' ranks at every (dp, cp, tp): cp ranks hold
+    the same parameters and two load-balanced chunks of s / (2 cp) tokens each (parallel/context), so equal
+    activations, and send equal ring / all-to-all bytes."""
     par = res.recipe.parallel
-    stage_ranks = lambda s: tuple(_global_rank(res, s, d, t) for d in range(par.dp) for t in range(par.tp))  # noqa
+    stage_ranks = lambda s: tuple(_global_rank(res, s, d, c, t) for d in range(par.dp)  # noqa: E731
+                                  for c in range(par.cp) for t in range(par.tp))
     if par.pp == 1:
-        return [Role(0, 0, stage_ranks(0), "every rank: equal dp partitions and tp shards")]
+        return [Role(0, 0, stage_ranks(0), "every rank: equal dp partitions, cp chunks and tp shards")]
     from megazoo.parallel.pipeline.partition import rank_chunks
     from megazoo.parallel.pipeline.schedules import placement
 
@@ -185,7 +189,7 @@ def roles(res: Resolved) -> list[Role]:
                         f"under 1F1B, the most micro-batches in flight of them"))
     out.append(Role(_global_rank(res, par.pp - 1), par.pp - 1, stage_ranks(par.pp - 1),
                     "the bottom of the V: two middle stages, the turn handed over in memory" if v
-                    else "last stage: final LayerNorm, head and loss"))
+                    else "last stage: final norm, head and loss"))
     return out
 
 
@@ -245,6 +249,10 @@ def fake_cuda_kernels(res: Resolved) -> tuple[Resolved, list[str]]:
     return replace(res, recipe=replace(res.recipe, kernels=replace(kernels, **fields))), [note]
 
 
+class RoleFailed(RuntimeError):
+    """One role's fake step raised: the message names the role, the cause is chained."""
+
+
 def run_role(res: Resolved, role: Role, device: str = "cpu") -> RoleResult:
     """One role's whole training step in a fake world of the recipe's size, on fake `device` tensors ("cuda":
     only in a process with the fake CUDA shim, recipes/planner/dry_run_cuda.py)."""
@@ -255,12 +263,15 @@ def run_role(res: Resolved, role: Role, device: str = "cpu") -> RoleResult:
     res, _ = gpu_kernels(res)  # the kernels that keep what the GPU's keep
     if device == "cuda":
         res, _ = fake_cuda_kernels(res)
-    with fake_process_group(role.rank, par.dp * par.tp * par.pp):
-        topo = Topology.build(par.dp, par.tp, par.pp, device=device, sequence_parallel=par.sequence_parallel,
-                              node_size=par.node_size)
-        with fake_tensors():
-            measured = measure_step(lambda: Trainer(res, topo, shaped_data(res)),
-                                    offload=res.recipe.zero.offload == "cpu", placeholders=True)
+    try:
+        with fake_process_group(role.rank, res.world_size):
+            topo = Topology.of(par, device)  # the mapping `megazoo train` uses: (pp, dp, cp, tp)
+            with fake_tensors():
+                measured = measure_step(lambda: Trainer(res, topo, shaped_data(res)),
+                                        offload=res.recipe.zero.offload == "cpu", placeholders=True)
+    except Exception as err:  # say which role failed and how, then let the error through
+        raise RoleFailed(f"dry run of rank {role.rank} (pipeline stage {role.pp_stage}, {role.why}) failed: "
+                         f"{type(err).__name__}: {err}") from err
     return RoleResult(role, measured, time.perf_counter() - start)
 
 

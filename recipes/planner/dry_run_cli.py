@@ -1,6 +1,6 @@
 """`megazoo plan --recipe R --dry-run [--device cuda]`: the flags, the run (in this process on the CPU, or on fake
 CUDA in a fresh interpreter: recipes/planner/dry_run_cuda.py), the report (recipes/planner/dry_run_report.py) and
-the exit status: 0 fits, 3 does not, 2 bad flags, 1 the step itself failed on fake CUDA.
+the exit status: 0 fits, 3 does not, 2 bad flags, 1 the step itself failed (a role's error is printed).
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def run(args) -> int:
             print(f"megazoo plan: the training step failed on fake CUDA: {rep['error']}", file=sys.stderr)
             return EXIT_STEP_FAILED
     else:
-        rep = report(res, dry_run(res), gb, 0.0)
+        from megazoo.recipes.planner.dry_run import RoleFailed
+        try:
+            results = dry_run(res)
+        except RoleFailed as err:  # the step raised in this process: name the role and the error, exit 1
+            print(f"megazoo plan: {err}", file=sys.stderr)
+            return EXIT_STEP_FAILED
+        rep = report(res, results, gb, 0.0)
     rep["seconds"] = time.perf_counter() - start
     if args.json == "-":
         print(json.dumps(rep, indent=2))

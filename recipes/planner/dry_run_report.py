@@ -49,10 +49,11 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     buffers = BufferConfig(layout.bucket, layout.bucket)
     buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
                         persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
-    comm = communication_volume(st.numel, layout.dp, layout.zero, state, grad_accum=layout.grad_accum)
+    grad_ranks = layout.dp * layout.cp  # gradients are reduced (and ZeRO partitions) over dp x cp
+    comm = communication_volume(st.numel, grad_ranks, layout.zero, state, grad_accum=layout.grad_accum)
     out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
-           "buffers": buf, "dp_comm_bytes": comm.bytes if layout.dp > 1 else 0.0, "psi": st.numel}
+           "buffers": buf, "dp_comm_bytes": comm.bytes if grad_ranks > 1 else 0.0, "psi": st.numel}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
         root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
@@ -65,7 +66,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
 
 
 def formula_flops(res: Resolved, pp_stage: int) -> float:
-    """6 x this tp rank's matmul parameters of the stage x its tokens + 12 L s d / tp attention per token
+    """6 x this tp rank's matmul parameters of the stage x its tokens (seq_len / cp of each sequence) + 12 L s d / tp
+    attention per token (s: the whole sequence, which every query of a causal cp chunk sees on average)
     (recipes/planner/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
     held = rank_chunks(res.stage_layers, par.pp, pp_stage, placement(par.schedule))  # its virtual stages
@@ -74,7 +76,7 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
     blocks = sum(p.local_numel(par.tp) for p in params if p.name.endswith(".weight") and ".ln_" not in p.name)
     head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
-    tokens = t.micro_batch * t.grad_accum * t.seq_len
+    tokens = t.micro_batch * t.grad_accum * t.seq_len // par.cp  # cp: this rank's chunks of every sequence
     attention = 12.0 * len(layers) * t.seq_len * cfg.d_model / par.tp
     # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: without dropout after
     # it, the block's last matmul (mlp.c_proj, whose output nothing saves) is not run again.
@@ -86,14 +88,24 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     return tokens * (6.0 * (blocks + head) + attention + recompute)
 
 
-def dp_ring_bytes(result: RoleResult, dp: int, world: int) -> float:
-    """Bytes this rank sends on its dp group in the step, as ring collectives move them. DeviceMesh names the
-    group "mesh_dp"; when dp is the whole world it hands out the default group instead."""
+def dp_ring_bytes(result: RoleResult, dp: int, world: int, cp: int = 1) -> float:
+    """Bytes this rank sends on its gradient group (dp x cp ranks) in the step, as ring collectives move them.
+    DeviceMesh names the dp group "mesh_dp" (the cp group "mesh_cp" when dp = 1), Topology the dp x cp group
+    "dp_cp"; when the group is the whole world DeviceMesh hands out the default group instead."""
+    n = dp * cp
+    names = ("mesh_dp",) if cp == 1 else ("mesh_cp",) if dp == 1 else ("dp_cp",)
     total = 0.0
     for (op, desc), (_, nbytes) in result.measured.by_group.items():
-        if (desc.startswith("mesh_dp") or desc == "default_pg" and dp == world) and op in RING:
-            total += nbytes * RING[op](dp)
+        if (desc.startswith(names) or desc == "default_pg" and n == world) and op in RING:
+            total += nbytes * RING[op](n)
     return total
+
+
+def cp_attention_bytes(result: RoleResult) -> float:
+    """Bytes this rank sends for attention across the cp split in the step: ring attention's K / V and dK / dV
+    blocks (send), or Ulysses' all-to-all of q, k, v and the output (and their gradients)."""
+    return float(sum(nbytes for (op, desc), (_, nbytes) in result.measured.by_group.items()
+                     if desc.startswith("mesh_cp") and op in ("send", "all_to_all", "all_to_all_single")))
 
 
 def rel(measured: float, planned_value: float) -> float | None:
@@ -103,7 +115,7 @@ def rel(measured: float, planned_value: float) -> float | None:
 def role_dict(res: Resolved, r: RoleResult) -> dict:
     plan = planned(res, r.role.pp_stage)
     m, par = r.measured, res.recipe.parallel
-    world = par.dp * par.tp * par.pp
+    world = res.world_size
     return {"rank": r.role.rank, "pp_stage": r.role.pp_stage, "ranks": list(r.role.ranks), "why": r.role.why,
             "measured_peak_bytes": m.peak["total"], "planned_peak_bytes": plan["total"],
             "relative_difference": rel(m.peak["total"], plan["total"]),
@@ -111,7 +123,7 @@ def role_dict(res: Resolved, r: RoleResult) -> dict:
             "planned_by_category": {k: plan[k] for k in ("params", "grads", "optimizer", "activations", "buffers")},
             "collectives": m.collectives, "by_group": [[op, desc, count, nbytes] for (op, desc), (count, nbytes)
                                                        in sorted(m.by_group.items())],
-            "dp_ring_bytes": dp_ring_bytes(r, res.recipe.parallel.dp, world),
+            "dp_ring_bytes": dp_ring_bytes(r, par.dp, world, par.cp), "cp_attention_bytes": cp_attention_bytes(r),
             "paper_dp_comm_bytes": plan["dp_comm_bytes"], "link_bytes": m.link_bytes,
             "planned_link_bytes": plan.get("link_bytes", {}), "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
                 res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
@@ -120,8 +132,7 @@ def role_dict(res: Resolved, r: RoleResult) -> dict:
 def report(res: Resolved, results: list[RoleResult], capacity_gb: float, seconds: float) -> dict:
     rows = [role_dict(res, r) for r in results]
     fits = all(row["measured_peak_bytes"] <= capacity_gb * GB for row in rows)
-    par = res.recipe.parallel
-    return {"world_size": par.dp * par.tp * par.pp, "fits": fits, "gpu_memory_gb": capacity_gb, "roles": rows,
+    return {"world_size": res.world_size, "fits": fits, "gpu_memory_gb": capacity_gb, "roles": rows,
             "seconds": seconds, "notes": gpu_kernels(res)[1]}
 
 
@@ -135,7 +146,8 @@ def _pct(x: float | None) -> str:
 
 def to_text(res: Resolved, rep: dict) -> str:
     par, t = res.recipe.parallel, res.recipe.train
-    lines = [f"Dry run: {res.model.name}, dp={par.dp} x tp={par.tp} x pp={par.pp} = {rep['world_size']} ranks, "
+    lines = [f"Dry run: {res.model.name}, dp={par.dp} x tp={par.tp} x pp={par.pp}"
+             f"{f' x cp={par.cp} ({par.cp_attention})' if par.cp > 1 else ''} = {rep['world_size']} ranks, "
              f"ZeRO-{res.recipe.zero.stage}{' + CPU offload' if res.recipe.zero.offload == 'cpu' else ''}, "
              f"{t.precision}, micro-batch {t.micro_batch} x grad_accum {t.grad_accum}, seq {t.seq_len}: one "
              f"training step per role on fake tensors and a fake process group ({rep['seconds']:.1f} s)",
@@ -161,7 +173,10 @@ def to_text(res: Resolved, rep: dict) -> str:
         for col in row["collectives"]:
             lines.append(f"    {col['op']:>14} over {col['group_size']:>3}: {col['count']:>6} x, "
                          f"{col['bytes'] / GB:.4f} GB")
-        lines.append(f"  dp ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
+        if par.cp > 1:
+            lines.append(f"  cp attention bytes sent ({par.cp_attention}): {_gb(row['cp_attention_bytes'])} GB")
+        grads = "dp" if par.cp == 1 else "dp x cp"
+        lines.append(f"  {grads} ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
                      f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
         for link, nbytes in sorted(row.get("link_bytes", {}).items()):  # with parallel.node_size
             want = row["planned_link_bytes"].get(link, 0.0)

@@ -48,7 +48,9 @@ def test_every_zoo_recipe_is_listed():
                                                       "long-context.toml",  # tests/parallel/context/test_context_model.py
                                                       "llama-demo.toml",  # tests/recipes/training/test_llama_demo.py
                                                       "sft-demo.toml",  # tests/recipes/training/test_sft_demo.py
-                                                      "llama-8b-lora.toml", "llama-8b-full-ft.toml"}  # test_lora_planner
+                                                      "llama-8b-lora.toml", "llama-8b-full-ft.toml",  # test_lora_planner
+                                                      "llama3.1-405b.toml", "llama3.1-405b-128k.toml",
+                                                      "llama-70b-full-ft.toml"}  # tests/recipes/test_llama_recipes.py
     assert zoo == set(ZOO)
 
 
