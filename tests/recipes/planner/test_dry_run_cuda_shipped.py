@@ -52,8 +52,13 @@ def reports():
     jobs = [{"recipe": str(REPO / "recipes" / f"{n}.toml"), "sets": shrunk(n), "gpu_memory_gb": 80,
              "also_cpu": True} for n in SHIPPED]
     out = dict(zip(SHIPPED, run_jobs(jobs)))
-    for name, rep in out.items():  # the CI cost per recipe (shown with -s)
-        print(f"{name}: {rep.get('process_seconds', 0):.1f} s CPU for both dry runs")
+    for name, rep in out.items():  # the per-recipe table and its CI cost (shown with -s)
+        if "error" in rep:
+            continue
+        peak = lambda r: max(role["measured_peak_bytes"] for role in r["roles"]) / 1e6  # noqa: E731
+        print(f"{name}: peak fake CUDA {peak(rep):,.1f} MB, CPU {peak(rep['cpu']):,.1f} MB "
+              f"({peak(rep) / peak(rep['cpu']):.3f}); dp bytes {sum(r['dp_ring_bytes'] for r in rep['roles']):,.0f}; "
+              f"{rep.get('process_seconds', 0):.1f} s CPU for both dry runs")
     return out
 
 
