@@ -3,6 +3,8 @@ tmp folder), and the whole-size check of a shipped recipe against the planner.""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megazoo.recipes.planner.dry_run import load, pipeline_depth_overrides, roles, run_role
@@ -70,3 +72,20 @@ def check_whole_dry_run(name: str, sets: list[str] | None, gpu_gb: float) -> Non
             assert abs(row["dp_ring_bytes"] - factor * row["paper_dp_comm_bytes"]) <= \
                 0.02 * factor * row["paper_dp_comm_bytes"], row
     assert torch.distributed.is_initialized() is False  # the fake world is gone again
+
+
+@contextlib.contextmanager
+def cpu_tensor_in_the_mlp():
+    """A device bug: the MLP adds a bias made on the CPU (as `torch.zeros(d)` without device= would be)."""
+    from megazoo.models.mlp import MLP
+
+    forward = MLP.forward
+
+    def buggy(self, x):
+        return forward(self, x) + torch.zeros(x.shape[-1])
+
+    MLP.forward = buggy
+    try:
+        yield
+    finally:
+        MLP.forward = forward

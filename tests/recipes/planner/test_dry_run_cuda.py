@@ -9,17 +9,14 @@ CUDA and passes unseen on the CPU. The shim's refusals name their reason.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 
 from megazoo.parallel import fake_cuda
 from megazoo.parallel.fake_cuda import FakeCudaUnavailable, check_torch
 from megazoo.recipes.planner.dry_run import load, roles, run_role
 from megazoo.recipes.planner.dry_run_cuda import run_jobs
 from megazoo.recipes.planner.dry_run_report import report
-from dry_run_helpers import tiny_dry_recipe
+from dry_run_helpers import cpu_tensor_in_the_mlp, tiny_dry_recipe
 
 CONFIGS = {  # name -> _recipe keyword arguments
     "dp2-zero0-bf16": dict(stage=0, precision="bf16"),
@@ -31,24 +28,8 @@ CONFIGS = {  # name -> _recipe keyword arguments
     "tp2-zero1-bf16": dict(dp=1, tp=2, stage=1, precision="bf16"),
     "pp2-zero1-bf16": dict(dp=1, pp=2, stage=1, precision="bf16"),
 }
-INJECTED = "tests.test_dry_run_cuda:cpu_tensor_in_the_mlp"
-
-
-@contextlib.contextmanager
-def cpu_tensor_in_the_mlp():
-    """A device bug: the MLP adds a bias made on the CPU (as `torch.zeros(d)` without device= would be)."""
-    from megazoo.models.mlp import MLP
-
-    forward = MLP.forward
-
-    def buggy(self, x):
-        return forward(self, x) + torch.zeros(x.shape[-1])
-
-    MLP.forward = buggy
-    try:
-        yield
-    finally:
-        MLP.forward = forward
+# The child process imports the planted bug by "module:function" (from the repository root, tests/ as a namespace)
+INJECTED = "tests.dry_run_helpers:cpu_tensor_in_the_mlp"
 
 
 def _path(tmp_path, name):
