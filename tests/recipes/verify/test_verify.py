@@ -12,9 +12,9 @@ import json
 
 import pytest
 import torch
+from verify_helpers import plant_tp_input_grad_bug
 import torch.distributed as dist
 
-from megazoo.parallel.tensor import sequence
 from megazoo.recipes import cli
 from megazoo.recipes.training import trainer as trainer_module
 from megazoo.recipes.verify import compare
@@ -57,22 +57,8 @@ def test_output_names_features_and_shrunk_degrees(capsys):
         assert line in text, line
 
 
-class _NoInputGradReduce(torch.autograd.Function):
-    """The injected bug: a column-parallel layer's input gradient is not all-reduced over tp in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def test_injected_tp_bug_fails_naming_the_quantity(monkeypatch, tmp_path, capsys):
-    # the column-parallel layers and the tied head enter the tp region through parallel/tensor/sequence.py
-    monkeypatch.setattr(sequence, "copy_to_tp_region",
-                        lambda x, group: x if group is None else _NoInputGradReduce.apply(x, group))
+    plant_tp_input_grad_bug(monkeypatch)
     out_json = tmp_path / "verify.json"
     assert cli.main(["verify", "demo_tp2", "--steps", "2", "--json", str(out_json)]) == 1
     text = capsys.readouterr().out

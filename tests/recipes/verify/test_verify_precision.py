@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
+from verify_helpers import plant_tp_input_grad_bug
 
-from megazoo.parallel.tensor import sequence
 from megazoo.recipes import cli
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import load_recipe
@@ -39,21 +39,8 @@ def test_bf16_tp_layout_passes_the_bf16_tolerances_and_is_really_bf16(tmp_path, 
     assert "within bf16's tolerances" in capsys.readouterr().out
 
 
-class _NoInputGradReduce(torch.autograd.Function):
-    """The injected bug (as tests/recipes/verify/test_verify.py): a column-parallel input gradient not all-reduced over tp."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def test_injected_tp_bug_fails_the_bf16_tolerances(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(sequence, "copy_to_tp_region",
-                        lambda x, group: x if group is None else _NoInputGradReduce.apply(x, group))
+    plant_tp_input_grad_bug(monkeypatch)
     out = tmp_path / "v.json"
     assert cli.main([*BF16_TP2, "--json", str(out)]) == 1
     norm = _record(out)["gradient norm (before clipping)"]
