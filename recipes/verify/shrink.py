@@ -75,6 +75,13 @@ def _shrunk_degrees(recipe: Recipe) -> dict[str, int]:
     return {name: min(getattr(par, name), MAX_DEGREE) for name in ("dp", "tp", "pp", "cp")}
 
 
+def _shrunk_node_size(node_size: int, deg: dict[str, int]) -> int:
+    """A recipe that states its node size runs as two "nodes" when the shrunk world allows (so HSDP and hpZ still
+    cross a node boundary), else one; 0 (the launcher's local world size) stays 0."""
+    world = deg["dp"] * deg["tp"] * deg["pp"] * deg["cp"]
+    return 0 if not node_size else world // 2 if world >= 4 and world % 2 == 0 else world
+
+
 def _grad_accum(recipe: Recipe, pp: int) -> int:
     """Micro-batches per step: up to 2 per pipeline stage (so 1F1B reaches its steady state); a multiple of pp
     for the interleaved schedule."""
@@ -112,6 +119,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     ga = _grad_accum(recipe, deg["pp"])
     model_over = {"n_layer": n_layer, "n_head": heads, "d_model": d_model, "d_ff": d_ff,
                   "vocab_size": vocab, "n_positions": seq, "dropout": 0.0, "attn_dropout": 0.0}
+    if cfg.n_kv_head < cfg.n_head:  # grouped-query attention stays grouped: 2 heads per kv head (1 for MQA),
+        model_over["n_kv_head"] = 1 if cfg.n_kv_head == 1 else heads // 2  # split over tp <= 2 as in the recipe
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
     model = replace(checkable.model, from_checkpoint=False, **model_over)
@@ -121,7 +130,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     layout = replace(
         checkable,
         model=model,
-        parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0)),
+        parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0),
+                         node_size=_shrunk_node_size(par.node_size, deg)),
         train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
                       seq_len=seq, lr=LR, min_lr=MIN_LR, warmup_steps=1, lr_decay_steps=None,
                       precision=run_precision, eval_every=0, eval_batches=1),

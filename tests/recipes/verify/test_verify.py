@@ -12,12 +12,15 @@ import json
 
 import pytest
 import torch
-from verify_helpers import plant_tp_input_grad_bug
 import torch.distributed as dist
+from verify_helpers import plant_tp_input_grad_bug
 
 from megazoo.recipes import cli
 from megazoo.recipes.training import trainer as trainer_module
+from megazoo.recipes.catalog import find_recipe
+from megazoo.recipes.config import load_recipe
 from megazoo.recipes.verify import compare
+from megazoo.recipes.verify.shrink import plan
 
 PASSING = {
     "demo": ["demo"],
@@ -123,3 +126,12 @@ def test_injected_mismatched_collective_is_named(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "FAIL: the layout did not run: collectives diverged: " in err
     assert "rank 1 in broadcast" in err and "rank 0 in " in err
+
+
+@pytest.mark.parametrize("name", ["llama3.1-405b", "llama-70b-full-ft"])
+def test_grouped_query_recipes_shrink_and_stay_grouped(name):
+    """Llama 3's 128 (405B) / 64 (70B) query heads share 8 kv heads: the shrunk model keeps attention grouped
+    (2 query heads per kv head, split over tp) instead of failing with "n_kv_head = 8 does not divide n_head = 4"."""
+    layout = plan(load_recipe(find_recipe(name)), steps=2).layout
+    assert layout.model.n_kv_head < layout.model.n_head and layout.model.n_head % layout.model.n_kv_head == 0
+    assert layout.model.n_kv_head % layout.recipe.parallel.tp == 0
