@@ -25,7 +25,10 @@ from megazoo.recipes.planner.dry_run import load
 from megazoo.recipes.planner.dry_run_cuda import run_jobs
 
 REPO = Path(__file__).resolve().parents[3]
-SHIPPED = sorted(p.stem for p in (REPO / "recipes").glob("*.toml"))
+# The two 405B recipes (16,384 ranks, 16 stages) ran 57 s and 93 s alone here, but their fake-CUDA run made this
+# file's fixture take 32 minutes inside a loaded two-worker suite: they are dry-run by hand, not in CI.
+BY_HAND = {"llama3.1-405b", "llama3.1-405b-128k"}
+SHIPPED = sorted(p.stem for p in (REPO / "recipes").glob("*.toml") if p.stem not in BY_HAND)
 
 
 def shrunk(name: str) -> list[str]:
