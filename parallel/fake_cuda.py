@@ -69,13 +69,15 @@ def build_shim(cache_dir: Path | None = None) -> Path:
                                   "first use; install g++ (Debian: apt-get install g++)")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + f"{torch.__version__} {abi}".encode()).hexdigest()[:16]
+    root = _torch_dir()
+    # The shim finds libc10.so through its RUNPATH, which names this torch's folder: a shim built for another
+    # virtualenv (since deleted, or another checkout's) must not be reused, so the folder is part of the key.
+    key = hashlib.sha256(source + f"{torch.__version__} {abi} {root.resolve()}".encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out = cache / f"fake_cuda-{torch.__version__}-{key}.so"
     if out.is_file():
         return out
     cache.mkdir(parents=True, exist_ok=True)
-    root = _torch_dir()
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [compiler, "-O1", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            "-I", str(root / "include"), str(SOURCE), "-L", str(root / "lib"), "-lc10", "-ltorch_cpu",

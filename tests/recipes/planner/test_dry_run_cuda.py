@@ -9,6 +9,9 @@ CUDA and passes unseen on the CPU. The shim's refusals name their reason.
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from megazoo.parallel import fake_cuda
@@ -135,3 +138,25 @@ def test_cli_device_cuda_refusal_exits_2_with_the_reason(tmp_path, monkeypatch, 
     path = tiny_dry_recipe(tmp_path, stage=1)
     assert plan_main(["--recipe", str(path), "--dry-run", "--gpu-memory", "32", "--device", "cuda"]) == 2
     assert "--device cuda: g++ is not on PATH" in capsys.readouterr().err
+
+
+def test_a_shim_built_for_another_torch_folder_is_not_reused(monkeypatch, tmp_path):
+    # CI once loaded a cached shim whose RUNPATH named a deleted virtualenv's torch/lib ("libc10.so: cannot open").
+    built = []
+
+    def fake_gxx(cmd, **kwargs):
+        out = Path(cmd[cmd.index("-o") + 1])
+        out.write_text(next(arg for arg in cmd if arg.startswith("-Wl,-rpath,")))
+        built.append(out)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fake_cuda.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setattr(fake_cuda.subprocess, "run", fake_gxx)
+    shims = {}
+    for venv in ("venv-a", "venv-b", "venv-a"):
+        monkeypatch.setattr(fake_cuda, "_torch_dir", lambda venv=venv: tmp_path / venv / "torch")
+        shims.setdefault(venv, set()).add(fake_cuda.build_shim(tmp_path / "cache"))
+    assert len(built) == 2  # venv-a's second call is a cache hit
+    assert len(shims["venv-a"]) == 1 and shims["venv-a"] != shims["venv-b"]
+    for venv, (shim,) in shims.items():
+        assert shim.read_text() == f"-Wl,-rpath,{tmp_path / venv / 'torch' / 'lib'}"
