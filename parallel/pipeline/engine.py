@@ -94,7 +94,7 @@ class PipelineEngine:
                  activation_dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  placement: str = "loop", recomputing: bool = False):
         self.chunks, self.topo, self.placement = chunks, topo, placement
-        self.recomputing = recomputing  # activation checkpointing: how a split backward's W runs (split_backward)
+        self.recomputing = recomputing  # activation checkpointing: a split backward keeps the graph (split_backward)
         self.v = len(chunks)
         self.stages = topo.pp * self.v
         self.hidden, self.dtype, self.loss_fn = hidden_size, activation_dtype, loss_fn
@@ -173,7 +173,7 @@ class PipelineEngine:
                     tick = self.stats.start()
                     dx, pending[(micro, chunk)] = backward_input(root, grad, x, logits, self.recomputing)
                     self.stats.stop(tick, busy=True, kind="B")
-                    saved[(micro, chunk)] = (None, None, None)  # still live (counted): W's graph holds what it needs
+                    saved[(micro, chunk)] = (None, None, None)  # still live (counted): the store holds what W needs
                 else:
                     if before_backward is not None:
                         before_backward(k == last_backward)

@@ -38,14 +38,15 @@ Pipeline: what a rank holds at its peak comes from walking its schedule's own ac
 micro-batches in flight (stage 0 holds pp, the paper's sec. 4.2.3); GPipe every micro-batch; the interleaved
 schedule pp (1 + (pp - 1) / (pp v)) on stage 0 (the paper's factor); ZB-H1 pp on every rank, ZBV and DualPipeV
 their two half chunks as the lists hold them. A non-last stage also keeps its output until its backward (s b h,
-r bytes). Zero-bubble schedules split the backward (parallel/pipeline/split_backward.py): from B to W a
-micro-batch keeps its graph and the d output of every weight node, what W starts from - per block the outputs of
-the two norms (r bytes), of QKV (3 h / t; grouped-query: an upper bound), of the attention and MLP output
-projections (h each) and of the MLP's input matmul (d_ff / t, SwiGLU 2 d_ff / t), e bytes; on the last stage d
-logits and the final norm's d output, without the logits and the loss's copy, which B frees. The first stage's
-W is its whole backward: it keeps the gradient that arrived. During a backward one block's gradient temporaries
-(the MLP's, mlp_elements h / t, e bytes) and on the last stage d logits come on top (`workspace_bytes`). The
-planner takes the stage with the most memory.
+r bytes). Zero-bubble schedules split the backward (parallel/pipeline/split_backward.py): B releases the graph
+and a micro-batch keeps, until its W, only what its weight gradients need - every linear's input and output
+gradient (per block x: 2 h + h / t + d_ff / t, dY: 3 h / t (grouped-query: an upper bound) + 2 h + the MLP
+input matmul's mlp_elements / 2 h / t, e bytes; under sequence parallelism QKV's and fc1's parameter-sized dW
+instead of their x and dY); on the last stage the head's weight gradient (V/t h, e bytes; at very few tokens
+its input and d logits, when smaller: split_backward's choice). The first stage's W is its whole
+backward, and under activation checkpointing W re-traverses the graph: both keep the graph and the gradient
+that arrived. During a backward one block's gradient temporaries (the MLP's, mlp_elements h / t, e bytes) and
+on the last stage d logits come on top (`workspace_bytes`). The planner takes the stage with the most memory.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class ActivationSpec:
     weight_copies: bool = False  # autocast of fp32 parameters: every matmul keeps its weight's 16-bit cast
     mlp_elements: float = 8.0  # MLP activations per token, in units of h (GELU: 2 d_ff / h; SwiGLU: 4 d_ff / h)
     block_weights: float = 12.0  # matmul weight elements of one block, in units of h^2 (weight_copies)
+    mlp_hidden: float = 4.0  # d_ff / h: the MLP output projection's input per token, in units of h
 
     @property
     def residual(self) -> int:
@@ -89,7 +91,7 @@ class ActivationSpec:
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
-                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h))
+                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -138,12 +140,19 @@ def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: in
 
 def weight_gradient_inputs(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
                            sequence_parallel: bool = False) -> float:
-    """Bytes one block keeps from its split backward's B to its W beyond its saved activations: the d output of
-    every weight node (split_backward.py), each W's dY beside the graph's x. Norm outputs r bytes (s / tp long
-    under sequence parallelism), QKV 3 h / t, the attention and MLP output projections h each, the MLP's input
-    matmul mlp_elements / 2 h / t (GELU d_ff, SwiGLU [gate; up] 2 d_ff), e bytes."""
-    e, split = spec.element_bytes, t if sequence_parallel else 1
-    return s * b * h * (2 * spec.residual / split + 2 * e + (3 + spec.mlp_elements / 2) * e / t)
+    """Bytes one block keeps from its split backward's B to its W: split_backward.py's store, each linear's
+    input x and output gradient dY (e bytes; the norms' and biases' d-sized gradients are left out). QKV: x h,
+    dY 3 h / t; attention projection: x h / t, dY h; MLP input matmul: x h, dY mlp_elements / 2 h / t (GELU
+    d_ff, SwiGLU [gate; up] 2 d_ff); MLP output projection: x d_ff / t, dY h. Under sequence parallelism QKV
+    and the MLP input matmul gather their input inside their own backward (parallel/tensor/sequence.py), so the
+    store keeps their parameter-sized weight gradients instead (in the parameters' dtype)."""
+    e = spec.element_bytes
+    fc_out = spec.mlp_elements / 2  # (GELU: d_ff / h; SwiGLU: 2 d_ff / h)
+    rows = (h / t + h) + (spec.mlp_hidden * h / t + h)  # the two row-parallel projections: x and dY
+    if not sequence_parallel:
+        return s * b * e * (rows + (h + 3 * h / t) + (h + fc_out * h / t))
+    grad_bytes = 4 if spec.weight_copies else e
+    return s * b * e * rows + grad_bytes * (3 + fc_out) * h * h / t
 
 
 @dataclass(frozen=True)
@@ -213,8 +222,13 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             after_b = forward - loss + d_logits if last else forward + grad_in
         elif first:  # no input gradient: B is empty and W the whole backward, from the kept gradient
             after_b = forward + grad_in
-        else:
-            after_b = forward - out + n * d_block + ((d_logits + spec.residual * sbh / split - loss) if last else 0)
+        else:  # B released the graph: the store's x and dY per linear; the head's weight gradient, or its
+            # input and d logits where those are smaller (an untied head under sequence parallelism gathers
+            # inside its backward: always its weight gradient, fp32 under autocast)
+            head = min(d_logits + e * sbh, e * vocab / tp * h)
+            if sequence_parallel and not cfg.tie_embeddings:
+                head = (4 if spec.weight_copies else e) * vocab / tp * h
+            after_b = n * d_block + (head if last else 0.0)
         workspace = (spec.mlp_elements * e * sbh / tp if n else 0.0) + (e * s * b * (vocab / tp + h) if last else 0)
         return ChunkBytes(forward, after_b, workspace), extra + out
 

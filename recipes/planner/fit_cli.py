@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
           + ("; checkpointing keeps r s b h per layer (r: the residual stream's bytes, 4 under ZeRO-0's autocast "
              "of fp32 parameters) + one layer recomputed" if layout.checkpointing else "")
           + "; in flight: walked on each rank's action list of the schedule (recipes/planner/schedule_memory.py; 1F1B: "
-            "stage i holds pp - i), zero-bubble schedules holding graph + weight nodes' d outputs from B to W")
+            "stage i holds pp - i), zero-bubble schedules holding each linear's input and output gradient from B to W")
     return EXIT_FITS if mem.fits else EXIT_DOES_NOT_FIT
 
 

@@ -6,9 +6,9 @@ planner replays the rank's list, the same list the engine runs, adding up what e
     F   + the chunk's forward bytes: its blocks' saved activations, the embedding / head extras and the stage's
           output (the engine keeps it until the backward starts from it)
     B   unsplit (no W follows): - the forward bytes (the whole backward frees the graph);
-        split: the graph stays for W (split_backward.py: B frees nothing but the stage output and the loss's
-          logits) and + what W starts from: the d output of every weight node - the inputs of the weight
-          gradients (a matmul's dW = x^T dY: x is in the graph, dY is kept), (b, s, 11 h) per GPT block
+        split: - the forward bytes, + what W needs (split_backward.py's store: B releases the graph and keeps
+          each linear's x and dY, (b, s, 16 h) per GPT block at tp 1, and the head's weight gradient; the first
+          stage and checkpointed stages keep their graph and the arriving gradient instead)
     W   - what the split B left
 
 During each B the chunk's backward workspace (one block's gradient temporaries, the loss's d logits) comes on top

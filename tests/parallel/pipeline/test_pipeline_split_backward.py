@@ -44,7 +44,9 @@ def _compare(module: torch.nn.Module, make_input, make_root, loss: bool = False,
     root, grad = make_root(out)
     dx, pending = backward_input(root, grad, x if x.requires_grad else None, out if loss else None, recomputing)
     if x.requires_grad and not recomputing:
-        assert pending.nodes, "per-weight-node W expected"
+        assert pending.root is None, "B kept the graph: the store should hold what W needs"
+        assert pending.matmuls or not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                                          for m in module.modules()), "no linear's dW was deferred"
     assert all(p.grad is None for p in module.parameters()), "B accumulated a weight gradient"
     if want_dx is not None:
         torch.testing.assert_close(dx, want_dx, rtol=0, atol=1e-10)
@@ -135,7 +137,7 @@ def test_hooks_fire_in_w_once_per_parameter():
     assert fired == []
     backward_weight(pending, list(model.parameters()))
     assert sorted(fired) == sorted(name for name, _ in model.named_parameters())
-    assert pending.root is None  # the graph is released with W
+    assert not pending.groups  # the store is empty after W
 
 
 def test_w_runs_only_the_weight_gradient_flops():
@@ -180,3 +182,47 @@ def _tp_work(checkpointing: bool):
 def test_tensor_parallel_stages_split_exactly(checkpointing):
     results = run_distributed(_tp_work, 2, checkpointing)
     assert len(results) == 2 and all(min(counts) >= 1 for counts in results)
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["middle-stage", "last-stage-head"])
+def test_b_releases_the_graph_and_the_store_holds_each_linears_x_and_dy(last):
+    """After B nothing the forward saved is alive but what the store keeps: per linear its input X and output
+    gradient dY (tokens x in, tokens x out), the norms' and biases' gradients (parameter-shaped); on the last
+    stage the head's X and d logits. The whole graph's saved activations are gone."""
+    import gc
+    import weakref
+
+    model = _stage(Topology.solo(), first=False, last=last)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        saved.append(weakref.ref(t))
+        return t
+
+    x = _activation((2, 16, CFG.d_model))()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    root, grad = (_loss(model) if last else _output_grad)(out)
+    graph_bytes = sum(t.untyped_storage().nbytes() for t in {r().untyped_storage().data_ptr(): r() for r in saved
+                      if r() is not None and r().untyped_storage().data_ptr() not in params}.values())
+    _, pending = backward_input(root, grad, x, out if last else None)
+    del out, root, grad
+    gc.collect()
+    kept = {t.untyped_storage().data_ptr() for t in pending.held_tensors()} | params | {x.untyped_storage().data_ptr()}
+    alive = [r() for r in saved if r() is not None]
+    assert all(t.untyped_storage().data_ptr() in kept for t in alive), "B left graph tensors alive"
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    tokens = 2 * 16
+    want = {(tokens * m.weight.shape[1], tokens * m.weight.shape[0]) for m in linears}
+    assert {(m.x.numel(), m.dy.numel()) for m in pending.matmuls} == want
+    assert len(pending.matmuls) == len(linears)
+    # norm weights and biases: parameter-shaped; the tied head's weight gradient (d x V: W^T's), computed in B
+    # because it is smaller than its x and d logits (tokens x (d + V)): no d logits wait for W
+    assert sorted(g.dim() for g in pending.grads) == [1] * (len(pending.grads) - last) + [2] * last
+    if last:
+        assert [g.shape for g in pending.grads if g.dim() == 2] == [(CFG.d_model, model.vocab_padded)]
+    store = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                                       for t in pending.held_tensors()}.values())
+    d_outputs = sum(m.dy.numel() * m.dy.element_size() for m in pending.matmuls)
+    assert store < graph_bytes + d_outputs, (store, graph_bytes)  # what keeping the graph held (and more)
