@@ -184,6 +184,24 @@ def test_tensor_parallel_stages_split_exactly(checkpointing):
     assert len(results) == 2 and all(min(counts) >= 1 for counts in results)
 
 
+def _sequence_parallel_work():
+    """Sequence parallelism: QKV and fc1 gather their input inside their own backward (eager edges, their weight
+    gradients computed in B), the row-parallel projections are stashed, the norms' gradients all-reduced in W."""
+    topo = Topology.build(dp=1, tp=2, sequence_parallel=True)
+    counts = []
+    for first, last in ((False, False), (False, True)):
+        model = _stage(topo, first=first, last=last)
+        counts.append(_compare(model, _activation((2, 8, CFG.d_model)), _loss(model) if last else _output_grad,
+                               loss=last))
+    torch.distributed.barrier()
+    return counts
+
+
+def test_sequence_parallel_stages_split_exactly():
+    results = run_distributed(_sequence_parallel_work, 2)
+    assert len(results) == 2 and all(min(counts) > 10 for counts in results)
+
+
 @pytest.mark.parametrize("last", [False, True], ids=["middle-stage", "last-stage-head"])
 def test_b_releases_the_graph_and_the_store_holds_each_linears_x_and_dy(last):
     """After B nothing the forward saved is alive but what the store keeps: per linear its input X and output
