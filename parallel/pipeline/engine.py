@@ -5,7 +5,8 @@ Forward of (micro-batch i, chunk c) on virtual stage s = c * pp + rank: take the
 stage, compute the loss. Backward of (i, c): take d loss / d output from stage s + 1 (the last stage starts
 from its loss), backpropagate through the chunk, hand d loss / d input to stage s - 1. Which transfers go out
 together, and when, is p2p.py's plan (paired send/receive batches, deadlock-free under NCCL's rules). Each
-forward's saved activations are dropped by its backward (its W when split).
+forward's saved activations are dropped by its backward (split: by B; split_backward.py's store keeps what W
+needs).
 
 The engine also measures what the pipeline costs: compute time vs wall time per step (the bubble) and the most
 micro-batches whose activations were alive at once on this rank.
