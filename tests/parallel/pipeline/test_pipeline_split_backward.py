@@ -244,3 +244,33 @@ def test_b_releases_the_graph_and_the_store_holds_each_linears_x_and_dy(last):
                                                        for t in pending.held_tensors()}.values())
     d_outputs = sum(m.dy.numel() * m.dy.element_size() for m in pending.matmuls)
     assert store < graph_bytes + d_outputs, (store, graph_bytes)  # what keeping the graph held (and more)
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["middle-stage", "last-stage-head"])
+def test_bf16_autocast_split_equals_unsplit(last):
+    """Under autocast the stashed matmuls read 16-bit casts of the weights: W's gradient flows back through the
+    cast into the fp32 parameter, and B + W give the unsplit backward's gradients bit for bit."""
+    model = GPT(CFG, Topology.solo(), layers=range(2, 4), with_embedding=False, with_head=last)
+    init_weights(model, seed=11)
+    model.train()
+    targets = _ids(seed=3)()
+
+    def run(split: bool):
+        model.zero_grad(set_to_none=True)
+        x = _activation((2, 16, CFG.d_model))().float().detach().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+            root = model.loss(out, targets) if last else out
+        grad = None if last else torch.ones_like(out)
+        if not split:
+            torch.autograd.backward(root, grad)
+            return x.grad, _grads(model)
+        dx, pending = backward_input(root, grad, x, out if last else None)
+        assert pending.root is None and pending.matmuls
+        backward_weight(pending, list(model.parameters()))
+        return dx, _grads(model)
+
+    (want_dx, want), (got_dx, got) = run(False), run(True)
+    assert torch.equal(got_dx, want_dx)
+    for name in want:
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
