@@ -123,15 +123,17 @@ class _GatheredLinears(torch.autograd.Function):
         dx, out = None, []
         for i, (w, g) in enumerate(zip(weights, grads)):
             g = g.to(w.dtype)
-            if ctx.needs_input_grad[0]:
-                dx = g.matmul(w) if dx is None else dx + g.matmul(w)
             g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:  # summed over the outputs in place: no second (b s, d) buffer
+                dx = g2.mm(w) if dx is None else dx.addmm_(g2, w)
             dw = g2.t().mm(flat).to(ctx.param_dtypes[2 * i]) if ctx.needs_input_grad[3 + 2 * i] else None
             db = g2.sum(0).to(ctx.param_dtypes[2 * i + 1]) \
                 if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] else None
             out += [dw, db]
+        shape = (*full.shape[:-1], x.shape[-1])
+        del full, flat  # the gathered input is not needed for the reduce-scatter
         if dx is not None:
-            dx = _reduce_scatter(dx, ctx.group, x.dtype)  # summed in x's dtype (fp32 under autocast)
+            dx = _reduce_scatter(dx.view(shape), ctx.group, x.dtype)  # summed in x's dtype (fp32 under autocast)
         return (dx, None, None, *out)
 
 
