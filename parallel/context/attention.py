@@ -162,7 +162,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, til
         return _dense_causal(q, k, v)  # one rank: the whole sequence is here
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs a local sequence of two equal chunks, got length {q.shape[2]}")
-    return _RingAttention.apply(q, k, v, group, tile)
+    return _RingAttention.apply(q, k, v, group, _tile_for(q, tile))
+
+
+FAKE_TILES_PER_RANK = 8
+
+
+def _tile_for(q: torch.Tensor, tile: int) -> int:
+    """The tile, or under fake tensors (the dry run: recipes/planner/dry_run.py) one of at most
+    FAKE_TILES_PER_RANK per rank: the tile loop runs in Python, ~10 ops per tile pair under four dispatch modes,
+    and 128-row tiles of long-context.toml's 4,096 local rows are ~4K tile pairs per layer (hours a step). The
+    same ops run on larger tiles; their O(tile^2) temporaries are counted as they are, an upper bound of the
+    real tiles' (at 4,096 rows: 512-row tiles, fp32 scores of (b, h, 512, 512))."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return max(tile, q.shape[2] // FAKE_TILES_PER_RANK) if is_fake(q) else tile
 
 
 def _dense_causal(q, k, v):

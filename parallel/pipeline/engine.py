@@ -178,6 +178,9 @@ class PipelineEngine:
                 else:
                     if before_backward is not None:
                         before_backward(k == last_backward)
+                    # The unsplit backward starts from the loss: the logits (b, s, V / tp) need not stay alive
+                    # through the blocks' backward (the loss's graph keeps what its own backward reads).
+                    logits = None
                     tick = self.stats.start()
                     torch.autograd.backward(root, grad)
                     self.stats.stop(tick, busy=True, kind="B")

@@ -40,33 +40,43 @@ def _split(x: torch.Tensor, group) -> torch.Tensor:
     if x.shape[SEQUENCE_DIM] % size:
         raise ValueError(f"sequence length {x.shape[SEQUENCE_DIM]} is not divisible by the tensor-parallel size "
                          f"{size}: parallel.sequence_parallel needs sequences (per cp rank) in multiples of tp")
-    return x.chunk(size, dim=SEQUENCE_DIM)[group_rank(group)].contiguous()
+    # A copy, never a view: at micro-batch 1 the (1, s/tp, d) piece of a (1, s, d) tensor is contiguous, and a
+    # view (what .contiguous() returns then) would keep the whole (b, s, d) storage alive for as long as the shard
+    # lives - on the first pipeline stage the embedding's full output, for every micro-batch in flight.
+    return x.chunk(size, dim=SEQUENCE_DIM)[group_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _gather(x: torch.Tensor, group, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(b, s/tp, d) on every rank -> (b, s, d) in `dtype` (default x's). The flat all-gather stacks the ranks'
-    pieces along dim 0; one copy lays them end to end along the sequence and casts at the same time (no second
-    full-size buffer)."""
+    """(b, s/tp, d) on every rank -> (b, s, d) in `dtype` (default x's). The shard is cast before the gather (the
+    same values: a cast is elementwise), so only the gathered bytes of the matmuls' dtype are ever allocated. The
+    flat all-gather stacks the ranks' pieces along dim 0; at b = 1 that is already the (1, s, d) layout (returned
+    as a view: no second full-size buffer), otherwise one copy lays them end to end along the sequence."""
     size = group_size(group)
+    x = x if dtype is None else x.to(dtype)
     b, n = x.shape[0], x.shape[SEQUENCE_DIM]
-    stacked = all_gather_stacked(x, group, size)  # (size, b, s/size, ...)
-    out = torch.empty((b, size * n, *x.shape[2:]), dtype=dtype or x.dtype, device=x.device)
-    out.view(b, size, n, *x.shape[2:]).copy_(stacked.transpose(0, 1))
-    return out
+    stacked = all_gather_stacked(x, group, size).transpose(0, 1)  # (b, size, s/size, ...)
+    if stacked.is_contiguous():
+        return stacked.reshape(b, size * n, *x.shape[2:])
+    return stacked.reshape(b, size * n, *x.shape[2:]).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(b, s, d) partial sums on every rank -> this rank's (b, s/tp, d) of their sum, reduced in `dtype`
-    (default x's). The flat reduce-scatter splits along dim 0: one copy brings the sequence pieces there, casting."""
+    (default x's). The flat reduce-scatter splits along dim 0: one copy brings the sequence pieces there, casting;
+    at b = 1 in x's own dtype the pieces already lie along dim 0 and x is reduced as it is (no full-size copy)."""
     size = group_size(group)
     if x.shape[SEQUENCE_DIM] % size:
         raise ValueError(f"sequence length {x.shape[SEQUENCE_DIM]} is not divisible by the tensor-parallel size "
                          f"{size}: parallel.sequence_parallel needs sequences (per cp rank) in multiples of tp")
     b, n = x.shape[0], x.shape[SEQUENCE_DIM] // size
-    pieces = torch.empty((size, b, n, *x.shape[2:]), dtype=dtype or x.dtype, device=x.device)
-    pieces.copy_(x.unflatten(SEQUENCE_DIM, (size, n)).transpose(0, 1))
+    moved = x.unflatten(SEQUENCE_DIM, (size, n)).transpose(0, 1)  # (size, b, n, ...)
+    if moved.is_contiguous() and dtype in (None, x.dtype):
+        pieces = moved
+    else:
+        pieces = torch.empty(moved.shape, dtype=dtype or x.dtype, device=x.device)
+        pieces.copy_(moved)
     out = torch.empty(pieces.shape[1:], dtype=pieces.dtype, device=x.device)
-    reduce_scatter_flat(out, pieces.view(size * b, *pieces.shape[2:]), group)
+    reduce_scatter_flat(out, pieces.reshape(size * b, *pieces.shape[2:]), group)
     return out
 
 
@@ -113,15 +123,17 @@ class _GatheredLinears(torch.autograd.Function):
         dx, out = None, []
         for i, (w, g) in enumerate(zip(weights, grads)):
             g = g.to(w.dtype)
-            if ctx.needs_input_grad[0]:
-                dx = g.matmul(w) if dx is None else dx + g.matmul(w)
             g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:  # summed over the outputs in place: no second (b s, d) buffer
+                dx = g2.mm(w) if dx is None else dx.addmm_(g2, w)
             dw = g2.t().mm(flat).to(ctx.param_dtypes[2 * i]) if ctx.needs_input_grad[3 + 2 * i] else None
             db = g2.sum(0).to(ctx.param_dtypes[2 * i + 1]) \
                 if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] else None
             out += [dw, db]
+        shape = (*full.shape[:-1], x.shape[-1])
+        del full, flat  # the gathered input is not needed for the reduce-scatter
         if dx is not None:
-            dx = _reduce_scatter(dx, ctx.group, x.dtype)  # summed in x's dtype (fp32 under autocast)
+            dx = _reduce_scatter(dx.view(shape), ctx.group, x.dtype)  # summed in x's dtype (fp32 under autocast)
         return (dx, None, None, *out)
 
 

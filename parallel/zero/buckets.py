@@ -117,9 +117,12 @@ the request), uninitialised
         if fits:
             buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
-            # A miss (stage 3: the root unit's larger buffer at the end of backward): first let go of the free
-            # buffers too small for it, so they are not held next to the new one.
-            self._free = [b for b in self._free if b.dtype != dtype or b.device != device or b.numel() > numel]
+            # A miss (stage 3: the root unit's larger buffer at the end of backward; stage 2: a parameter larger
+            # than the bucket size, which fills a bucket of its own): first let go of the free buffers of this
+            # dtype, so they are not held next to the new one. Larger ones too: a large bucket given back at the
+            # end of one backward (the embedding's, 0.5 GB on a 405B tp-8 stage) would otherwise stay free
+            # through the whole of the next micro-batch's backward until its own gradient needs it again.
+            self._free = [b for b in self._free if b.dtype != dtype or b.device != device]
             buffer = torch.empty(numel, dtype=dtype, device=device)
         view = buffer[:numel]
         self._lent[memory_key(view)] = buffer

@@ -104,6 +104,13 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
     def begin_micro_batch(self, last: bool) -> None:
         """Say whether the coming backward is the accumulation boundary (stage 1 reduces only then)."""
         self._wait_gathers()
+        if self.stage == 2:
+            # The previous backward's last reductions (at most MAX_REDUCTIONS_IN_FLIGHT, on the first stage the
+            # embedding's bucket among them) ran during the forwards since: take them in now and let the pool's
+            # free buffers go, so that between micro-batches only the owned chunks are held (a free 0.5 GB
+            # embedding bucket would otherwise sit through the whole next backward of a 405B tp-8 first stage).
+            self.reducer.finish_launched()
+            self.reducer.pool.clear()
         self._reduce_now = last or self.stage == 2
         self._ready = [0] * len(self.buckets)
         self._got = [set() for _ in self.buckets]

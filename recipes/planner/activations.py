@@ -155,6 +155,22 @@ def weight_gradient_inputs(s: int, b: int, h: int, t: int = 1, spec: ActivationS
     return s * b * e * rows + grad_bytes * (3 + fc_out) * h * h / t
 
 
+def block_workspace(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
+                    sequence_parallel: bool = False) -> float:
+    """Bytes one block's backward holds beyond its saved activations, at the heavier of two moments: the start
+    of the MLP's backward (its gradient temporaries, mlp_elements h / t per token), and the backward of the MLP's
+    input projection c_fc (measured on the 405B recipe's dry run: the heaviest moment there), which holds the
+    gradient of its output (mlp_elements / 2 h / t: SwiGLU's d gate, d up), the gradient of its input before the
+    reduce-scatter / all-reduce (h), under sequence parallelism the input all-gathered again for dW (h), and dW
+    itself (mlp_elements / 2 h^2 / t in the parameters' dtype, before it is accumulated or copied into a ZeRO
+    bucket), while the MLP's saved activations are freed by then (- mlp_elements h / t)."""
+    e, mlp_in = spec.element_bytes, spec.mlp_elements / 2
+    start = spec.mlp_elements * e * s * b * h / t
+    c_fc = (e * s * b * h * (mlp_in / t + 1 + (1 if sequence_parallel else 0)) + spec.residual * mlp_in * h * h / t
+            - start)
+    return max(start, c_fc)
+
+
 @dataclass(frozen=True)
 class StageActivations:
     rank: int
@@ -229,7 +245,11 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             if sequence_parallel and not cfg.tie_embeddings:
                 head = (4 if spec.weight_copies else e) * vocab / tp * h
             after_b = n * d_block + (head if last else 0.0)
-        workspace = (spec.mlp_elements * e * sbh / tp if n else 0.0) + (e * s * b * (vocab / tp + h) if last else 0)
+        workspace = 0.0
+        if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
+            workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
+        if last:  # the loss's backward: d logits and the head input's gradient
+            workspace = max(workspace, e * s * b * (vocab / tp + h))
         return ChunkBytes(forward, after_b, workspace), extra + out
 
     out = []

@@ -135,3 +135,17 @@ def test_communication_volume_matches_the_formula():
     for counted in run_distributed(_counted_bytes, cp, cp, heads):
         for algorithm in ("all_to_all", "ring"):
             assert counted[algorithm] == attention_comm_bytes(algorithm, cp, B, heads, S, HD, 8), algorithm
+
+
+def test_the_dry_run_rings_in_fewer_larger_tiles():
+    """Under fake tensors (the dry run) a rank's rows go in at most FAKE_TILES_PER_RANK tiles (long-context.toml's
+    4,096 local rows: 512-row tiles, not 32 of 128); real tensors keep the tile they are given."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megazoo.parallel.context.attention import FAKE_TILES_PER_RANK, TILE, _tile_for
+
+    assert _tile_for(torch.zeros(1, 2, 4096, 8), TILE) == TILE
+    with FakeTensorMode():
+        fake = torch.empty(1, 2, 4096, 8)
+        assert _tile_for(fake, TILE) == 4096 // FAKE_TILES_PER_RANK == 512
+        assert _tile_for(torch.empty(1, 2, 256, 8), TILE) == TILE  # short sequences: the tile as given

@@ -34,13 +34,16 @@ IDS = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
 TARGETS = torch.roll(IDS, -1, 1)
 
 
-def _run(topo: Topology, which: str):
+def _run(topo: Topology, which: str, batch: int = 2):
     model = GPT(CONFIGS[which], topo, dtype=torch.float64)
     init_weights(model, SEED)
-    seen = []
+    seen, own = [], []
     model.h["1"].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
-    logits = model(IDS)
-    loss = model.loss(logits, TARGETS)
+    # The embedding's shard is a copy: at b = 1 a view of the (1, s, d) output would hold all of it.
+    model.h["0"].register_forward_pre_hook(
+        lambda m, args: own.append(args[0].untyped_storage().nbytes() == args[0].numel() * args[0].element_size()))
+    logits = model(IDS[:batch])
+    loss = model.loss(logits, TARGETS[:batch])
     loss.backward()
     grads = {name: gather_full(p.grad, spec, topo.tp_group) for name, p, spec in named_shards(model)}
     for name in ("wte.weight", "lm_head.weight"):
@@ -50,21 +53,25 @@ def _run(topo: Topology, which: str):
     model.eval()  # KV-cache decoding runs plain tp (one new token cannot be split over tp), then sp is back on
     tokens = decode(model, IDS[0, :5].tolist(), 4)
     assert model.sequence_parallel.enabled == topo.sequence_parallel
-    return dict(logits=logits, loss=loss.detach(), grads=grads, block_input_len=seen[0], tokens=tokens)
+    return dict(logits=logits, loss=loss.detach(), grads=grads, block_input_len=seen[0], tokens=tokens,
+                own_storage=own[0])
 
 
 @functools.cache
-def solo(which: str):
-    return _run(Topology.solo(), which)
+def solo(which: str, batch: int = 2):
+    return _run(Topology.solo(), which, batch)
 
 
-@pytest.mark.parametrize("which, tp", [("gpt2", 2), ("llama", 2), ("llama", 4)],
-                         ids=["gpt2-tp2", "llama-tp2-kv-split", "llama-tp4-kv-replicated"])
-def test_sequence_parallel_equals_one_process_fp64(which, tp):
-    ref = solo(which)
-    outs = run_distributed(lambda w: _run(Topology.build(dp=1, tp=tp, sequence_parallel=True), w), tp, which)
+# batch 1: the gathers and reduce-scatters take their no-copy path ((1, s, d) is already laid out by rank)
+@pytest.mark.parametrize("which, tp, batch", [("gpt2", 2, 2), ("llama", 2, 2), ("llama", 4, 2), ("llama", 2, 1)],
+                         ids=["gpt2-tp2", "llama-tp2-kv-split", "llama-tp4-kv-replicated", "llama-tp2-batch1"])
+def test_sequence_parallel_equals_one_process_fp64(which, tp, batch):
+    ref = solo(which, batch)
+    outs = run_distributed(lambda w: _run(Topology.build(dp=1, tp=tp, sequence_parallel=True), w, batch), tp,
+                           which)
     for out in outs:
         assert out["block_input_len"] == IDS.shape[1] // tp  # the residual stream is split: it is on
+        assert out["own_storage"]  # the first block's input is its s / tp positions' own storage
         assert (out["logits"] - ref["logits"]).abs().max() < TOL
         assert out["tokens"] == ref["tokens"]
         assert abs(out["loss"] - ref["loss"]) < TOL
@@ -121,7 +128,10 @@ def reference(model: str):
     ("gpt2", {"tp": 2, "pp": 2, "schedule": "1f1b"}, {"micro_batch": 2, "grad_accum": 4}, None),
     ("llama", {"dp": 2, "tp": 2}, {"micro_batch": 4}, {"stage": 3}),
     ("llama", {"tp": 2, "cp": 2, "cp_attention": "ring"}, {"micro_batch": 8}, None),
-], ids=["llama-tp2-checkpointing", "gpt2-tp2-pp2", "llama-dp2-tp2-zero3", "llama-tp2-cp2-ring"])
+    ("llama", {"tp": 2, "pp": 2, "schedule": "1f1b"}, {"micro_batch": 1, "grad_accum": 8,
+                                                       "activation_checkpointing": True}, {"stage": 2}),
+], ids=["llama-tp2-checkpointing", "gpt2-tp2-pp2", "llama-dp2-tp2-zero3", "llama-tp2-cp2-ring",
+        "llama-tp2-pp2-micro-batch1-zero2"])
 def test_trainer_with_sequence_parallel_equals_one_process(model, parallel, train, zero):
     res = tiny_resolved(model=MODEL if model == "llama" else GPT_MODEL,
                         parallel=dict(parallel, sequence_parallel=True), train=train, zero=zero or {})
