@@ -132,6 +132,9 @@ def checkpoint_bytes(s: int, b: int, h: int, spec: ActivationSpec = ActivationSp
     return spec.residual * s * b * h
 
 
+SPLIT_SCHEDULES = ("zb_h1", "zbv", "dualpipev")  # the schedules whose backward runs as B then W (schedules.py)
+
+
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: int = 1) -> float:
     """Micro-batches whose activations pipeline stage `rank` holds at its peak, in whole stages (v chunks of a
     micro-batch count 1), from the schedule's action list (schedule_memory.walk)."""
@@ -248,8 +251,14 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         workspace = 0.0
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
-        if last:  # the loss's backward: d logits and the head input's gradient
-            workspace = max(workspace, e * s * b * (vocab / tp + h))
+        loss_backward = e * s * b * (vocab / tp + h)  # d logits and the head input's gradient
+        if last and schedule in SPLIT_SCHEDULES:
+            # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
+            # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
+            # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
+            workspace = loss_backward + (spec.mlp_elements * e * sbh / tp if n else 0.0)
+        elif last:  # the unsplit backward frees d logits before the blocks' (the 405B dry run's last stage)
+            workspace = max(workspace, loss_backward)
         return ChunkBytes(forward, after_b, workspace), extra + out
 
     out = []
