@@ -47,8 +47,9 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def half_under_autocast(x: torch.Tensor) -> bool:
-    """x is 16-bit and autocast is on for its device: where CUDA autocast would run torch's layer_norm in fp32."""
-    return x.dtype in HALF and torch.is_autocast_enabled(x.device.type)
+    """x is 16-bit and autocast is on for its device: where CUDA autocast would run torch's layer_norm in fp32.
+    (A meta tensor has no autocast: torch raises for the question.)"""
+    return x.dtype in HALF and x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
 
 
 def params_for_kernel(fn, x: torch.Tensor, weight, bias):

@@ -239,3 +239,10 @@ def test_on_fake_cuda_the_kernel_gets_16_bit_tensors_of_one_dtype():
             assert backward == ",".join([half, half, "float32", "float32", half, half]), calls  # dy x mean rstd w b
         else:  # RMSNorm's own arithmetic: x, the weight and the fp32 1/rms
             assert not calls and saved == ",".join([half, params, "float32"]), (kind, half, params, saved)
+
+
+def test_a_16_bit_meta_tensor_is_normalised_without_asking_autocast():
+    # torch.is_autocast_enabled("meta") raises; shape-only forwards on the meta device must still run
+    x = torch.empty(2, 8, device="meta", dtype=torch.bfloat16)
+    for norm in (LayerNorm(8, device="meta", dtype=torch.bfloat16), RMSNorm(8, device="meta", dtype=torch.bfloat16)):
+        assert norm(x).dtype == torch.bfloat16 and norm(x).device.type == "meta"
