@@ -29,17 +29,52 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.to(x.dtype)
 
 
+layer_norm_reference.reads_fp32_params = True  # computes in fp32: takes fp32 weight/bias beside a 16-bit x
+
+
 def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """torch's native kernel (what nn.LayerNorm runs): fused forward, fused backward; y in x's dtype."""
     return in_input_dtype(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x)
 
 
 def in_input_dtype(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """y cast back to x's dtype. Under CUDA autocast torch runs layer_norm in fp32 and returns fp32 for a 16-bit
-    x (CPU autocast does not): everything after it would carry fp32 - the tensor-parallel region's backward
-    all-reduce above all (+50% tp bytes, measured on fake CUDA: recipes/planner/dry_run_cuda.py). The statistics
-    stay fp32; only the output is cast, as apex, Megatron and our Triton kernel return it."""
+    """y cast back to x's dtype (a no-op on every path since layer_norm_outside_autocast; kept so that no other
+    path can hand an fp32 output to the tensor-parallel region: its backward all-reduce would run in fp32)."""
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def half_under_autocast(x: torch.Tensor) -> bool:
+    """x is 16-bit and autocast is on for its device: where CUDA autocast would run torch's layer_norm in fp32.
+    (A meta tensor has no autocast: torch raises for the question.)"""
+    return x.dtype in HALF and x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+
+
+def params_for_kernel(fn, x: torch.Tensor, weight, bias):
+    """weight and bias as implementation `fn` takes them beside a 16-bit x. Kept as they are (fp32 under ZeRO-0)
+    where the kernel reads fp32 parameters: the reference and the Triton kernel (`reads_fp32_params`: they load
+    them as fp32) and torch's CPU kernel (mixed types). Else cast to x's dtype: torch's CUDA kernel reads gamma and
+    beta as x's type (`gamma.const_data_ptr<T>()`), as apex's unmixed kernel does - a d-element copy whose
+    gradient returns to the fp32 parameter through the cast. Under ZeRO >= 1 they are x's dtype already (no copy)."""
+    if getattr(fn, "reads_fp32_params", False) or (fn is layer_norm_torch and x.device.type == "cpu"):
+        return weight, bias
+    return tuple(p if p is None else p.to(x.dtype) for p in (weight, bias))
+
+
+def layer_norm_outside_autocast(fn, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
+    """fn on a 16-bit x under autocast, with autocast off: y, dx and the input kept for backward in x's dtype,
+    mean and 1/std fp32 inside the kernel (what apex's FusedLayerNorm and Megatron's fused LayerNorm do).
+
+    CUDA autocast lists layer_norm among its fp32 ops: it would cast x, weight and bias to fp32, the kernel would
+    keep that fp32 copy of x for backward, and y and dx would come out in fp32 - measured on fake CUDA: +1.4%
+    activations in every 16-bit tiny config, gpt-100b's peak +15.7% (fp32 copies and gradients in each recomputed
+    block). Every implementation computes fp32 statistics from a 16-bit x itself, so nothing is lost. CPU autocast
+    leaves layer_norm alone: there this is the same call as under autocast.
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        return in_input_dtype(fn(x, *params_for_kernel(fn, x, weight, bias), eps), x)
 
 
 def _load_apex():
@@ -78,6 +113,8 @@ class LayerNorm(nn.LayerNorm):
         self.fn = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fn is layer_norm_torch:  # exactly nn.LayerNorm's call, in x's dtype
+        if half_under_autocast(x):  # y in x's dtype, not autocast's fp32
+            return layer_norm_outside_autocast(self.fn, x, self.weight, self.bias, self.eps)
+        if self.fn is layer_norm_torch:  # exactly nn.LayerNorm's call (fp32, fp64, no autocast: unchanged)
             return in_input_dtype(super().forward(x), x)
         return self.fn(x, self.weight, self.bias, self.eps)

@@ -156,3 +156,6 @@ layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return layer_norm_fwd(x, weight, bias, eps)[0]
+
+
+layer_norm_triton.reads_fp32_params = True  # loads weight and bias as fp32: no cast beside a 16-bit x

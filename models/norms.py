@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazoo.kernels import Implementation, LayerNorm
-from megazoo.kernels.layer_norm import in_input_dtype, layer_norm_torch
+from megazoo.kernels.layer_norm import (half_under_autocast, in_input_dtype, layer_norm_outside_autocast,
+                                       layer_norm_torch)
 from megazoo.models.config import ModelConfig
 from megazoo.parallel.tensor import SequenceParallel
 
@@ -52,6 +53,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.sequence_parallel is None else self.sequence_parallel.replicated(self.weight)
+        if half_under_autocast(x):
+            # As LayerNorm (kernels/layer_norm.py, layer_norm_outside_autocast): outside autocast, y in x's dtype.
+            # Its explicit casts keep x, y and dx 16-bit already (autocast's fp32 ops here, pow and rsqrt, get
+            # fp32 statistics); the cast only acts on an fp32 weight beside a 16-bit x, whose product promotes.
+            with torch.autocast(x.device.type, enabled=False):
+                return in_input_dtype(_RMSNormFunction.apply(x, weight, self.eps), x)
         return _RMSNormFunction.apply(x, weight, self.eps)
 
 
@@ -65,6 +72,8 @@ class SequenceParallelLayerNorm(LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = (p if p is None else self.sequence_parallel.replicated(p) for p in (self.weight, self.bias))
+        if half_under_autocast(x):  # y in x's dtype, not CUDA autocast's fp32 (kernels/layer_norm.py)
+            return layer_norm_outside_autocast(self.fn, x, weight, bias, self.eps)
         if self.fn is layer_norm_torch:  # nn.LayerNorm's own call, in x's dtype
             return in_input_dtype(F.layer_norm(x, self.normalized_shape, weight, bias, self.eps), x)
         return self.fn(x, weight, bias, self.eps)

@@ -65,19 +65,11 @@ def reports():
     return out
 
 
-# Known (measured 2026-11-26), attributed, not fixed: gpt-100b (fp16, activation checkpointing, tp 16, ZeRO-2) peaks
-# 1,484,845,056 B on fake CUDA vs 1,283,336,504 B on the CPU (+15.7%), all of it backward temporaries (978 vs 743 MB):
-# CUDA autocast runs torch's LayerNorm in fp32 (CPU autocast does not), so every recomputed block holds fp32 copies
-# of its LayerNorm inputs and their fp32 gradients. With kernels.layer_norm = "triton" (a torch op, outside
-# autocast's lists) fake CUDA measures 1,216,278,528 B (-5.2%). A real GPU does the same as the fake one: the fix
-# belongs in kernels/layer_norm.py (a 16-bit LayerNorm under CUDA autocast) and needs a GPU to check.
-# strict: the test fails once it is fixed, so the mark must then go.
-UNEXPLAINED = {"gpt-100b": "CUDA autocast's fp32 LayerNorm in recomputed blocks: fake-CUDA peak +15.7% over the CPU "
-                           "dry run (-5.2% with the Triton LayerNorm); a GPU-side fix, not made"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=UNEXPLAINED[n]))
-                                  if n in UNEXPLAINED else n for n in SHIPPED])
+# gpt-100b (fp16, activation checkpointing, tp 16, ZeRO-2) was 15.7% over its CPU dry run here (1,484,845,056 vs
+# 1,283,336,504 B, all of it backward temporaries): CUDA autocast ran torch's LayerNorm in fp32, so each recomputed
+# block held fp32 copies of its LayerNorm inputs and fp32 gradients. A 16-bit input now runs outside autocast
+# (kernels/layer_norm.py layer_norm_outside_autocast), as on the CPU.
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_recipe_on_fake_cuda_matches_its_cpu_dry_run(reports, name):
     cuda = reports[name]
     assert "error" not in cuda, cuda.get("error")
