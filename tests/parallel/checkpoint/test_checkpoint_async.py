@@ -178,6 +178,7 @@ def test_corrupt_background_write_is_caught_by_verify_on_save(tmp_path, monkeypa
     trainer.train_step(0)
     trainer.save_checkpoint(1)
     trainer.train_step(1)
+    checkpointing.wait_for_save(trainer)  # step 1's writer must not meet the flipping writer (a race CI once lost)
     monkeypatch.setattr(ckpt_io, "HashingWriter", FlippingWriter)
     trainer.save_checkpoint(2)  # returns: the corruption is found by the background re-read
     with pytest.raises(CheckpointReadBackError, match="did not read back as written"):
