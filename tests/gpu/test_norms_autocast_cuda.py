@@ -20,6 +20,7 @@ from megazoo.models.presets import get_preset
 from megazoo.models.transformer import Block
 from megazoo.parallel.tensor.random import TPRNGTracker
 from megazoo.parallel.topology import Topology
+from norm_helpers import assert_block_matches_fp64, close
 
 pytestmark = pytest.mark.cuda
 
@@ -32,12 +33,6 @@ D = 1600  # gpt2-1.5b's width
 def randn(*shape, seed, scale=1.0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     return scale * torch.randn(*shape, generator=g, device=DEVICE, dtype=torch.float64)
-
-
-def close(got, ref, dtype, what):
-    assert torch.isfinite(got).all(), f"{what}: not finite"
-    torch.testing.assert_close(got.double(), ref, rtol=TOL[dtype], atol=TOL[dtype] * ref.abs().max().item(),
-                               msg=lambda m: f"{what}: {m}")
 
 
 def layer_norm_fn(impl):
@@ -79,7 +74,7 @@ def test_layer_norm_under_cuda_autocast(impl, params, half):
     yr.backward(dy.double())
     for what, got, ref in (("y", y, yr.detach()), ("dx", x.grad, xr.grad), ("dweight", norm.weight.grad, wr.grad),
                            ("dbias", norm.bias.grad, br.grad)):
-        close(got, ref, dt, f"{impl} {params} {half} {what}")
+        close(got, ref, TOL[dt], f"{impl} {params} {half} {what}")
 
 
 @pytest.mark.parametrize("params", ["fp32", "half"])
@@ -99,7 +94,7 @@ def test_rmsnorm_under_cuda_autocast(params, half):
     yr = wr * xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6)
     yr.backward(dy.double())
     for what, got, ref in (("y", y, yr.detach()), ("dx", x.grad, xr.grad), ("dweight", norm.weight.grad, wr.grad)):
-        close(got, ref, dt, f"rmsnorm {params} {half} {what}")
+        close(got, ref, TOL[dt], f"rmsnorm {params} {half} {what}")
 
 
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
@@ -126,10 +121,4 @@ def test_block_in_16_bit_under_cuda_autocast_matches_fp64(preset, half):
     y, saved = run_saving(block, x, dy, dt)
     assert y.dtype == x.grad.dtype == dt
     assert not [s for s in saved if s == (torch.float32, tuple(x.shape))], saved  # no fp32 copy of the stream
-    xr = x.detach().double().requires_grad_()
-    yr = ref(xr)
-    yr.backward(dy.double())
-    close(y, yr.detach(), dt, "block y")
-    close(x.grad, xr.grad, dt, "block dx")
-    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
-        close(p.grad, q.grad, dt, f"block d{name}")
+    assert_block_matches_fp64(block, ref, x, y, dy, TOL[dt])
