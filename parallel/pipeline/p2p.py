@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megazoo.parallel.pipeline.schedules import Action, forward_only, placement, schedule, warmup_forwards
+from megazoo.parallel.pipeline.schedules import (SPLIT_BACKWARD, Action, forward_only, placement, schedule,
+                                                 warmup_forwards)
 from megazoo.parallel.pipeline.zero_bubble import rank_of, stage_of
 
 
@@ -163,9 +164,6 @@ def plan_jointly(lists: list[list[Action]], virtual: int = 1, placement: str = "
     return steps
 
 
-JOINTLY_PLANNED = ("zb_h1", "zbv", "dualpipev")  # the zero-bubble schedules: their W passes shift sends against receives
-
-
 @functools.cache
 def _joint(name: str, m: int, pp: int, virtual: int, evaluation: bool) -> tuple[tuple[Step, ...], ...]:
     lists = [forward_only(m, virtual, pp) if evaluation else schedule(name, m, pp, r, virtual) for r in range(pp)]
@@ -174,7 +172,7 @@ def _joint(name: str, m: int, pp: int, virtual: int, evaluation: bool) -> tuple[
 
 def plan_for(name: str, m: int, pp: int, pp_rank: int, virtual: int = 1) -> list[Step]:
     """This rank's plan of schedule `name` over m micro-batches: what the trainer runs and the tests check."""
-    if name in JOINTLY_PLANNED:
+    if name in SPLIT_BACKWARD:
         return list(_joint(name, m, pp, virtual, False)[pp_rank])
     return plan(schedule(name, m, pp, pp_rank, virtual), pp, pp_rank, virtual,
                 warmup=warmup_forwards(name, m, pp, pp_rank, virtual))

@@ -26,8 +26,11 @@ from megazoo.parallel.pipeline.zero_bubble import dualpipev, stage_of, zbv
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "dualpipev")
 # Model chunks per rank (parallel.virtual_stages) each schedule needs; None: any >= 2.
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
+# The zero-bubble schedules: their backward runs as B then W (split_backward.py), so their W passes shift sends
+# against receives (p2p.py plans them jointly) and B..W holds the weight-gradient store (the planner).
+SPLIT_BACKWARD = ("zb_h1", "zbv", "dualpipev")
 
-__all__ = ["SCHEDULES", "CHUNKS", "Action", "schedule", "placement", "stage_of", "warmup_forwards", "forward_only"]
+__all__ = ["SCHEDULES", "CHUNKS", "SPLIT_BACKWARD", "Action", "schedule", "placement", "stage_of", "warmup_forwards", "forward_only"]
 
 Action = tuple[str, int, int]
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from megazoo.models.config import ModelConfig
 from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
+from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
 from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
 from megazoo.recipes.planner.zero import PlanError
@@ -130,9 +131,6 @@ def checkpoint_bytes(s: int, b: int, h: int, spec: ActivationSpec = ActivationSp
     """Full recomputation keeps each layer's input only: r s b h, the residual stream's bytes (2 s b h at 16
     bits, 4 under autocast of fp32 parameters), replicated over tp."""
     return spec.residual * s * b * h
-
-
-SPLIT_SCHEDULES = ("zb_h1", "zbv", "dualpipev")  # the schedules whose backward runs as B then W (schedules.py)
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: int = 1) -> float:
@@ -252,7 +250,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
         loss_backward = e * s * b * (vocab / tp + h)  # d logits and the head input's gradient
-        if last and schedule in SPLIT_SCHEDULES:
+        if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
