@@ -203,9 +203,17 @@ class Trainer:
                  for i in range(first, first + per_rank, t.micro_batch)]
         steps = evaluation_plan_for(self.schedule, len(micro), self.topo.pp, self.topo.pp_rank, len(self.chunks))
         losses = self.engine.run(self._batches(val, micro), steps, autocast=self.autocast, forward_only=True)
+        # Each micro-batch's loss is its mean over its tokens: weighted by rows, which hold the same number of
+        # tokens, except fine-tuning rows, whose response tokens differ per row: those by their share of every
+        # evaluated row's response tokens (all dp ranks), as training weighs them, so any layout gives one number.
+        if isinstance(val, SFTRows):
+            weights = val.micro_batch_weights(list(range(per_rank * self.topo.dp)), micro, len(micro) * self.topo.dp)
+            weights = [w * per_rank / len(micro) for w in weights]
+        else:
+            weights = [len(indices) for indices in micro]
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        for loss, indices in zip(losses, micro):
-            total += loss * len(indices)
+        for loss, weight in zip(losses, weights):
+            total += loss * weight
         self._set_mode(True)
         return self._host_values(total / per_rank)[0]
 

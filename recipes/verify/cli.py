@@ -98,6 +98,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         from megazoo.recipes.verify.precision import cuda_problem
         if problem := cuda_problem(max(vp.layout.world_size, vp.reference.world_size)):
+            vp.discard()
             print(f"megazoo: error: {problem}", file=sys.stderr)
             return 2
     name = args.recipe
@@ -111,6 +112,8 @@ def _verify(args: argparse.Namespace) -> int:
         if args.json:
             _json(args.json, name, vp, None, str(err))
         return 1
+    finally:
+        vp.discard()  # the synthetic SFT rows of a fine-tuning recipe
     report(name, vp, outcome)
     if args.json:
         _json(args.json, name, vp, outcome, None)

@@ -14,11 +14,14 @@ same global batch (micro_batch x dp in one micro-batch per accumulation step), s
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.resolve import Resolved, model_config, resolve
+from megazoo.recipes.sft_section import SFTSection
 from megazoo.recipes.verify.precision import TOLERANCES, Tolerances, own_precision
 
 MAX_DEGREE = 2
@@ -44,6 +47,11 @@ class VerifyPlan:
     precision: str = "fp64"  # what both runs compute in
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
     tolerances: Tolerances = TOLERANCES["fp64"]
+    scratch: str = ""  # a folder verify wrote (synthetic SFT rows) and its caller removes: `discard`
+
+    def discard(self) -> None:
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     @property
     def reference_text(self) -> str:
@@ -59,6 +67,11 @@ def _for_checking(recipe: Recipe) -> tuple[Recipe, list[str]]:
     if recipe.data.source != "synthetic":
         notes.append(f"data: synthetic tokens instead of data.source = {recipe.data.source!r} (the data is not "
                      "part of the layout)")
+    sft = recipe.sft
+    if sft.path or sft.valid_path:  # plan() writes synthetic fine-tuning rows in the shrunk sizes instead
+        sft = SFTSection(packing=sft.packing)
+        notes.append(f"sft: synthetic fine-tuning rows (random examples, uneven response shares) instead of sft.path "
+                     f"= {recipe.sft.path!r} (train and validation splits; packing {recipe.sft.packing} as the recipe)")
     model, ckpt = recipe.model, recipe.checkpoint
     if model.from_checkpoint and not (ckpt.load and Path(ckpt.load).exists()):
         model = replace(model, from_checkpoint=False)
@@ -66,7 +79,7 @@ def _for_checking(recipe: Recipe) -> tuple[Recipe, list[str]]:
                      "architecture)")
     keep_load = model.from_checkpoint  # its architecture is read from it; its weights are never loaded
     ckpt = replace(ckpt, load=ckpt.load if keep_load else "", resume=False, every=0, at_end=False)
-    return replace(recipe, data=data, model=model, checkpoint=ckpt,
+    return replace(recipe, data=data, model=model, checkpoint=ckpt, sft=sft,
                    sample=replace(recipe.sample, tokens=0)), notes
 
 
@@ -127,9 +140,16 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     if checkable.model.from_checkpoint:  # the checkpoint's architecture options, on the shrunk sizes
         model = replace(model, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                                   if f.name not in model_over and f.name != "name" and hasattr(model, f.name)})
+    scratch, sft = "", checkable.sft
+    if recipe.sft.path:  # recipes/verify/synthetic_sft.py: both runs read the same synthetic rows
+        from megazoo.recipes.verify.synthetic_sft import write_synthetic_sft
+        scratch = tempfile.mkdtemp(prefix="megazoo-verify-")
+        path, valid = write_synthetic_sft(Path(scratch), min(vocab, cfg.vocab_size), seq)
+        sft = replace(recipe.sft, path=path, valid_path=valid)
     layout = replace(
         checkable,
         model=model,
+        sft=sft,
         parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0),
                          node_size=_shrunk_node_size(par.node_size, deg)),
         train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
@@ -155,6 +175,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     try:
         layout_res, reference_res = resolve(layout), resolve(reference)
     except RecipeError as err:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
         raise RecipeError(f"the shrunk recipe is invalid (a gap in megazoo verify, not in your recipe): {err}") \
             from None
     shrunk = [f"parallel.{k}: {getattr(par, k)} -> {v}" for k, v in deg.items() if getattr(par, k) != v]
@@ -187,7 +209,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         not_compared = [line for line in not_compared if not line.startswith("train.precision")]
     return VerifyPlan(layout_res, reference_res, exercised, shrunk, changed, not_compared,
                       loss_scaling=train.precision == "fp16" and not own, precision=run_precision, device=device,
-                      tolerances=TOLERANCES.get(run_precision, TOLERANCES["fp32"]).for_steps(steps, run_precision))
+                      tolerances=TOLERANCES.get(run_precision, TOLERANCES["fp32"]).for_steps(steps, run_precision),
+                      scratch=scratch)
 
 
 def _features(recipe: Recipe, layout: Resolved, steps: int) -> tuple[list[str], list[str]]:
@@ -207,7 +230,10 @@ def _features(recipe: Recipe, layout: Resolved, steps: int) -> tuple[list[str], 
            f"sparse attention ({layout.model.sparse_pattern})" if layout.model.attention == "sparse" else None,
            f"{small.optimizer.name} (its warm-up: {steps} full-precision steps)"
            if small.optimizer.name != "adamw" else None,
-           f"gradient clipping at {small.train.grad_clip:g}" if small.train.grad_clip > 0 else None]
+           f"gradient clipping at {small.train.grad_clip:g}" if small.train.grad_clip > 0 else None,
+           f"fine-tuning rows ({'packed' if small.sft.packing else 'one per padded row'}, response-only loss, "
+           "micro-batches weighted by response tokens)" if small.sft.path else None,
+           f"LoRA rank {small.lora.rank} (the base frozen)" if small.lora.rank else None]
     not_compared = []
     precision = recipe.train.precision
     if precision != "fp64":

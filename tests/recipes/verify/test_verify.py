@@ -3,7 +3,8 @@ pass against one process in fp64; an injected layout bug fails naming the quanti
 
 Together the runs below cover every feature verify exercises: dp + ZeRO-2 (demo), tp (demo_tp2), cp with ring
 attention + ZeRO-1 + accumulation (long-context), tp x dp + activation checkpointing + fp16 loss scaling
-(tnlg-17b), ZeRO-3, the interleaved pipeline schedule, 1-bit Adam's warm-up and ZeRO-Offload (demo overrides).
+(tnlg-17b), ZeRO-3, the interleaved pipeline schedule, 1-bit Adam's warm-up and ZeRO-Offload (demo overrides),
+fine-tuning rows with LoRA (sft-demo: synthetic packed SFT rows, since its data is made by `make sft-demo`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PASSING = {
                     "train.grad_accum=4"],
     "onebit": ["demo", "--set", "zero.stage=0", "--set", "optimizer.name=onebit_adam"],
     "offload": ["demo", "--set", "zero.stage=1", "--set", "zero.offload=cpu"],
+    "sft-demo": ["sft-demo"],
 }
 
 
@@ -135,3 +137,26 @@ def test_grouped_query_recipes_shrink_and_stay_grouped(name):
     layout = plan(load_recipe(find_recipe(name)), steps=2).layout
     assert layout.model.n_kv_head < layout.model.n_head and layout.model.n_head % layout.model.n_kv_head == 0
     assert layout.model.n_kv_head % layout.recipe.parallel.tp == 0
+
+
+def test_a_fine_tuning_recipe_runs_on_synthetic_rows_and_leaves_nothing(monkeypatch, tmp_path, capsys):
+    """sft-demo's data does not exist here: verify writes synthetic SFT rows (train and validation) into a folder
+    of its own, runs both sides on them, names them in its output and removes the folder afterwards."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert cli.main(["verify", "sft-demo", "--steps", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "sft: synthetic fine-tuning rows" in text and "fine-tuning rows (packed, response-only loss" in text
+    assert "LoRA rank 8" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_injected_fine_tuning_weighting_bug_fails(monkeypatch, capsys):
+    """Micro-batches of fine-tuning rows weighted equally instead of by their response tokens: dp 2 then trains
+    on another loss than one process (its micro-batches hold other rows' tokens), and verify says so."""
+    from megazoo.data.sft_packing import SFTRows
+
+    monkeypatch.setattr(SFTRows, "micro_batch_weights",
+                        lambda self, step_rows, micro_batches, replicas: [1.0] * len(micro_batches))
+    assert cli.main(["verify", "sft-demo", "--steps", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL: the layout does not compute the same function" in text and "loss" in text
