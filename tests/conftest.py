@@ -20,6 +20,13 @@ if not GPU_SUITE:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# One CPU thread in the test process, as every rank has (workers/local.py): the single-process references the
+# parity tests hold layouts to run here. With two threads the same fp64 step is not the same from one process to
+# the next: the tiny GPT's first loss came out 5.72736266115564 instead of ...114972 in 1 of 16 fresh processes
+# (and ...152364 in 2 of 19 pytest runs), and Adam turns such 1e-12 differences on near-zero gradients into
+# parameter differences over 1e-10; with one thread, 24 of 24 agreed. Two test workers share two cores anyway.
+torch.set_num_threads(1)
+
 from megazoo.data.catalog import CATALOG, DATA_DIR_ENV, cache_folder  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

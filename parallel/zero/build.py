@@ -58,7 +58,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     if stage in (1, 2):
         return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of,
-                           adamw=adamw, model=model, groups=groups)
+                           adamw=adamw, model=model, groups=groups, units=units)
     if stage == 3:
         if topo.pp > 1:
             raise ValueError("zero.stage = 3 with parallel.pp > 1 is not supported; valid: zero.stage 0-2 with pp")

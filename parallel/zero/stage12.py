@@ -29,7 +29,7 @@ all-reduced over the nodes in between.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,8 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                  tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
-                 adamw: Callable | None = None, model: nn.Module | None = None, groups: ShardGroups | None = None):
+                 adamw: Callable | None = None, model: nn.Module | None = None, groups: ShardGroups | None = None,
+                 units: Sequence[nn.Module] = ()):
         if stage not in (1, 2):
             raise ValueError(f"ZeroStage12 implements zero stage 1 or 2, not {stage}")
         def bucket_group(name: str):  # tied parameters alone; otherwise the caller's grouping
@@ -82,17 +83,24 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                 for p, view in b.views(flat):
                     p.grad = view  # autograd accumulates in place into the bucket
         self._gathers: dict[int, object] = {}  # bucket -> its all-gather in flight since the step
-        self._prefetch = model is not None and self.group is not None and self._hook_forwards(model)
+        self._prefetch = model is not None and self.group is not None and self._hook_forwards(model, units)
 
     # ---- the all-gathers after the step, waited where the next forward needs them ---------------------------
-    def _hook_forwards(self, model: nn.Module) -> bool:
+    def _hook_forwards(self, model: nn.Module, units: Sequence[nn.Module]) -> bool:
+        """Each module's forward waits for the buckets of its parameters. The model's own forward waits for every
+        bucket holding a parameter outside `units` (the blocks): it may read those without calling their module
+        (the tied head is `wte.head(x)`, so on a last pipeline stage the embedding's pre-hook never runs and the
+        head read the weight while its all-gather was still arriving). Without units it waits for all."""
         bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         reached = {p for m in model.modules() for p in m.parameters(recurse=False)}
         if not all(p in reached for p in bucket_of):
             return False  # some bucketed parameter lives outside `model`: wait in the step
+        in_units = {p for u in units for p in u.parameters()}
+        root = {bucket_of[p] for p in model.parameters() if p in bucket_of and p not in in_units}
         for m in model.modules():
-            needs = sorted({bucket_of[p] for p in m.parameters(recurse=m is not model) if p in bucket_of})
-            if needs:  # the top-level model waits only for its own direct parameters
+            needs = sorted({bucket_of[p] for p in m.parameters(recurse=m is not model) if p in bucket_of}
+                           | (root if m is model else set()))
+            if needs:
                 m.register_forward_pre_hook(lambda mod, args, needs=needs: self._wait_gathers(needs))
         return True
 
