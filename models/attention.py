@@ -117,10 +117,10 @@ class Attention(nn.Module):
         # all-to-all (Ulysses) or ring attention over the cp group (parallel/context).
         kernel = kernels_for_model(kernels)["attention"].fn if cfg.attention == "dense" else \
             SparseAttention.from_config(cfg, topo.device)
-        if cfg.sliding_window:
-            if topo.cp > 1:
-                raise ValueError(f"model.sliding_window = {cfg.sliding_window} with parallel.cp = {topo.cp} is not "
-                                 "supported yet; valid: parallel.cp = 1 or model.sliding_window = 0")
+        if cfg.sliding_window:  # under cp only all-to-all (whole sequences in token order reach the kernel)
+            if topo.cp > 1 and topo.cp_attention != "all_to_all":
+                raise ValueError(f"model.sliding_window = {cfg.sliding_window} with parallel.cp_attention = "
+                                 f"{topo.cp_attention!r} is not supported; valid: cp_attention = \"all_to_all\"")
             kernel = sliding_window_attention(kernel, cfg.sliding_window)
         self.attend = context_attention(kernel, topo.cp_group, topo.cp_attention)
         d, hd, group = cfg.d_model, cfg.head_dim, topo.tp_group

@@ -281,7 +281,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
                           f"{world_size} were started; start {layout} (--nproc {layout}) or change the layout")
     try:  # seq_len divisible by 2 x cp, local heads by cp for all_to_all (parallel/context/layout.py)
         check_context_layout(par.cp, par.cp_attention, recipe.train.seq_len, cfg.n_head // par.tp, cfg.attn_dropout,
-                             cfg.attention)
+                             cfg.attention, cfg.sliding_window)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     if par.sequence_parallel and par.tp < 2:

@@ -63,7 +63,7 @@ def gathered_positions(local_len: int, cp: int, device=None) -> torch.Tensor:
 
 
 def check_context_layout(cp: int, algorithm: str, seq_len: int, local_heads: int, attn_dropout: float,
-                         attention: str = "dense") -> None:
+                         attention: str = "dense", sliding_window: int = 0) -> None:
     """Raise a ValueError naming the recipe fields when cp context parallelism cannot run this layout."""
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"parallel.cp = {cp!r} is invalid: it must be a positive integer")
@@ -81,6 +81,9 @@ def check_context_layout(cp: int, algorithm: str, seq_len: int, local_heads: int
     if algorithm == "ring" and attention != "dense":  # all-to-all runs the sparse kernel on whole sequences
         raise ValueError(f"parallel.cp_attention = \"ring\" computes dense causal attention, but model.attention = "
                          f"{attention!r}; valid: cp_attention = \"all_to_all\", or model.attention = \"dense\"")
+    if algorithm == "ring" and sliding_window:  # all-to-all runs the window's kernel on whole sequences
+        raise ValueError(f"parallel.cp_attention = \"ring\" computes full causal attention, but model.sliding_window "
+                         f"= {sliding_window}; valid: cp_attention = \"all_to_all\", or model.sliding_window = 0")
     if algorithm == "ring" and attn_dropout > 0:
         raise ValueError(f"parallel.cp_attention = \"ring\" has no attention dropout, but model.attn_dropout = "
                          f"{attn_dropout}; valid: model.attn_dropout = 0, or cp_attention = \"all_to_all\"")

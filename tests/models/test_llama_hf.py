@@ -218,11 +218,25 @@ def _cp_logits(cfg, full, algorithm):
         return mine, model(IDS[:, mine])[..., :V]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # Mistral's window with cp > 1 is refused
-@pytest.mark.parametrize("algorithm", ["ring", "all_to_all"])
+# Mistral's window (6 < the 24 tokens) under cp: all-to-all gives the kernel whole sequences in token order, so the
+# window's mask is the one-process mask; ring attention computes full causal tiles and refuses it (test below).
+@pytest.mark.parametrize("family, algorithm", [("llama", "ring"), ("llama", "all_to_all"), ("qwen2", "ring"),
+                                               ("qwen2", "all_to_all"), ("mistral", "all_to_all")])
 def test_context_parallel_equals_transformers(family, algorithm):
     cfg, full = converted(family)
     ref = hf_logits(family)
     for mine, logits in run_distributed(lambda: _cp_logits(cfg, full, algorithm), 2):
         deviation = (logits - ref[:, mine]).abs().max().item()
         assert deviation < TOL, f"{family} cp=2 {algorithm}: max |logit difference| {deviation:.2e}"
+
+
+def test_a_sliding_window_with_ring_attention_is_refused_before_any_process():
+    from megazoo.recipes.catalog import find_recipe
+    from megazoo.recipes.config import RecipeError, load_recipe
+    from megazoo.recipes.resolve import resolve
+
+    sets = ["model.sliding_window=8", "parallel.dp=1", "parallel.tp=1", "parallel.cp=2", "model.attn_dropout=0.0"]
+    with pytest.raises(RecipeError, match='cp_attention = "ring" computes full causal attention, but '
+                                          'model.sliding_window = 8; valid: cp_attention = "all_to_all"'):
+        resolve(load_recipe(find_recipe("llama-demo"), [*sets, "parallel.cp_attention=ring"]))
+    resolve(load_recipe(find_recipe("llama-demo"), [*sets, "parallel.cp_attention=all_to_all"]))

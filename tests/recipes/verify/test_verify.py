@@ -35,6 +35,8 @@ PASSING = {
     "onebit": ["demo", "--set", "zero.stage=0", "--set", "optimizer.name=onebit_adam"],
     "offload": ["demo", "--set", "zero.stage=1", "--set", "zero.offload=cpu"],
     "sft-demo": ["sft-demo"],
+    "window-cp": ["llama-demo", "--set", "model.sliding_window=8", "--set", "parallel.tp=1", "--set", "parallel.cp=2",
+                  "--set", "parallel.cp_attention=all_to_all"],  # Mistral's window (8 < 32 tokens) under cp
 }
 
 
