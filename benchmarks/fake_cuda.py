@@ -61,8 +61,9 @@ def main(argv=None) -> int:
     jobs: dict[str, tuple[str, list[str]]] = {r: (r, list(args.set)) for r in args.recipe}
     tmp = tempfile.TemporaryDirectory(prefix="megazoo-fake-cuda-bench-")
     if args.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.test_dry_run_cuda import CONFIGS, _path
+        tests = Path(__file__).resolve().parents[1] / "tests"  # the test's configurations and their helpers
+        sys.path[:0] = [str(tests / "recipes" / "planner"), str(tests)]
+        from test_dry_run_cuda import CONFIGS, _path
         jobs.update({name: (str(_path(Path(tmp.name), name)), []) for name in CONFIGS})
     specs = [{"recipe": p, "sets": s, "gpu_memory_gb": 80} for p, s in jobs.values()]
     if args.before:
