@@ -88,6 +88,8 @@ def test_async_files_are_byte_identical_to_sync(tmp_path):
 KILLED_RUN = """
 import sys, time
 from pathlib import Path
+import torch
+torch.set_num_threads(1)  # as the test process (tests/conftest.py): the resumed weights are compared bit for bit
 sys.path.insert(0, {tests!r})
 from recipe_helpers import tiny_resolved
 from megazoo.parallel.checkpoint import io as ckpt_io
