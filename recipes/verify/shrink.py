@@ -68,7 +68,7 @@ def _for_checking(recipe: Recipe) -> tuple[Recipe, list[str]]:
         notes.append(f"data: synthetic tokens instead of data.source = {recipe.data.source!r} (the data is not "
                      "part of the layout)")
     sft = recipe.sft
-    if sft.path or sft.valid_path:  # plan() writes synthetic fine-tuning rows in the shrunk sizes instead
+    if sft.path:  # plan() writes synthetic fine-tuning rows in the shrunk sizes instead (a lone valid_path is refused)
         sft = SFTSection(packing=sft.packing)
         notes.append(f"sft: synthetic fine-tuning rows (random examples, uneven response shares) instead of sft.path "
                      f"= {recipe.sft.path!r} (train and validation splits; packing {recipe.sft.packing} as the recipe)")

@@ -10,6 +10,8 @@ other dp rank's old values. The model's own forward now waits for every paramete
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from harness import run_distributed
@@ -41,6 +43,7 @@ def _lazy_all_gather_flat(*args, async_op: bool = False, **kwargs):
     return _LazyGather(args, kwargs)
 
 
+@functools.cache  # the same one-process run for every case
 def _reference():
     return train_run(tiny_resolved(train={"micro_batch": 8}, model={"n_layer": 4}), Topology.solo())
 
