@@ -150,6 +150,9 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         checkable,
         model=model,
         sft=sft,
+        # the checkpoint gave the architecture's options (above); the shrunk model cannot load its weights, and
+        # both runs start from the same initial weights without them
+        checkpoint=replace(checkable.checkpoint, load=""),
         parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0),
                          node_size=_shrunk_node_size(par.node_size, deg)),
         train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
