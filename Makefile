@@ -23,7 +23,7 @@ demo: install
 # to answer a docstring with its signature through the ChatML template; prints the answers before and after.
 sft-demo: install
 	test -d runs/demo/checkpoints || $(VENV)/bin/megazoo train recipes/demo.toml
-	$(VENV)/bin/megazoo data sft-demo --checkpoint runs/demo/checkpoints --output-prefix runs/sft-demo-data/stdlib_sft --overwrite
+	$(VENV)/bin/megazoo data sft-demo --checkpoint runs/demo/checkpoints --output-prefix runs/sft-demo-data/sft/stdlib_sft --overwrite
 	$(VENV)/bin/megazoo train recipes/sft-demo.toml
 
 # Two pytest workers (pytest-xdist), one file at a time each: most of the suite is one busy process, so the

@@ -3,7 +3,7 @@ memory, dp communication per step beside the ZeRO paper's volume, FLOPs beside t
 
     python benchmarks/dry_run.py [--recipes tnlg-17b gpt-1t] [--json out.json] [--set k=v ...] [--whole]
 
-Each recipe runs `megazoo plan --recipe R --dry-run`'s code (recipes/planner/dry_run.py) in this process, one role
+Each recipe runs `megazoo plan --recipe R --dry-run`'s code (recipes/dry_run/run.py) in this process, one role
 after another, and prints one markdown table (the README's "Dry run at the real size" table is this output for
 tnlg-17b and gpt-1t). GB = 1e9 bytes. `python benchmarks/dry_run.py --json recipes/reproduce/dry_run_results.json`
 records what `megazoo reproduce claims` shows as measured.
@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazoo.recipes.planner.zero import GB  # noqa: E402
-from megazoo.recipes.planner.dry_run import dry_run, load, pipeline_depth_overrides, stated_gpu  # noqa: E402
-from megazoo.recipes.planner.dry_run_report import report  # noqa: E402
+from megazoo.recipes.dry_run.run import dry_run, load, pipeline_depth_overrides, stated_gpu  # noqa: E402
+from megazoo.recipes.dry_run.report import report  # noqa: E402
 from megazoo.recipes.planner.fit import parse_gpu  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

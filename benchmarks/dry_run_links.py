@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from megazoo.recipes.planner.dry_run import load, roles, run_role
+from megazoo.recipes.dry_run.run import load, roles, run_role
 from megazoo.recipes.planner.links import link_bytes
 from megazoo.recipes.planner.shards import shard_parameters
 

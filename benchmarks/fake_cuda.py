@@ -5,7 +5,7 @@
 --tiny adds tests/recipes/planner/test_dry_run_cuda.py's small configurations (dp ZeRO 0-3 in bf16/fp16, offload, tp, pp). Each
 row: the device peak of each role (MB), ZeRO-Offload's host bytes, the bytes each rank's collectives carry on its
 tp group and on its dp group (tensor bytes, summed over the step), and the CUDA calls the fake device answered.
-All fake-CUDA jobs run in one fresh interpreter (recipes/planner/dry_run_cuda.run_jobs). --before adds, for every
+All fake-CUDA jobs run in one fresh interpreter (recipes/dry_run/cuda.run_jobs). --before adds, for every
 recipe, a fake-CUDA row without the LayerNorm's cast back to its input's dtype (kernels/layer_norm.in_input_dtype):
 the tp bytes and peak as they were before that fix.
 """
@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megazoo.recipes.planner.dry_run import load, roles, run_role
-from megazoo.recipes.planner.dry_run_cuda import run_jobs
-from megazoo.recipes.planner.dry_run_report import report
+from megazoo.recipes.dry_run.run import load, roles, run_role
+from megazoo.recipes.dry_run.cuda import run_jobs
+from megazoo.recipes.dry_run.report import report
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from megazoo.models.gpt2.hf import gpt_from_full_state
-from megazoo.models.llama.hf import config_from_hf, hf_to_megazoo_state, megazoo_to_hf_state
+from megazoo.models.hf.gpt2 import gpt_from_full_state
+from megazoo.models.hf.llama import config_from_hf, hf_to_megazoo_state, megazoo_to_hf_state
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.tensor import gather_from_tp_region, gather_full, named_shards
@@ -55,7 +55,7 @@ def _logits(tp, cfg, full):
 
 
 def _pp2(cfg, full):
-    from megazoo.models.gpt2.hf import load_full_state_into
+    from megazoo.models.hf.gpt2 import load_full_state_into
 
     first = GPT(cfg, Topology.solo(), layers=range(0, 1), with_head=False)
     last = GPT(cfg, Topology.solo(), layers=range(1, 2), with_embedding=False)

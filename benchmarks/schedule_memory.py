@@ -2,10 +2,10 @@
 
 For each pp and schedule one real training step runs on pp local gloo ranks (CPU, fp32, gpt2-tiny, micro-batch
 2 x 64 tokens, no dropout; 4 blocks at pp 2 and 8 at pp 4 - one block per virtual stage under the V - with 4
-micro-batches at pp 2 and 8 at pp 4) under the dry run's MemoryTracker (parallel/fake_world.py). Measured: the
+micro-batches at pp 2 and 8 at pp 4) under the dry run's MemoryTracker (parallel/simulation/fake_world.py). Measured: the
 bytes the step created beyond the model states (activations + backward temporaries) at their highest until the
 schedule has run - the optimizer step after it makes its own temporaries (AdamW's), which the planner counts
-elsewhere. Planner: recipes/planner/dry_run_report.planned(...)["activations"], the walk of the rank's action list
+elsewhere. Planner: recipes/dry_run/report.planned(...)["activations"], the walk of the rank's action list
 (recipes/planner/schedule_memory.py). tests/recipes/planner/test_schedule_memory.py holds every rank within 10%.
 
     python benchmarks/schedule_memory.py [--pp 2,4] [--schedules gpipe,1f1b,...]
@@ -21,10 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazoo.parallel.checkpoint.views import ensure_adam_state  # noqa: E402
-from megazoo.parallel.fake_world import MemoryTracker  # noqa: E402
+from megazoo.parallel.simulation.fake_world import MemoryTracker  # noqa: E402
 from megazoo.parallel.topology import Topology  # noqa: E402
-from megazoo.recipes.planner.dry_run import load, shaped_data  # noqa: E402
-from megazoo.recipes.planner.dry_run_report import planned  # noqa: E402
+from megazoo.recipes.dry_run.run import load, shaped_data  # noqa: E402
+from megazoo.recipes.dry_run.report import planned  # noqa: E402
 from megazoo.recipes.training.trainer import Trainer  # noqa: E402  (imported before the ranks fork)
 from megazoo.workers.local import run_distributed  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Packing vs padding on a real length distribution: effective tokens per optimizer step.
 
-The dataset: the standard library's documented functions (data/stdlib_sft.py: prompt = docstring, response =
+The dataset: the standard library's documented functions (data/sft/stdlib_sft.py: prompt = docstring, response =
 signature), tokenized with GPT-2's BPE (../shared/data/gpt2_bpe) through the ChatML template by the same code
 as `megazoo preprocess --format sft` (rows longer than the sequence length are reported and skipped here). For
-each sequence length, the rows an epoch needs packed (best-fit decreasing, data/sft_packing.py) and padded (one
+each sequence length, the rows an epoch needs packed (best-fit decreasing, data/sft/packing.py) and padded (one
 example per row), and per step of `--global-batch` rows: example tokens, response targets trained on, and
 padding. Nothing is timed: the figures are counts, the same on every machine.
 
@@ -17,11 +17,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from megazoo.data.sft_dataset import SFTDataset
-from megazoo.data.sft_packing import SFTRows
-from megazoo.data.sft_preprocess import preprocess_sft
-from megazoo.data.stdlib_sft import stdlib_sft_rows
-from megazoo.data.tokenizer_loading import load_tokenizer
+from megazoo.data.sft.dataset import SFTDataset
+from megazoo.data.sft.packing import SFTRows
+from megazoo.data.sft.preprocess import preprocess_sft
+from megazoo.data.sft.stdlib_sft import stdlib_sft_rows
+from megazoo.data.tokenizers.loading import load_tokenizer
 
 DEFAULT_BPE = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2_bpe"
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from megazoo.data.fileio import atomic_write
-from megazoo.data.indexed_dataset import IndexedDataset
+from megazoo.data.indexed.dataset import IndexedDataset
 
 INDEX_VERSION = 1  # bump when the algorithm changes, so old caches are not reused
 _CHUNK_SAMPLES = 1 << 22  # sample starts located per searchsorted call: bounds the build's temporary memory

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from megazoo.data.stdlib_corpus import split_train_val, stdlib_documents
-from megazoo.data.tokenizer import BPETokenizer
+from megazoo.data.tokenizers.tokenizer import BPETokenizer
 
 
 class TokenSamples:

@@ -29,7 +29,7 @@ TASKS = ("wikitext103", "lambada")
 
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
     from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
-    from megazoo.models.gpt2.hf import gpt_from_full_state, read_hf_dir
+    from megazoo.models.hf.gpt2 import gpt_from_full_state, read_hf_dir
     from megazoo.models.loading import load_gpt, open_checkpoint
 
     if args.backend == "transformers":

@@ -6,7 +6,7 @@
 `loglikelihood` (lm-eval's own tokenisation of a request, TemplateLM._encode_pair) and `loglikelihood_rolling`
 (lm-eval's disjoint windows with an EOS prefix) are scored by eval/lm_eval_protocol.py, the code behind
 `megazoo eval ... --protocol lm-eval`; `generate_until` decodes with the KV cache of `megazoo generate`
-(models/generation.py). Needs lm-eval (`pip install 'megazoo[eval]'`).
+(models/generation/generate.py). Needs lm-eval (`pip install 'megazoo[eval]'`).
 
 Tensor parallelism (`megazoo eval harness --tp N`, eval/harness.py): every rank loads only its shards and runs
 every forward; rank 0 drives lm-eval and, before each forward, broadcasts it to the other ranks
@@ -26,8 +26,8 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from megazoo.eval.lm_eval_protocol import rolling_windows, score_pairs
-from megazoo.models.generation import decode, full_logits
-from megazoo.models.kv_cache import KVCache
+from megazoo.models.generation.generate import decode, full_logits
+from megazoo.models.generation.kv_cache import KVCache
 
 LOG = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ class ModelSource:
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
     """Validate model config, tokenizer and data path before any process is started or weights are read."""
-    from megazoo.data.tokenizer_loading import load_tokenizer
+    from megazoo.data.tokenizers.loading import load_tokenizer
 
     protocol = getattr(args, "protocol", "megatron")
     if protocol not in PROTOCOLS:
@@ -36,7 +36,7 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     checkpoint = step = None
     skipped: tuple[str, ...] = ()
     if args.hf is not None:
-        from megazoo.models.gpt2.hf import read_hf_config
+        from megazoo.models.hf.gpt2 import read_hf_config
 
         model_dir = Path(args.hf)
         cfg = read_hf_config(model_dir)

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from megazoo.data.fileio import file_sha256
-from megazoo.data.tokenizer import Tokenizer
+from megazoo.data.tokenizers.tokenizer import Tokenizer
 from megazoo.eval.scoring import LogitsFn, batches, read_text_file, safe_exp, score_targets
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from megazoo.kernels import Implementation, kernels_for_model
 from megazoo.models.config import ModelConfig
-from megazoo.models.kv_cache import LayerCache
+from megazoo.models.generation.kv_cache import LayerCache
 from megazoo.models.layout import check_parallel_compat, kv_split
 from megazoo.models.packing import Segments
 from megazoo.models.rotary import apply_rotary, rotary_tables
@@ -173,7 +173,7 @@ class Attention(nn.Module):
                 pos = past + positions(s, self.topo.cp, self.topo.cp_rank, x.device)
                 cos, sin = rotary_tables(self.cfg, pos, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:  # decoding (models/kv_cache.py): this rank's heads, past positions included
+        if cache is not None:  # decoding (models/generation/kv_cache.py): this rank's heads, past positions included
             k, v = cache.append(k, v)  # the cache holds the g key/value heads, not their repeats
             y = cache.attend(q, *self._repeat_kv(k, v), window=self.cfg.sliding_window)
             return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))

@@ -2,7 +2,7 @@
 
 `parameter_layout` lists every parameter models/transformer.py allocates: its global name, its global shape and
 how tensor parallelism splits it. Everything else that needs the model's shapes derives them from here:
-`ModelConfig.num_parameters`, the Hugging Face GPT-2 import/export check (models/gpt2/hf.py), the ZeRO planner's
+`ModelConfig.num_parameters`, the Hugging Face GPT-2 import/export check (models/hf/gpt2.py), the ZeRO planner's
 per-device counts (recipes/planner/shards.py) and the "parameters" pipeline balancing (recipes/resolve.py).
 tests/models/test_layout.py holds it equal to what a meta-device model really allocates, at tp = 1 and tp = 2.
 

@@ -2,7 +2,7 @@
 
 `open_checkpoint(path, tokenizer=None)` resolves a run's `checkpoints/` folder (its latest good checkpoint) or one
 `step_N` directory and reads what the checkpoint knows without touching the weights: the model config, the step
-and the tokenizer (an explicit `tokenizer` spec wins; else the one the checkpoint records, data/tokenizer_store.py).
+and the tokenizer (an explicit `tokenizer` spec wins; else the one the checkpoint records, data/tokenizers/store.py).
 `load_gpt(ckpt, topology)` builds a whole (pp = 1) GPT for this rank and fills its tensor-parallel shards straight
 from the sharded files (parallel/checkpoint/load.py assembles one parameter at a time and keeps this rank's
 shard), so a tp > 1 job never holds the consolidated model on one rank.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megazoo.data.tokenizer import Tokenizer
+from megazoo.data.tokenizers.tokenizer import Tokenizer
 from megazoo.models.config import ModelConfig
 from megazoo.models.transformer import GPT
 from megazoo.parallel.checkpoint.consolidate import resolve_checkpoint
@@ -49,8 +49,8 @@ def open_checkpoint(path: str | Path, tokenizer: str | Path | None = None, *, ne
     A run's checkpoints folder resolves to its newest checkpoint that verifies; when a newer one is damaged, that
     is never silent: `report` hears each one skipped and which checkpoint is used, and `skipped` records them.
     `verify`: also check every file of a step directory named directly (sizes and sha256)."""
-    from megazoo.data.tokenizer_loading import load_tokenizer
-    from megazoo.data.tokenizer_store import checkpoint_tokenizer
+    from megazoo.data.tokenizers.loading import load_tokenizer
+    from megazoo.data.tokenizers.store import checkpoint_tokenizer
 
     problems: list[str] = []
     step_dir = resolve_checkpoint(path, report=report, problems=problems).resolve()

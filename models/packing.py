@@ -1,4 +1,4 @@
-"""Packed sequences: several examples in one row, each seeing only itself (data/sft_packing.py builds the rows).
+"""Packed sequences: several examples in one row, each seeing only itself (data/sft/packing.py builds the rows).
 
 Per-token segment ids (b, s) (1, 2, ... per example, 0 for padding; equal ids are contiguous) become, once per
 forward, what every layer needs:

@@ -6,7 +6,7 @@ SwiGLU (models/mlp.py), grouped-query attention and sliding windows (models/atte
 `lm_head` for the Llama-style families. Parameter names follow Hugging Face GPT-2 (`wte`, `wpe`, `h.<i>.ln_1`,
 `h.<i>.attn.c_attn`, `h.<i>.attn.c_proj`, `h.<i>.ln_2`, `h.<i>.mlp.c_fc`, `h.<i>.mlp.c_proj`, `ln_f`), so GPT-2
 import/export is a transpose table; the Llama-style names (`attn.c_q`, `attn.c_kv`, `lm_head`) map onto HF
-Llama's through models/llama/hf.py. models/layout.py lists them all.
+Llama's through models/hf/llama.py. models/layout.py lists them all.
 
 Pipeline-friendly by construction: blocks live in a ModuleDict keyed by their *global* index, the embedding and
 the head are optional, and forward is a plain loop, so a pipeline stage builds only its own part.
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from megazoo.kernels import Implementation, KernelChoice, kernels_for_model
 from megazoo.models.attention import Attention
 from megazoo.models.config import ModelConfig
-from megazoo.models.kv_cache import KVCache, LayerCache
+from megazoo.models.generation.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp
 from megazoo.models.norms import make_norm
 from megazoo.models.packing import Segments

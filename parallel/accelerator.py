@@ -11,7 +11,7 @@ Each function takes the device it is about and does the CPU's thing for a CPU de
 None, the CPU generator's state, no memory statistics: None), so callers need no `if device.type == "cuda"`.
 
 CUDA calls go through one `CudaRuntime` object. The real one (`TorchCuda`) calls torch.cuda when asked, never at
-import. The dry run on fake CUDA (parallel/fake_cuda.py) swaps in its stub with `using_runtime(stub)`: fake
+import. The dry run on fake CUDA (parallel/simulation/fake_cuda.py) swaps in its stub with `using_runtime(stub)`: fake
 tensors carry a CUDA device but there is no driver to ask, so each call is answered by the stub and recorded as
 "not executed" - which is why no library file may call torch.cuda itself: the stubs would not be complete.
 Host reads the step needs (an event's elapsed time, the memory peak) are made after the step, in one place each.
@@ -27,7 +27,7 @@ import torch
 
 
 class CudaRuntime:
-    """The CUDA calls megazoo makes. `TorchCuda` runs them; parallel/fake_cuda.StubCuda answers them without a
+    """The CUDA calls megazoo makes. `TorchCuda` runs them; parallel/simulation/fake_cuda.StubCuda answers them without a
     driver. A method per call, so a stub that misses one fails loudly instead of reaching torch.cuda."""
 
     def available(self) -> bool: raise NotImplementedError

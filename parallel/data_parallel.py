@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megazoo.parallel.collectives import CommLedger, all_reduce, all_reduce_async
-from megazoo.parallel.fake_world import same_memory
+from megazoo.parallel.simulation.fake_world import same_memory
 
 BUCKET_ELEMENTS = 1 << 22  # 4 M elements (16 MB fp32) per all-reduce: see README "## Measured"
 

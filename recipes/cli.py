@@ -33,7 +33,7 @@ from megazoo.workers.supervisor import launch_local
 def _train(args: argparse.Namespace) -> int:
     try:
         args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
-        from megazoo.data.catalog import default_folders  # catalog names: $MEGAZOO_DATA_DIR, then the cache
+        from megazoo.data.published.catalog import default_folders  # catalog names: $MEGAZOO_DATA_DIR, then the cache
         recipe = load_recipe(args.recipe, args.overrides, data_dir=args.data_dir,
                              catalog_dirs=default_folders(os.environ))
         par = recipe.parallel
@@ -150,17 +150,17 @@ def _generate(sub):
 
 
 def _convert(sub):
-    from megazoo.models.gpt2.convert_cli import register
+    from megazoo.models.hf.convert_cli import register
     register(sub)
 
 
 def _preprocess(sub):
-    from megazoo.data.preprocess import register
+    from megazoo.data.indexed.preprocess import register
     register(sub)
 
 
 def _tokenizer(sub):
-    from megazoo.data.tokenizer_cli import register
+    from megazoo.data.tokenizers.cli import register
     register(sub)
 
 
@@ -185,7 +185,7 @@ def _verify(sub):
 
 
 def _data(sub):
-    from megazoo.data.fetch_cli import register
+    from megazoo.data.published.fetch_cli import register
     from megazoo.recipes.sft_demo_cli import add_parser as sft_demo  # stdlib-only until it runs
     register(sub, more=(sft_demo,))
 

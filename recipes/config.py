@@ -17,9 +17,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megazoo.data.catalog import CATALOG, find_item
+from megazoo.data.published.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
-from megazoo.models.lora_config import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora.py)
+from megazoo.models.lora.config import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora/adapters.py)
 from megazoo.recipes.sft_section import SFTSection
 
 
@@ -310,7 +310,7 @@ def parse_override(text: str) -> tuple[list[str], object]:
 # `--set` values are used as typed (relative to the current directory, as the shell sees them); run.dir and
 # checkpoint.load name runs and stay relative to the current directory, where `megazoo train` writes runs.
 #
-# A tokenizer that names an item of the data catalog (data/catalog.py, e.g. "gpt2-bpe") is looked up in
+# A tokenizer that names an item of the data catalog (data/published/catalog.py, e.g. "gpt2-bpe") is looked up in
 # `--data-dir`, then in `catalog_dirs` (the command line passes $MEGAZOO_DATA_DIR and the user cache folder), in a
 # recipe file and in `--set` alike; found nowhere, the name stays and the resolver says how to fetch it. (A
 # folder of your own that happens to be called "gpt2-bpe" is "./gpt2-bpe".)

@@ -2,7 +2,7 @@
 [--tp N] [--tokenizer TOK]`: continue a prompt with a trained model; the continuation goes to stdout.
 
 CKPT is a run's `checkpoints/` folder (its latest good checkpoint) or one `step_N` directory; the tokenizer is
-the one the checkpoint records (models/loading.py), or --tokenizer. Decoding (models/generation.py) uses a KV
+the one the checkpoint records (models/loading.py), or --tokenizer. Decoding (models/generation/generate.py) uses a KV
 cache and stops early at the tokenizer's end-of-text id. Everything is checked in this process before any
 worker starts (exit 2 and one line naming the value); with --tp N > 1 the command relaunches itself under
 torchrun (`python -m megazoo.recipes.generate_cli`), every rank loads only its own shards and decodes in step,
@@ -19,7 +19,7 @@ from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_worke
 
 
 def _check(args: argparse.Namespace):
-    from megazoo.models.generation import check_sampling
+    from megazoo.models.generation.generate import check_sampling
     from megazoo.models.loading import open_checkpoint
 
     if args.max_new_tokens < 0:
@@ -37,7 +37,7 @@ def _check(args: argparse.Namespace):
 
 def continuation(args: argparse.Namespace, topo) -> str:
     """Decode on this rank (collective under tp) and return the new text."""
-    from megazoo.models.generation import decode
+    from megazoo.models.generation.generate import decode
     from megazoo.models.loading import load_gpt
 
     ckpt = _check(args)

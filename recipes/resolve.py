@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megazoo.data.indexed_formats import check_indexed
-from megazoo.data.tokenizer_loading import check_tokenizer_spec, tokenizer_vocab_size
+from megazoo.data.indexed.formats import check_indexed
+from megazoo.data.tokenizers.loading import check_tokenizer_spec, tokenizer_vocab_size
 from megazoo.models.config import ModelConfig
 from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
-from megazoo.models.lora_config import check_lora
+from megazoo.models.lora.config import check_lora
 from megazoo.parallel.context.layout import check_context_layout
 from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers

@@ -1,7 +1,7 @@
 """`megazoo data sft-demo --checkpoint CKPT | --tokenizer TOK --output-prefix PREFIX [--seq-len N]`: the SFT demo's
 dataset (recipes/sft-demo.toml), built on any machine from the Python standard library in one command.
 
-Rows come from data/stdlib_sft.py (prompt = a documented stdlib function's docstring, response = its signature),
+Rows come from data/sft/stdlib_sft.py (prompt = a documented stdlib function's docstring, response = its signature),
 go to PREFIX.jsonl, and are tokenized through the chat template into an SFT dataset at PREFIX (tokens + loss mask
 + manifest, as `megazoo preprocess --format sft` writes it). The tokenizer is the checkpoint's own (the one its
 model was trained with, copied to PREFIX.tokenizer.json for the recipe's data.tokenizer) or --tokenizer. Rows
@@ -21,8 +21,8 @@ HELP = "build the SFT demo's dataset (stdlib docstrings -> signatures) through a
 
 def _tokenizer(args: argparse.Namespace):
     """(the tokenizer, the spec a recipe's data.tokenizer names it by)."""
-    from megazoo.data.tokenizer import BPETokenizer
-    from megazoo.data.tokenizer_loading import load_tokenizer
+    from megazoo.data.tokenizers.tokenizer import BPETokenizer
+    from megazoo.data.tokenizers.loading import load_tokenizer
     from megazoo.models.loading import open_checkpoint
 
     if args.tokenizer:
@@ -47,7 +47,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.checkpoint and not Path(args.checkpoint).exists():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint} does not exist: give a run's checkpoints/ folder "
                                 "(e.g. runs/demo/checkpoints after `make demo`) or one step_N directory")
-    from megazoo.data.sft_dataset import sft_paths
+    from megazoo.data.sft.dataset import sft_paths
 
     existing = [str(p) for p in sft_paths(args.output_prefix) if p.exists()]
     if existing and not args.overwrite:
@@ -57,8 +57,8 @@ def _check(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:
         _check(args)
-        from megazoo.data.sft_preprocess import preprocess_sft
-        from megazoo.data.stdlib_sft import stdlib_sft_rows, write_rows
+        from megazoo.data.sft.preprocess import preprocess_sft
+        from megazoo.data.sft.stdlib_sft import stdlib_sft_rows, write_rows
 
         tokenizer, spec = _tokenizer(args)
         rows, _ = stdlib_sft_rows(args.max_bytes, args.max_doc_chars)

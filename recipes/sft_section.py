@@ -6,7 +6,7 @@
     packing = true              # several examples per train.seq_len row (false: one example per row, padded)
 
 With a path, the training rows come from it instead of [data]: the loss counts response tokens only (targets are
--100 elsewhere, data/sft_packing.py) and packed examples neither see each other nor share positions
+-100 elsewhere, data/sft/packing.py) and packed examples neither see each other nor share positions
 (models/packing.py). recipes/sft_check.py's `check_sft` runs in the resolver, before any process starts.
 """
 

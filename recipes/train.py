@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from megazoo.data.catalog import default_folders
+from megazoo.data.published.catalog import default_folders
 from megazoo.data.token_dataset import DataCacheError
 from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megazoo.eval.cli import register as register_eval
-from megazoo.models.gpt2.convert_cli import register as register_convert
+from megazoo.models.hf.convert_cli import register as register_convert
 
 
 def megazoo(argv) -> int:

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 # parameter differences over 1e-10; with one thread, 24 of 24 agreed. Two test workers share two cores anyway.
 torch.set_num_threads(1)
 
-from megazoo.data.catalog import CATALOG, DATA_DIR_ENV, cache_folder  # noqa: E402
+from megazoo.data.published.catalog import CATALOG, DATA_DIR_ENV, cache_folder  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def _missing(folder: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def data_dir(request) -> Path:
     """The evaluation data folder: --data-dir, else the first of $MEGAZOO_DATA_DIR, ../shared/data and the user
-    cache folder (where `megazoo data fetch` stores) that holds every catalog item (data/catalog.py). A given
+    cache folder (where `megazoo data fetch` stores) that holds every catalog item (data/published/catalog.py). A given
     --data-dir without them fails; none found skips the data tests with one line, or fails them when
     MEGAZOO_REQUIRE_DATA=1 (CI)."""
     explicit = request.config.getoption("--data-dir")

@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
-from megazoo.recipes.planner.dry_run import load, pipeline_depth_overrides, roles, run_role
-from megazoo.recipes.planner.dry_run_report import report
+from megazoo.recipes.dry_run.run import load, pipeline_depth_overrides, roles, run_role
+from megazoo.recipes.dry_run.report import report
 
 TINY = """
 [model]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megazoo.data.indexed_dataset import IndexedDatasetWriter
+from megazoo.data.indexed.dataset import IndexedDatasetWriter
 from megazoo.recipes.config import load_recipe
 from megazoo.recipes.resolve import model_config
 
@@ -41,8 +41,8 @@ def stand_in_overrides(path: Path, tmp_path: Path) -> list[str]:
     if table.data.tokenizer and not Path(table.data.tokenizer).exists():  # "gpt2-bpe", a data catalog name
         overrides.append(f"data.tokenizer={stand_in_gpt2_bpe(tmp_path / 'gpt2_bpe')}")
     if table.sft.path:  # a few SFT rows (tokens + loss mask): `megazoo data sft-demo` builds the real ones
-        from megazoo.data.sft_dataset import write_sft_dataset
-        from megazoo.data.sft_examples import SFTExamples
+        from megazoo.data.sft.dataset import write_sft_dataset
+        from megazoo.data.sft.examples import SFTExamples
 
         rows = SFTExamples(ids=[list(range(1, 20)), list(range(5, 15))], masks=[[0] * 12 + [1] * 7, [0] * 6 + [1] * 4],
                            rows=2)

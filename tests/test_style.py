@@ -5,7 +5,9 @@
   layer, models no training or evaluation code, eval no recipes (ALLOWED below is the whole table);
 - no process group, device mesh or distributed initialisation at module level (the Topology is passed in);
 - every recipe in recipes/ has a test that names it;
-- every package folder is installed under the megazoo.* namespace (pyproject's package list).
+- every package folder is installed under the megazoo.* namespace (pyproject's package list);
+- no folder's top level holds more than MAX_MODULES modules (group them into rooms: data/tokenizers, models/hf, ...);
+- recipes/' rooms import sideways only where ROOM_RULES allows (training/ never reaches up into planner/).
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("data", "eval", "kernels", "models", "parallel", "recipes", "workers")
 SOURCE_DIRS = PACKAGES + ("benchmarks", "tests")
 MAX_LINES = 400
+MAX_MODULES = 13  # "~12": a listing a newcomer reads at a glance
+
+# Rooms that must not import each other, (importer, imported): what both need moves down (recipes/gpus.py,
+# models/flops.py hold what training's MFU and the planner share).
+ROOM_RULES = (("recipes.training", "recipes.planner"), ("recipes.training", "recipes.dry_run"),
+              ("recipes.training", "recipes.reproduce"), ("recipes.training", "recipes.verify"),
+              ("parallel", "parallel.simulation"))
+# parallel's layers may read the simulation's three predicates (is this a fake tensor, do two share storage) and
+# nothing else of it: the fake world is the dry run's, not the training step's.
+SIMULATION_PREDICATES = "megazoo.parallel.simulation.fake_world"
 
 # Which top-level megazoo packages (or sub-modules) each package may import. The order of the layers, lowest
 # first: data, parallel, kernels, models, workers, eval, recipes.
@@ -63,6 +75,31 @@ def _megazoo_imports(path: Path) -> list[tuple[int, str]]:
 def test_source_files_stay_small(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(REPO)} has {lines} lines (> {MAX_LINES}): split it by purpose"
+
+
+def _package_folders() -> list[Path]:
+    return sorted(p.parent for top in PACKAGES for p in (REPO / top).rglob("__init__.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("folder", _package_folders(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_folder_is_a_long_listing(folder):
+    modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_MODULES, (f"{folder.relative_to(REPO)}/ holds {len(modules)} modules (> {MAX_MODULES}): "
+                                         f"group them into rooms by concern: {modules}")
+
+
+def test_rooms_do_not_reach_sideways():
+    wrong = []
+    for importer, imported in ROOM_RULES:
+        folder = REPO / importer.replace(".", "/")
+        for path in _sources(str(folder.relative_to(REPO))):
+            if importer == "parallel" and "simulation" in path.parts:
+                continue
+            for line, module in _megazoo_imports(path):
+                allowed_predicates = importer == "parallel" and "megazoo." + module == SIMULATION_PREDICATES
+                if (module == imported or module.startswith(imported + ".")) and not allowed_predicates:
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports megazoo.{module}")
+    assert not wrong, "rooms that reach sideways or up (move what both need down):\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -201,7 +238,7 @@ def test_test_modules_never_import_each_other():
 DYNAMIC_IMPORTS = {
     "parallel/zero/__init__.py": "lazy ZeroEngine: the ZeRO formulas' users load no torch (names from _LAZY)",
     "kernels/availability.py": "probes the optional triton install",
-    "recipes/planner/dry_run_cuda.py": "tests plant a bug through a 'module:function' the fake-CUDA child imports",
+    "recipes/dry_run/cuda.py": "tests plant a bug through a 'module:function' the fake-CUDA child imports",
 }
 PATH_LOADERS = {"spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader", "load_source",
                 "run_path", "module_from_spec"}

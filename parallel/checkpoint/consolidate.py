@@ -56,7 +56,7 @@ def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def write_full_checkpoint(full_state: dict[str, torch.Tensor], model: dict, out: str | Path,
                           tokenizer: dict | None = None) -> Path:
     """Write full tensors as a one-rank checkpoint under the checkpoints folder `out` (step 0, weights only);
-    `tokenizer`: a tokenizer record (data/tokenizer_store.py) for common.json, so the checkpoint carries it."""
+    `tokenizer`: a tokenizer record (data/tokenizers/store.py) for common.json, so the checkpoint carries it."""
     views = [StateView(name, ShardSpec(tuple(t.shape)), "param", 0, t.numel(), t.detach().reshape(-1))
              for name, t in full_state.items()]
     layout = {"dp": 1, "tp": 1, "pp": 1, "virtual_stages": 1, "zero_stage": 0, "stage_layers": None}

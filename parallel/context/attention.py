@@ -169,7 +169,7 @@ FAKE_TILES_PER_RANK = 8
 
 
 def _tile_for(q: torch.Tensor, tile: int) -> int:
-    """The tile, or under fake tensors (the dry run: recipes/planner/dry_run.py) one of at most
+    """The tile, or under fake tensors (the dry run: recipes/dry_run/run.py) one of at most
     FAKE_TILES_PER_RANK per rank: the tile loop runs in Python, ~10 ops per tile pair under four dispatch modes,
     and 128-row tiles of long-context.toml's 4,096 local rows are ~4K tile pairs per layer (hours a step). The
     same ops run on larger tiles; their O(tile^2) temporaries are counted as they are, an upper bound of the

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from megazoo.parallel.fake_world import has_values
+from megazoo.parallel.simulation.fake_world import has_values
 from megazoo.parallel.tensor.shards import ShardSpec
 
 TILE_ELEMENTS = 1 << 20  # ~4 MB of fp32 per generated tile

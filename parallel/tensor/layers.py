@@ -47,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output with sections > 1 would interleave the sections; gather per section")
         self.group, self.gather_output, self.init_std = group, gather_output, init_std
         self.in_features, self.out_features, self.sections = in_features, out_features, sections
-        self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora.py
+        self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora/adapters.py
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, sections, rank, tp)}
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device=device, dtype=dtype))
         if bias:
@@ -88,7 +88,7 @@ class RowParallelLinear(nn.Module):
         _divide(in_features, tp, "input features of a row-parallel layer")
         self.group, self.input_is_parallel, self.init_std = group, input_is_parallel, init_std
         self.in_features, self.out_features = in_features, out_features
-        self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora.py
+        self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora/adapters.py
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, 1, rank, tp)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype))
         if bias:

@@ -19,7 +19,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from megazoo.parallel.fake_world import memory_key
+from megazoo.parallel.simulation.fake_world import memory_key
 from megazoo.parallel.tensor import ShardSpec
 
 DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4 M elements per bucket (16 MB in fp32): see README "## Measured"

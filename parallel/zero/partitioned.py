@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megazoo.parallel import accelerator
 from megazoo.parallel.checkpoint.views import StateView, ensure_adam_state
 from megazoo.parallel.collectives import CommLedger, all_reduce, reduce_scatter_flat
-from megazoo.parallel.fake_world import same_memory
+from megazoo.parallel.simulation.fake_world import same_memory
 from megazoo.parallel.grad_norm import flat_grad_norm
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology

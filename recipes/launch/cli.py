@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from megazoo.data.catalog import default_folders
+from megazoo.data.published.catalog import default_folders
 from megazoo.workers.supervisor import Job
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import Recipe, RecipeError, load_recipe

@@ -84,7 +84,7 @@ class ActivationSpec:
                   *, autocast_fp32_params: bool = False) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
-        from megazoo.recipes.planner.flops import block_matmul_params
+        from megazoo.models.flops import block_matmul_params
 
         amp = autocast_fp32_params and element_bytes < 4
         h = cfg.d_model

@@ -217,8 +217,8 @@ def _megazoo_buffer_lines(p: Plan) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """The `plan` subcommand: print the plan (markdown or --json); 2 on bad flags. With a GPU (--gpu-memory,
     --gpu), a recipe or --search: the fit verdict / the layouts that fit (recipes/planner/fit_cli.py; 0 fits, 3 not)."""
-    if args.dry_run:  # the real training step on a fake world of the recipe's size (recipes/planner/dry_run.py)
-        from megazoo.recipes.planner import dry_run_cli
+    if args.dry_run:  # the real training step on a fake world of the recipe's size (recipes/dry_run/run.py)
+        from megazoo.recipes.dry_run import cli as dry_run_cli
         return dry_run_cli.run(args)
     if plan_fit_cli.wanted(args):
         try:

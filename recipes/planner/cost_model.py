@@ -3,7 +3,7 @@
 Estimated step time = compute + pipeline bubble + tensor-, pipeline- and data-parallel communication, nothing
 overlapped (an upper bound on what overlap would give; the ranking, not the absolute time, is the point):
 
-    compute   model FLOPs per token (recipes/planner/flops.py: 6 x matmul parameters + 12 L s h) x tokens per step,
+    compute   model FLOPs per token (models/flops.py: 6 x matmul parameters + 12 L s h) x tokens per step,
               x 4/3 with activation checkpointing (the forward runs twice), / (GPUs x peak x MFU)
     bubble    compute x (pp - 1) / (micro-batches x virtual stages)           (1F1B, Narayanan et al. 2021)
     tp        per layer and micro-batch 4 all-reduces of s b h activations (2 forward, 2 backward; 6 with
@@ -23,9 +23,9 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import PlanError, communication_volume
 from megazoo.recipes.planner.fit import PRECISION_BYTES, DeviceMemory, Layout, device_memory, max_micro_batch
-from megazoo.recipes.planner.gpus import GPU
+from megazoo.recipes.gpus import GPU
 from megazoo.recipes.planner.links import link_volume
-from megazoo.recipes.planner.flops import model_flops_per_token
+from megazoo.models.flops import model_flops_per_token
 
 
 @dataclass(frozen=True)

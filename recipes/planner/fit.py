@@ -23,8 +23,8 @@ from functools import lru_cache
 from megazoo.models.config import ModelConfig
 from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
                                            StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
-from megazoo.models.lora_config import LoRAConfig
-from megazoo.recipes.planner.gpus import GPU, GPUS
+from megazoo.models.lora.config import LoRAConfig
+from megazoo.recipes.gpus import GPU, GPUS
 from megazoo.recipes.planner.lora import lora_state_memory, stage_adapters
 from megazoo.recipes.planner.activations import ActivationSpec, StageActivations, stage_activations
 from megazoo.parallel.pipeline.schedules import placement

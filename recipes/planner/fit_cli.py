@@ -17,7 +17,7 @@ import argparse
 from megazoo.recipes.planner.zero import GB, PlanError
 from megazoo.recipes.planner.cost_model import CostModel, search
 from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
-from megazoo.recipes.planner.gpus import GPUS
+from megazoo.recipes.gpus import GPUS
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 

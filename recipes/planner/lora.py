@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.lora_config import LoRAConfig, adapter_parameters
+from megazoo.models.lora.config import LoRAConfig, adapter_parameters
 from megazoo.recipes.planner.zero import ModelStateMemory, megazoo_state_memory, storage_bytes
 
 

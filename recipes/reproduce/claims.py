@@ -8,7 +8,7 @@ recipes where one exists (recipes/tnlg-17b.toml, gpt-100b.toml, gpt-1t.toml, rea
 reads them). Published figures are quoted with their source; where our reading of a source is from memory it says
 so. Nothing here runs a model: the numbers are exact for the planner's formulas. Where a dry run of the recipe
 has been recorded (`python benchmarks/dry_run.py --json recipes/reproduce/dry_run_results.json`, shipped in the package:
-the real training step at the full world size on fake tensors, recipes/planner/dry_run.py), its measured peak, dp bytes
+the real training step at the full world size on fake tensors, recipes/dry_run/run.py), its measured peak, dp bytes
 and FLOPs per role are shown beside the planner's, each column saying whether it is measured or computed.
 """
 
@@ -22,8 +22,8 @@ from megazoo.models.layout import divisors
 from megazoo.recipes.planner.zero import GB
 from megazoo.recipes.planner.cost_model import CostModel, step_time
 from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch
-from megazoo.recipes.planner.gpus import GPUS
-from megazoo.recipes.planner.flops import model_flops_per_token
+from megazoo.recipes.gpus import GPUS
+from megazoo.models.flops import model_flops_per_token
 from megazoo.recipes.planner.fit_cli import planned_recipe
 from megazoo.recipes.reproduce.common import Report, figure, table
 

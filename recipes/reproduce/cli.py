@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from megazoo.data.catalog import fetch_folder
+from megazoo.data.published.catalog import fetch_folder
 from megazoo.recipes.reproduce.common import Report, ReproduceError, save_figure
 
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.report = lambda text: print(text, file=sys.stderr, flush=True)
     out = Path(args.out)
-    if getattr(args, "data_dir", None) is None:  # where `megazoo data fetch` stores (data/catalog.py)
+    if getattr(args, "data_dir", None) is None:  # where `megazoo data fetch` stores (data/published/catalog.py)
         args.data_dir = str(fetch_folder(os.environ))
     try:
         if out.exists() and not out.is_dir():

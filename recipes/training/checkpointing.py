@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megazoo.data.tokenizer_store import tokenizer_record
+from megazoo.data.tokenizers.store import tokenizer_record
 from megazoo.models.config import architecture_mismatches
 from megazoo.parallel import accelerator
 from megazoo.parallel.checkpoint.async_save import AsyncCheckpointSaver
@@ -98,7 +98,7 @@ def save(trainer: TrainingRun, step: int) -> Path:
               "recipe": res.recipe.to_dict(), "model": dataclasses.asdict(res.model),
               "global_batch": res.global_batch}  # plain data: written as common.json
     tokenizer = getattr(trainer.data, "tokenizer", None)
-    if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizer_store.py)
+    if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizers/store.py)
         common["tokenizer"] = tokenizer_record(tokenizer)
     written_layout = layout(res)
     write = save_checkpoint

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megazoo.data.token_dataset import TokenSamples, build_stdlib_corpus, synthetic_tokens
-from megazoo.data.tokenizer import Tokenizer
+from megazoo.data.tokenizers.tokenizer import Tokenizer
 from megazoo.data.blending import BlendedDataset, blend_counts
 from megazoo.data.gpt_dataset import GPTDataset
-from megazoo.data.indexed_formats import open_indexed
-from megazoo.data.sft_dataset import SFTDataset
-from megazoo.data.sft_packing import SFTRows
-from megazoo.data.tokenizer_loading import load_tokenizer
+from megazoo.data.indexed.formats import open_indexed
+from megazoo.data.sft.dataset import SFTDataset
+from megazoo.data.sft.packing import SFTRows
+from megazoo.data.tokenizers.loading import load_tokenizer
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import Resolved

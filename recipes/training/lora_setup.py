@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from megazoo.models.config import architecture_mismatches
-from megazoo.models.lora_peft import read_peft_adapter
+from megazoo.models.lora.peft_interop import read_peft_adapter
 from megazoo.parallel.checkpoint.io import CheckpointError, latest_good_checkpoint, read_common, verify_checkpoint
 from megazoo.parallel.checkpoint.load import load_views
 from megazoo.parallel.tensor import unique_named_shards

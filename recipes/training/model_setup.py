@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megazoo.kernels import Kernels, resolve_kernels
-from megazoo.models.lora import attach_lora
+from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.pipeline.partition import rank_chunks

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megazoo.data.batches import GlobalBatchSampler
-from megazoo.data.chat_template import chat_prompt, cut_at_end_of_turn, end_of_turn, resolve_template
-from megazoo.data.sft_packing import SFTRows
+from megazoo.data.sft.chat_template import chat_prompt, cut_at_end_of_turn, end_of_turn, resolve_template
+from megazoo.data.sft.packing import SFTRows
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
@@ -36,13 +36,14 @@ from megazoo.recipes.training import checkpointing
 from megazoo.recipes.training.data_setup import Samples, TrainData, load_data
 from megazoo.recipes.training.sample import generate
 from megazoo.recipes.training.metrics import MetricsLog, peak_memory_bytes
-from megazoo.recipes.planner.flops import model_flops_per_token, peak_flops
+from megazoo.models.flops import model_flops_per_token
+from megazoo.recipes.gpus import peak_flops
 from megazoo.recipes.training.model_setup import Precision, build_model, build_optimizer, configure_matmuls, run_kernels
 from megazoo.recipes.training.optim import lr_at
 from megazoo.recipes.training.progress import Progress
 from megazoo.recipes.resolve import Resolved
 
-# recipes/planner/gpus.py states peaks by these names
+# recipes/gpus.py states peaks by these names
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 

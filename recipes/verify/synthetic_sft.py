@@ -3,7 +3,7 @@
 The recipe's own SFT data is not part of its layout (and is often not on the machine that verifies), but what an
 `[sft]` section changes is: response-only targets (-100 on prompt tokens), examples packed several to a row with
 their own positions and attention blocks (or one per padded row), and each micro-batch's loss weighted by its
-share of the step's response tokens across dp ranks and accumulation steps (data/sft_packing.py). A layout that
+share of the step's response tokens across dp ranks and accumulation steps (data/sft/packing.py). A layout that
 splits a step's rows differently from one process must still weigh them the same. So verify writes a small SFT
 dataset of random examples of uneven lengths and uneven response shares, in the shrunk vocabulary and sequence
 length, with the same file format `megazoo preprocess --format sft` writes, and both runs read it.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megazoo.data.sft_dataset import write_sft_dataset
-from megazoo.data.sft_examples import SFTExamples
+from megazoo.data.sft.dataset import write_sft_dataset
+from megazoo.data.sft.examples import SFTExamples
 
 EXAMPLES = 256  # more rows than a few verify steps take at any packing
 TEMPLATE = "synthetic (megazoo verify)"

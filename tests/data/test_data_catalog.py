@@ -1,4 +1,4 @@
-"""The data catalog (data/catalog.py): its hashes are the data's, its lookup order is --data-dir, $MEGAZOO_DATA_DIR,
+"""The data catalog (data/published/catalog.py): its hashes are the data's, its lookup order is --data-dir, $MEGAZOO_DATA_DIR,
 the user cache; a recipe's `data.tokenizer = "gpt2-bpe"` resolves through it from any folder, and a missing one
 says how to get it while planning still works."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megazoo.data.catalog import CATALOG, cache_folder, default_folders, fetch_folder, find_item
+from megazoo.data.published.catalog import CATALOG, cache_folder, default_folders, fetch_folder, find_item
 from megazoo.data.fileio import file_sha256
 from megazoo.recipes import cli
 from megazoo.recipes.config import RecipeError, load_recipe

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megazoo.data import fetch_cli
-from megazoo.data.catalog import CATALOG, Source
-from megazoo.data.fetch import FetchError, fetch_file, item_names, sweep_stale_temporaries
+from megazoo.data.published import fetch_cli
+from megazoo.data.published.catalog import CATALOG, Source
+from megazoo.data.published.fetch import FetchError, fetch_file, item_names, sweep_stale_temporaries
 from megazoo.data.fileio import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_a_stop_mid_download_leaves_no_partial_file(mirror, tmp_path, signum, co
     mirror.faults["lambada/lambada_test.jsonl"] = "stall"
     # SIGINT as a terminal delivers it: a suite started in the background (CI, `make test &`) passes SIGINT on as
     # ignored, and Python then never raises KeyboardInterrupt, so the child gets the default disposition back.
-    proc = subprocess.Popen([sys.executable, "-m", "megazoo.data.fetch_cli", "fetch", "lambada", "--dir",
+    proc = subprocess.Popen([sys.executable, "-m", "megazoo.data.published.fetch_cli", "fetch", "lambada", "--dir",
                              str(tmp_path), "--mirror", mirror.url], stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     folder, deadline = tmp_path / "lambada", time.monotonic() + 60
@@ -195,7 +195,7 @@ def test_help_imports_no_torch():
     """The command's own modules (catalog, fetch_cli, and fetch once run) import only the standard library up front;
     the package's __init__ is bypassed here so that this checks them alone."""
     code = ("import sys, types; pkg = types.ModuleType('megazoo.data'); pkg.__path__ = [sys.argv[1]]; "
-            "sys.modules['megazoo.data'] = pkg\nfrom megazoo.data import fetch_cli, fetch\n"
+            "sys.modules['megazoo.data'] = pkg\nfrom megazoo.data.published import fetch_cli, fetch\n"
             "try:\n    fetch_cli.main(['fetch', '--help'])\nexcept SystemExit:\n    pass\n"
             "print(json.dumps(sorted(m for m in ('torch', 'numpy', 'tqdm', 'pyarrow') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json\n" + code, str(REPO / "data")], capture_output=True,

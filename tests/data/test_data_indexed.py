@@ -13,7 +13,7 @@ import torch
 from megazoo.data.batches import GlobalBatchSampler
 from megazoo.data.blending import BlendedDataset, blend_counts, blend_order
 from megazoo.data.gpt_dataset import GPTDataset
-from megazoo.data.indexed_dataset import HEADER, IndexedDataset, IndexedDatasetWriter, data_paths
+from megazoo.data.indexed.dataset import HEADER, IndexedDataset, IndexedDatasetWriter, data_paths
 
 
 def random_docs(seed: int, count: int, vocab: int = 1000, max_len: int = 50) -> list[np.ndarray]:

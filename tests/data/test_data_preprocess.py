@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import megazoo.data.preprocess as prep
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.indexed_dataset import IndexedDataset, data_paths
-from megazoo.data.preprocess import PreprocessError, main, preprocess
-from megazoo.data.tokenizer import BPETokenizer
+import megazoo.data.indexed.preprocess as prep
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.indexed.dataset import IndexedDataset, data_paths
+from megazoo.data.indexed.preprocess import PreprocessError, main, preprocess
+from megazoo.data.tokenizers.tokenizer import BPETokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 EOD = 50256
@@ -167,7 +167,7 @@ def test_cli_errors_exit_2_and_never_overwrite(tmp_path, gpt2, data_dir, capsys)
 
 def test_module_entry_point(tmp_path, data_dir):
     source = write_jsonl(tmp_path / "in.jsonl", SYNTHETIC)
-    command = [sys.executable, "-m", "megazoo.data.preprocess", "--input", str(source), "--tokenizer",
+    command = [sys.executable, "-m", "megazoo.data.indexed.preprocess", "--input", str(source), "--tokenizer",
                str(data_dir / "gpt2_bpe"), "--output-prefix", str(tmp_path / "out"), "--workers", "2"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -11,7 +11,7 @@ import torch
 import megazoo.data.token_dataset as token_dataset
 from megazoo.data.stdlib_corpus import split_train_val, stdlib_documents
 from megazoo.data.token_dataset import TokenSamples, build_stdlib_corpus, synthetic_tokens
-from megazoo.data.tokenizer import BPETokenizer, Tokenizer
+from megazoo.data.tokenizers.tokenizer import BPETokenizer, Tokenizer
 
 MAX_BYTES = 300_000
 VOCAB = 512

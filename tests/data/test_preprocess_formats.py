@@ -15,11 +15,11 @@ import torch
 from recipe_helpers import tiny_resolved
 
 from megazoo.data.gpt_dataset import GPTDataset
-from megazoo.data.indexed_dataset import IndexedDataset
-from megazoo.data.indexed_formats import check_indexed, open_indexed
-from megazoo.data.megatron_indexed import MegatronIndexedDataset
-from megazoo.data.preprocess import PreprocessError, main, preprocess
-from megazoo.data.tokenizer import BPETokenizer
+from megazoo.data.indexed.dataset import IndexedDataset
+from megazoo.data.indexed.formats import check_indexed, open_indexed
+from megazoo.data.indexed.megatron import MegatronIndexedDataset
+from megazoo.data.indexed.preprocess import PreprocessError, main, preprocess
+from megazoo.data.tokenizers.tokenizer import BPETokenizer
 from megazoo.recipes.config import RecipeError
 
 DOCS = [f"Paragraph {i}: a river runs {i % 7} miles past the old mill, where the miller's dog sleeps."

@@ -14,13 +14,13 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import megazoo.data.indexed_dataset as indexed
+import megazoo.data.indexed.dataset as indexed
 import megazoo.workers.supervisor as launcher
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.indexed_dataset import IndexedDatasetWriter, data_paths
-from megazoo.data.indexed_formats import check_indexed
-from megazoo.data.preprocess import main as preprocess_main
-from megazoo.data.tokenizer_loading import check_tokenizer_spec
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.indexed.dataset import IndexedDatasetWriter, data_paths
+from megazoo.data.indexed.formats import check_indexed
+from megazoo.data.indexed.preprocess import main as preprocess_main
+from megazoo.data.tokenizers.loading import check_tokenizer_spec
 from cli_helpers import megazoo
 
 PAST = 1_000_000_000  # a fixed mtime long ago (2001): the file has settled, so its verification is cached

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megazoo.data.chat_template import (ChatTemplateError, chat_encoder, check_messages, encode_conversation,
+from megazoo.data.sft.chat_template import (ChatTemplateError, chat_encoder, check_messages, encode_conversation,
                                         resolve_template)
-from megazoo.data.preprocess import main as preprocess_main
-from megazoo.data.sft_dataset import MASK_SUFFIX, SFTDataset, sft_paths
-from megazoo.data.sft_packing import SFTRows
-from megazoo.data.sft_preprocess import BadRowsError, preprocess_sft
-from megazoo.data.tokenizer_loading import load_tokenizer
+from megazoo.data.indexed.preprocess import main as preprocess_main
+from megazoo.data.sft.dataset import MASK_SUFFIX, SFTDataset, sft_paths
+from megazoo.data.sft.packing import SFTRows
+from megazoo.data.sft.preprocess import BadRowsError, preprocess_sft
+from megazoo.data.tokenizers.loading import load_tokenizer
 
 GPT2_BPE = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2_bpe"
 
@@ -56,7 +56,7 @@ def test_builtin_templates_train_exactly_the_replies(gpt2, template):
 
 
 def test_prompt_is_the_trained_context(gpt2):
-    from megazoo.data.chat_template import encode_prompt
+    from megazoo.data.sft.chat_template import encode_prompt
     _, render = resolve_template(gpt2, "chatml")
     encode = chat_encoder(gpt2)
     ids, mask = encode_conversation(check_messages(GOOD[1]["messages"][:3]), render, encode)
@@ -160,7 +160,7 @@ def test_cli_fails_with_the_report_and_writes_nothing(tmp_path, capsys):
 
 
 def test_stdlib_rows_pair_docstrings_with_signatures():
-    from megazoo.data.stdlib_sft import function_rows, stdlib_sft_rows
+    from megazoo.data.sft.stdlib_sft import function_rows, stdlib_sft_rows
     source = ('def area(w: float, h: float = 1.0, *, unit="m") -> float:\n    """Rectangle area."""\n'
               'def _hidden(x):\n    """Private."""\n'
               'class A:\n    async def fetch(self, *urls, **kw):\n        """Fetch every url."""\n'

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazoo.data.sft_dataset import SFTDataset
-from megazoo.data.sft_packing import IGNORE_INDEX, SFTRows
-from megazoo.data.sft_preprocess import preprocess_sft
-from megazoo.data.tokenizer import HFTokenizer
+from megazoo.data.sft.dataset import SFTDataset
+from megazoo.data.sft.packing import IGNORE_INDEX, SFTRows
+from megazoo.data.sft.preprocess import preprocess_sft
+from megazoo.data.tokenizers.tokenizer import HFTokenizer
 
 GPT2_BPE = Path("/work/shared/data/gpt2_bpe")
 CHATML_WITH_GENERATION = (

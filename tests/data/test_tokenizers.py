@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.indexed_dataset import IndexedDataset
-from megazoo.data.preprocess import load_tokenizer as preprocess_load_tokenizer
-from megazoo.data.preprocess import main as preprocess_main
-from megazoo.data.sentencepiece_tokenizer import SentencePieceTokenizer
-from megazoo.data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer, Tokenizer
-from megazoo.data.tokenizer_loading import load_tokenizer
-from megazoo.data.tokenizer_cli import main as tokenizer_main
-from megazoo.data.tokenizer_cli import register
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.indexed.dataset import IndexedDataset
+from megazoo.data.indexed.preprocess import load_tokenizer as preprocess_load_tokenizer
+from megazoo.data.indexed.preprocess import main as preprocess_main
+from megazoo.data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+from megazoo.data.tokenizers.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer, Tokenizer
+from megazoo.data.tokenizers.loading import load_tokenizer
+from megazoo.data.tokenizers.cli import main as tokenizer_main
+from megazoo.data.tokenizers.cli import register
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 1000
@@ -193,7 +193,7 @@ def test_hf_name_offline_says_the_hub_is_unreachable(tmp_path):
     """HF_HUB_OFFLINE=1 and an empty cache: nothing touches the network, and the error says what to do."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(REPO))
-    code = ("from megazoo.data.tokenizer_loading import load_tokenizer\n"
+    code = ("from megazoo.data.tokenizers.loading import load_tokenizer\n"
             "try:\n    load_tokenizer('hf:gpt2')\n"
             "except ConnectionError as error:\n    print(error)\nelse:\n    print('loaded?!')\n")
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.tokenizer import Tokenizer
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.tokenizers.tokenizer import Tokenizer
 from megazoo.eval.detokenizer import wikitext_detokenize
 from megazoo.eval.lambada import load_lambada, read_lambada_texts, split_last_word
 from megazoo.eval.wikitext103 import load_wikitext

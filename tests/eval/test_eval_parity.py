@@ -10,11 +10,11 @@ import torch
 from harness import run_distributed
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megazoo.eval.lambada import evaluate_lambada, load_lambada
 from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
 from megazoo.eval.wikitext103 import evaluate_wikitext, load_wikitext
-from megazoo.models.gpt2.hf import import_hf_dir
+from megazoo.models.hf.gpt2 import import_hf_dir
 from megazoo.parallel.topology import Topology
 
 WIKI_WINDOWS, LAMBADA_EXAMPLES = 24, 48

@@ -12,8 +12,8 @@ import torch
 from harness import run_distributed
 
 from megazoo.models.presets import get_preset
-from megazoo.models.generation import check_sampling, decode, full_logits, pick
-from megazoo.models.kv_cache import KVCache
+from megazoo.models.generation.generate import check_sampling, decode, full_logits, pick
+from megazoo.models.generation.kv_cache import KVCache
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.topology import Topology
@@ -120,7 +120,7 @@ def test_bad_sampling_settings_are_refused(kwargs, match):
 def test_decoding_refuses_what_the_cache_cannot_attend():
     from types import SimpleNamespace
 
-    from megazoo.models.generation import check_decodable
+    from megazoo.models.generation.generate import check_decodable
 
     for attention, cp in (("sparse", 1), ("dense", 2)):
         fake = SimpleNamespace(cfg=SimpleNamespace(attention=attention), topo=SimpleNamespace(cp=cp))

@@ -16,7 +16,7 @@ from recipe_helpers import tiny_recipe
 
 from megazoo.models.config import ARCHITECTURE_FIELDS, ModelConfig, architecture_mismatches, model_fields
 from megazoo.models.presets import get_preset, presets
-from megazoo.models.gpt2.hf import expected_shapes
+from megazoo.models.hf.gpt2 import expected_shapes
 from megazoo.models.layout import check_parallel_compat, divisors, parameter_layout
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import named_shards

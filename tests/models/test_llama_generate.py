@@ -6,8 +6,8 @@ import torch
 from harness import run_distributed
 
 from megazoo.models.presets import get_preset
-from megazoo.models.generation import decode, full_logits
-from megazoo.models.kv_cache import KVCache
+from megazoo.models.generation.generate import decode, full_logits
+from megazoo.models.generation.kv_cache import KVCache
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights
 from megazoo.parallel.topology import Topology

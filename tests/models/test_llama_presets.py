@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from megazoo.models.presets import get_preset
-from megazoo.models.llama.hf import config_from_hf
+from megazoo.models.hf.llama import config_from_hf
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import count_parameters
 from megazoo.parallel.topology import Topology

@@ -171,14 +171,14 @@ def test_block_forward_backward_in_16_bit_matches_fp64(preset, layer_norm, half)
 
 FAKE_CUDA_CHILD = textwrap.dedent("""
     import sys
-    from megazoo.parallel.fake_cuda import load_shim
+    from megazoo.parallel.simulation.fake_cuda import load_shim
     load_shim(sys.argv[1])
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from megazoo.kernels import LayerNorm
     from megazoo.models.norms import RMSNorm
-    from megazoo.parallel.fake_cuda_stubs import fake_cuda
-    from megazoo.parallel.fake_world import fake_tensors
+    from megazoo.parallel.simulation.fake_cuda_stubs import fake_cuda
+    from megazoo.parallel.simulation.fake_world import fake_tensors
 
     class Kernels(TorchDispatchMode):  # the dtypes layer_norm's kernels are called with
         def __init__(self):
@@ -208,7 +208,7 @@ FAKE_CUDA_CHILD = textwrap.dedent("""
 
 
 def test_on_fake_cuda_the_kernel_gets_16_bit_tensors_of_one_dtype():
-    from megazoo.parallel.fake_cuda import FakeCudaUnavailable, build_shim
+    from megazoo.parallel.simulation.fake_cuda import FakeCudaUnavailable, build_shim
 
     try:
         shim = build_shim()

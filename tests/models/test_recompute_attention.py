@@ -238,8 +238,8 @@ dir = "{run_dir}"
 
 def _real_peak(res) -> int:
     """Peak bytes of one real (not fake) step of a world of one, measured as the dry run measures."""
-    from megazoo.parallel.fake_world import fake_process_group
-    from megazoo.recipes.planner.dry_run import measure_step, shaped_data
+    from megazoo.parallel.simulation.fake_world import fake_process_group
+    from megazoo.recipes.dry_run.run import measure_step, shaped_data
     from megazoo.recipes.training.trainer import Trainer
 
     with fake_process_group(0, 1):  # a world of one: collectives are the identity, the tensors are real
@@ -252,8 +252,8 @@ def test_the_dry_run_runs_it_under_attention_dropout_and_says_so(tmp_path):
     """With attention dropout the dry run swaps SDPA (whose CPU math path keeps the probabilities) for
     "recompute", notes it, and plans no scores; its fake peak is the real recomputing step's, which is lower
     than the real SDPA step's by more than the probabilities of the layers. Without dropout nothing is swapped."""
-    from megazoo.recipes.planner.dry_run import attention_recomputed, gpu_kernels, load, roles, run_role
-    from megazoo.recipes.planner.dry_run_report import planned, report, to_text
+    from megazoo.recipes.dry_run.run import attention_recomputed, gpu_kernels, load, roles, run_role
+    from megazoo.recipes.dry_run.report import planned, report, to_text
 
     path = tmp_path / "tiny.toml"
     path.write_text(DRY_RECIPE.format(attn_dropout=0.1, run_dir=tmp_path / "run"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazoo.data.sft_packing import IGNORE_INDEX, ExampleList, SFTRows, example_targets, pack_rows
+from megazoo.data.sft.packing import IGNORE_INDEX, ExampleList, SFTRows, example_targets, pack_rows
 from megazoo.models.packing import Segments
 from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
@@ -130,7 +130,7 @@ def test_segments_reject_decoding_cache_and_bad_shapes():
     with pytest.raises(ValueError, match=r"segment ids must be \(batch, sequence\)"):
         Segments.from_ids(torch.ones(5, dtype=torch.long))
     model = _model("gpt2-tiny")
-    from megazoo.models.kv_cache import KVCache
+    from megazoo.models.generation.kv_cache import KVCache
     with pytest.raises(ValueError, match="decoding cache"):
         model(torch.ones(1, 4, dtype=torch.long), cache=object.__new__(KVCache),
               segment_ids=torch.ones(1, 4, dtype=torch.long))

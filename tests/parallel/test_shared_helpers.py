@@ -60,11 +60,11 @@ def test_the_tokenizer_loader_sits_above_the_tokenizers():
     for name in ("tokenizer", "gpt2_bpe", "sentencepiece_tokenizer"):
         imports = {m for path in [REPO / "data" / f"{name}.py"] for node in ast.walk(ast.parse(path.read_text()))
                    for m in ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])}
-        assert "megazoo.data.tokenizer_loading" not in imports, name
-    assert {"megazoo.data.gpt2_bpe", "megazoo.data.sentencepiece_tokenizer", "megazoo.data.tokenizer"} <= \
+        assert "megazoo.data.tokenizers.loading" not in imports, name
+    assert {"megazoo.data.tokenizers.gpt2_bpe", "megazoo.data.tokenizers.sentencepiece_tokenizer", "megazoo.data.tokenizers.tokenizer"} <= \
         _top_level_imports(REPO / "data" / "tokenizer_loading.py")
     # No re-export of the loader, not even a lazy one: nothing below the loader reaches it by any path.
-    import megazoo.data.tokenizer as tokenizer
+    import megazoo.data.tokenizers.tokenizer as tokenizer
 
     for name in ("load_tokenizer", "check_tokenizer_spec", "load_hf_tokenizer"):
         assert not hasattr(tokenizer, name), name
@@ -77,10 +77,10 @@ def _fresh(code: str) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.parametrize("first", ["megazoo.data.gpt2_bpe", "megazoo.data.sentencepiece_tokenizer",
-                                   "megazoo.data.tokenizer_loading", "megazoo.data.tokenizer"])
+@pytest.mark.parametrize("first", ["megazoo.data.tokenizers.gpt2_bpe", "megazoo.data.tokenizers.sentencepiece_tokenizer",
+                                   "megazoo.data.tokenizers.loading", "megazoo.data.tokenizers.tokenizer"])
 def test_every_tokenizer_module_imports_first(first):
-    assert _fresh(f"import {first}; from megazoo.data.tokenizer_loading import load_tokenizer; print('ok')") == "ok"
+    assert _fresh(f"import {first}; from megazoo.data.tokenizers.loading import load_tokenizer; print('ok')") == "ok"
 
 
 def test_importing_one_zero_piece_does_not_load_the_engine():

@@ -11,8 +11,8 @@ import pytest
 import torch
 from trained_tiny import VOCAB, trained_checkpoints
 
-from megazoo.data.tokenizer_store import checkpoint_tokenizer
-from megazoo.models.generation import full_logits
+from megazoo.data.tokenizers.store import checkpoint_tokenizer
+from megazoo.models.generation.generate import full_logits
 from megazoo.models.loading import load_gpt, open_checkpoint
 from megazoo.parallel.checkpoint.io import read_common
 from megazoo.parallel.topology import Topology
@@ -65,7 +65,7 @@ def test_generate_greedy_prints_the_argmax_continuation(ckpts, capsys):
 
 def test_generation_stops_at_eos(ckpts, capsys, monkeypatch):
     # Make EOS the argmax after the prompt: the continuation ends there, the mark itself not printed.
-    import megazoo.models.generation as generation
+    import megazoo.models.generation.generate as generation
 
     ckpt = open_checkpoint(ckpts)
     eos = ckpt.tokenizer.eod_id

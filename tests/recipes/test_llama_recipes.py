@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megazoo.recipes.planner import cli as plan_cli
-from megazoo.recipes.planner.dry_run import load
+from megazoo.recipes.dry_run.run import load
 from megazoo.recipes.planner.fit import device_memory, recipe_layout
 
 FOLDER = Path(__file__).resolve().parents[2] / "recipes"

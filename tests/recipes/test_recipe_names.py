@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from recipe_helpers import tiny_resolved
 
-from megazoo.data.indexed_dataset import IndexedDatasetWriter
+from megazoo.data.indexed.dataset import IndexedDatasetWriter
 from megazoo.recipes.catalog import find_recipe, shipped_recipes
 from megazoo.recipes.cli import main as cli_main
 from megazoo.recipes.config import RecipeError, load_recipe

@@ -9,8 +9,8 @@ import json
 import pytest
 from recipe_helpers import tiny_resolved
 
-from megazoo.data.preprocess import preprocess
-from megazoo.data.tokenizer import BPETokenizer
+from megazoo.data.indexed.preprocess import preprocess
+from megazoo.data.tokenizers.tokenizer import BPETokenizer
 from megazoo.recipes.config import RecipeError
 
 TEXTS = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7} times." for i in range(200)]

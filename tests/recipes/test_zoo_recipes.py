@@ -16,7 +16,7 @@ from recipe_stand_ins import stand_in_overrides
 from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.config import load_recipe
 from megazoo.recipes.planner.fit import device_memory, recipe_layout
-from megazoo.recipes.planner.gpus import GPUS
+from megazoo.recipes.gpus import GPUS
 from megazoo.recipes.resolve import resolve
 
 FOLDER = Path(__file__).resolve().parents[2] / "recipes"

@@ -104,7 +104,7 @@ def test_long_context_recipe_resolves_and_fits(tmp_path):
 
     from megazoo.recipes.config import load_recipe
     from megazoo.recipes.planner.fit import device_memory, recipe_layout
-    from megazoo.recipes.planner.gpus import GPUS
+    from megazoo.recipes.gpus import GPUS
 
     path = Path(__file__).resolve().parents[3] / "recipes" / "long-context.toml"
     res = resolve(load_recipe(path, stand_in_overrides(path, tmp_path)), world_size=8)

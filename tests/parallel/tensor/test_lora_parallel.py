@@ -10,7 +10,7 @@ import torch
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
-from megazoo.models.lora import adapter_parameters
+from megazoo.models.lora.adapters import adapter_parameters
 from megazoo.parallel.tensor.lora import is_lora_parameter
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError

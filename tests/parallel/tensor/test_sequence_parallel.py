@@ -15,7 +15,7 @@ from harness import run_distributed
 from recipe_helpers import tiny_resolved
 from parity_helpers import assert_same_training, train_run
 
-from megazoo.models.generation import decode
+from megazoo.models.generation.generate import decode
 from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_weights

@@ -11,9 +11,9 @@ import torch
 from dry_run_helpers import tiny_dry_recipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazoo.parallel.fake_world import fake_process_group
+from megazoo.parallel.simulation.fake_world import fake_process_group
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.planner.dry_run import load, shaped_data
+from megazoo.recipes.dry_run.run import load, shaped_data
 
 
 class NewBytes(TorchDispatchMode):

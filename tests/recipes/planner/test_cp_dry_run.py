@@ -1,4 +1,4 @@
-"""The dry run with context parallelism (recipes/planner/dry_run.py): the fake world is dp x tp x pp x cp ranks,
+"""The dry run with context parallelism (recipes/dry_run/run.py): the fake world is dp x tp x pp x cp ranks,
 laid out by Topology.of as `megazoo train` lays them out, each role's ring or all-to-all attention runs under fake
 tensors, its peak agrees with the planner and the cp bytes are counted; a role that fails says so.
 """
@@ -9,8 +9,8 @@ import pytest
 
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.planner.cli import main as plan_main
-from megazoo.recipes.planner.dry_run import RoleFailed, load, roles, run_role
-from megazoo.recipes.planner.dry_run_report import report, to_text
+from megazoo.recipes.dry_run.run import RoleFailed, load, roles, run_role
+from megazoo.recipes.dry_run.report import report, to_text
 
 TINY_CP = """
 [model]
@@ -92,7 +92,7 @@ def test_cp2_dry_run_peak_matches_the_planner_and_counts_cp_bytes(tmp_path, atte
 
 
 def test_a_failing_role_names_itself_and_the_error(tmp_path, monkeypatch, capsys):
-    import megazoo.recipes.planner.dry_run as dry_run
+    import megazoo.recipes.dry_run.run as dry_run
 
     def boom(*args, **kwargs):
         raise ValueError("a fake-tensor op failed")

@@ -13,7 +13,7 @@ from megazoo.recipes.planner.zero import (GB, MIXED_ADAM, PlanError, megazoo_sta
 from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.planner.cost_model import CostModel, search
 from megazoo.recipes.planner.fit import Layout, device_memory, state_memory
-from megazoo.recipes.planner.gpus import GPUS
+from megazoo.recipes.gpus import GPUS
 from megazoo.recipes.planner.shards import shard_parameters
 
 CFG = get_preset("gpt2-345m")

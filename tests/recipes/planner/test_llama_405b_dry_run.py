@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from megazoo.recipes.planner.dry_run import load, roles, run_role
-from megazoo.recipes.planner.dry_run_report import report
+from megazoo.recipes.dry_run.run import load, roles, run_role
+from megazoo.recipes.dry_run.report import report
 
 SETS = ["model.n_layer=16", "train.grad_accum=2", "train.global_batch=256"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from recipe_helpers import tiny_recipe
 
-from megazoo.models.lora import adapter_parameters
+from megazoo.models.lora.adapters import adapter_parameters
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.planner.fit import device_memory, recipe_layout
 from megazoo.recipes.planner.lora import lora_state_memory

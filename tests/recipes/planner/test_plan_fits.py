@@ -8,7 +8,7 @@ from megazoo.models.presets import get_preset
 from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.planner.cost_model import CostModel, search, step_time
 from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch
-from megazoo.recipes.planner.gpus import GPUS
+from megazoo.recipes.gpus import GPUS
 
 DEMO = "recipes/demo.toml"
 

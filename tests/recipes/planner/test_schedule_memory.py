@@ -6,7 +6,7 @@ output gradient, the head's weight gradient) and a backward's workspace. Here ev
 interleaved, ZB-H1, ZBV, DualPipeV - runs one real training step at pp 2 and 4 (forked gloo ranks, fp32, gpt2-tiny,
 micro-batch 2 x 64 tokens, no dropout; 4 blocks at pp 2, 8 at pp 4: one block per virtual stage under the V),
 measured as benchmarks/schedule_memory.py measures it (which prints the table): under the dry run's MemoryTracker
-(parallel/fake_world.py), what the step created beyond the model states (activations and backward temporaries),
+(parallel/simulation/fake_world.py), what the step created beyond the model states (activations and backward temporaries),
 at its highest until the schedule ends (after it, the optimizer step's own temporaries, which the planner counts
 elsewhere). Every rank within 10% of the planner's dry_run_report.planned(...)["activations"]; the same
 measurement planned as another schedule (ZBV as 1F1B, ...) misses by more, so the check can fail.
@@ -21,8 +21,8 @@ import pytest
 
 from benchmarks.schedule_memory import CHUNKS, measure, write_recipe  # the measurement, imported before the fork
 from megazoo.recipes.planner.activations import in_flight
-from megazoo.recipes.planner.dry_run import load, pipeline_depth_overrides
-from megazoo.recipes.planner.dry_run_report import planned
+from megazoo.recipes.dry_run.run import load, pipeline_depth_overrides
+from megazoo.recipes.dry_run.report import planned
 from megazoo.recipes.planner.schedule_memory import (ChunkBytes, actions, enough_micro_batches, peak_live, rank_peak,
                                                      walk)
 from megazoo.recipes.planner.shards import shard_parameters

@@ -14,11 +14,11 @@ from recipe_helpers import TINY
 from hf_helpers import tiny_hf_model
 from transformers import GPT2LMHeadModel
 
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.preprocess import preprocess
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.indexed.preprocess import preprocess
 from megazoo.eval.cli import main as eval_main
-from megazoo.models.gpt2.convert_cli import load_consolidated, register, save_consolidated
-from megazoo.models.gpt2.hf import config_from_hf, gpt_from_full_state, hf_to_megazoo_state
+from megazoo.models.hf.convert_cli import load_consolidated, register, save_consolidated
+from megazoo.models.hf.gpt2 import config_from_hf, gpt_from_full_state, hf_to_megazoo_state
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import Recipe, from_dict
 from megazoo.recipes.resolve import resolve

@@ -163,7 +163,7 @@ def _big_jsonl(path: Path) -> Path:
 
 
 def _preprocess(tmp_path, data_dir, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megazoo.data.preprocess", "--input",
+    return subprocess.Popen([sys.executable, "-m", "megazoo.data.indexed.preprocess", "--input",
                              str(_big_jsonl(tmp_path / "in.jsonl")), "--tokenizer", str(data_dir / "gpt2_bpe"),
                              "--output-prefix", str(tmp_path / "out" / "wiki"), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -202,7 +202,7 @@ def test_a_temporary_file_left_by_a_killed_preprocess_is_removed_by_the_next_run
     live = out / f".wiki.bin.{os.getpid()}-0123abcd.tmp"  # a running writer's file is left alone
     live.write_bytes(b"")
     (tmp_path / "in.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
-    done = subprocess.run([sys.executable, "-m", "megazoo.data.preprocess", "--input", str(tmp_path / "in.jsonl"),
+    done = subprocess.run([sys.executable, "-m", "megazoo.data.indexed.preprocess", "--input", str(tmp_path / "in.jsonl"),
                            "--tokenizer", str(data_dir / "gpt2_bpe"), "--output-prefix", str(out / "wiki"),
                            "--workers", "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from trained_tiny import train_tiny
 
-from megazoo.data.chat_template import BUILTIN_TEMPLATES, cut_at_end_of_turn, end_of_turn
+from megazoo.data.sft.chat_template import BUILTIN_TEMPLATES, cut_at_end_of_turn, end_of_turn
 from megazoo.recipes.cli import main as cli_main
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "sft-demo.toml"
-PREFIX = "runs/sft-demo-data/stdlib_sft"
+PREFIX = "runs/sft-demo-data/sft/stdlib_sft"
 
 
 def test_end_of_turn_is_read_from_the_template():

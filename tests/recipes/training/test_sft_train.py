@@ -10,8 +10,8 @@ import pytest
 import torch
 from recipe_helpers import tiny_recipe
 
-from megazoo.data.sft_dataset import write_sft_dataset
-from megazoo.data.sft_examples import SFTExamples
+from megazoo.data.sft.dataset import write_sft_dataset
+from megazoo.data.sft.examples import SFTExamples
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
@@ -120,9 +120,9 @@ def test_closing_sample_answers_through_the_chat_template(tmp_path):
     returns the generated answer alone: the same ids as decoding from that prompt by hand."""
     import json
 
-    from megazoo.data.chat_template import chat_prompt
-    from megazoo.data.sft_preprocess import preprocess_sft
-    from megazoo.data.tokenizer_loading import load_tokenizer
+    from megazoo.data.sft.chat_template import chat_prompt
+    from megazoo.data.sft.preprocess import preprocess_sft
+    from megazoo.data.tokenizers.loading import load_tokenizer
     from megazoo.recipes.training.sample import generate
     bpe = "/work/shared/data/gpt2_bpe"
     tok = load_tokenizer(bpe)

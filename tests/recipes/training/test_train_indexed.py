@@ -10,8 +10,8 @@ from harness import run_distributed
 from recipe_helpers import tiny_recipe, tiny_resolved
 from parity_helpers import assert_same_training
 
-from megazoo.data.gpt2_bpe import GPT2BPETokenizer
-from megazoo.data.preprocess import preprocess
+from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megazoo.data.indexed.preprocess import preprocess
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.config import RecipeError
 from megazoo.recipes.resolve import resolve
@@ -88,7 +88,7 @@ def test_no_validation_paths_means_no_validation(corpus, tmp_path):
 
 def test_a_tiny_corpus_is_said_to_repeat_with_its_epoch_count(tmp_path, capsys):
     """A 3-token corpus trains by reading itself hundreds of times over: the run says so (rank 0, stderr)."""
-    from megazoo.data.indexed_dataset import IndexedDatasetWriter
+    from megazoo.data.indexed.dataset import IndexedDatasetWriter
     from megazoo.recipes.training.data_setup import load_data, repeat_warning
 
     with IndexedDatasetWriter(tmp_path / "tiny", vocab_size=300) as writer:

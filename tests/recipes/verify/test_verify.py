@@ -155,7 +155,7 @@ def test_a_fine_tuning_recipe_runs_on_synthetic_rows_and_leaves_nothing(monkeypa
 def test_injected_fine_tuning_weighting_bug_fails(monkeypatch, capsys):
     """Micro-batches of fine-tuning rows weighted equally instead of by their response tokens: dp 2 then trains
     on another loss than one process (its micro-batches hold other rows' tokens), and verify says so."""
-    from megazoo.data.sft_packing import SFTRows
+    from megazoo.data.sft.packing import SFTRows
 
     monkeypatch.setattr(SFTRows, "micro_batch_weights",
                         lambda self, step_rows, micro_batches, replicas: [1.0] * len(micro_batches))

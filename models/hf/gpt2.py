@@ -1,0 +1,235 @@
+"""Hugging Face GPT-2 checkpoints <-> megazoo GPT weights.
+
+Our parameter names are HF GPT-2's without the `transformer.` prefix, so conversion is one rule: HF's `Conv1D`
+layers (`c_attn`, `c_proj`, `c_fc`) store weights as (in, out) and ours as torch.nn.Linear's (out, in), so those
+four weights are transposed. HF's fused `c_attn` output is already [Q; K; V] (each d_model wide, heads in
+order), exactly our full layout, which `shard_of` then cuts by whole heads per rank (ShardSpec sections=3).
+HF's `attn.bias` / `attn.masked_bias` causal-mask buffers (older checkpoints) and the tied `lm_head.weight` are
+dropped.
+
+"Full state" below means {our name: full, unsharded tensor} with the embedding at the true vocabulary size, the
+format of `models.weights.full_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megazoo.models.config import ModelConfig
+from megazoo.models.layout import VOCAB_PARAMETERS, parameter_layout
+from megazoo.models.transformer import GPT
+from megazoo.models.weights import named_shards
+from megazoo.parallel.tensor import shard_of
+from megazoo.parallel.topology import Topology
+
+# Layers stored by HF as transformers.pytorch_utils.Conv1D, whose weight is (in, out).
+CONV1D_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# HF activations equal to ours (GELU with the tanh approximation).
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+HF_PREFIX = "transformer."
+DROPPED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def _is_conv1d_weight(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{layer}." in f".{name}" for layer in CONV1D_LAYERS)
+
+
+def hf_to_megazoo_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo state from an HF GPT2LMHeadModel / GPT2Model state dict (prefix `transformer.` optional)."""
+    full: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in hf_state.items():
+        if hf_name == "lm_head.weight" or hf_name.endswith(DROPPED_SUFFIXES):
+            continue  # tied to wte / causal-mask buffers we do not need
+        name = hf_name.removeprefix(HF_PREFIX)
+        full[name] = tensor.t().contiguous() if _is_conv1d_weight(name) else tensor
+    if "lm_head.weight" in hf_state and "wte.weight" in full:
+        if not torch.equal(hf_state["lm_head.weight"], full["wte.weight"]):
+            raise ValueError("lm_head.weight differs from transformer.wte.weight: megazoo GPTs tie the output "
+                             "head to the input embedding and cannot hold an untied checkpoint")
+    _check_names_and_shapes(full, cfg)
+    return full
+
+
+def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel state (without the tied `lm_head.weight`) from a full megazoo state."""
+    _check_names_and_shapes(full_state, cfg)
+    return {HF_PREFIX + name: (tensor.t() if _is_conv1d_weight(name) else tensor).contiguous()
+            for name, tensor in full_state.items()}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the full model with its full shape (embedding at the true vocabulary size), from
+    models/layout.py."""
+    return {p.name: p.shape for p in parameter_layout(cfg, vocab=cfg.vocab_size)}
+
+
+def _check_names_and_shapes(full: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    expected = expected_shapes(cfg)
+    missing, unexpected = sorted(set(expected) - set(full)), sorted(set(full) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"state does not match model {cfg.name} ({cfg.n_layer} layers): missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    wrong = [f"{n}: {tuple(full[n].shape)} != {s}" for n, s in expected.items() if tuple(full[n].shape) != s]
+    if wrong:
+        raise ValueError(f"state does not match model {cfg.name}: wrong shapes {wrong[:8]}")
+
+
+def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
+    """ModelConfig of an HF `GPT2Config`; refuses the variants our decoder does not compute."""
+    unsupported = []
+    if hf_config.activation_function not in TANH_GELUS:
+        unsupported.append(f"activation_function={hf_config.activation_function!r} (ours is tanh-GELU)")
+    if not getattr(hf_config, "scale_attn_weights", True) or getattr(hf_config, "scale_attn_by_inverse_layer_idx",
+                                                                      False):
+        unsupported.append("attention scaling other than 1/sqrt(head_dim)")
+    if not getattr(hf_config, "tie_word_embeddings", True):
+        unsupported.append("untied output head (tie_word_embeddings=False)")
+    if getattr(hf_config, "add_cross_attention", False):
+        unsupported.append("cross-attention")
+    if unsupported:
+        raise ValueError(f"unsupported GPT-2 variant: {'; '.join(unsupported)}")
+    return ModelConfig(
+        name=name or Path(getattr(hf_config, "name_or_path", "") or "hf-gpt2").name or "hf-gpt2",
+        n_layer=hf_config.n_layer, n_head=hf_config.n_head, d_model=hf_config.n_embd,
+        n_positions=hf_config.n_positions, vocab_size=hf_config.vocab_size,
+        d_ff=hf_config.n_inner or 4 * hf_config.n_embd,
+        # Dropout rates are kept for fine-tuning; evaluation runs in eval() mode, where they are inactive.
+        dropout=hf_config.resid_pdrop, attn_dropout=hf_config.attn_pdrop,
+        layer_norm_eps=hf_config.layer_norm_epsilon, init_std=hf_config.initializer_range,
+    )
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None):
+    """The HF `GPT2Config` computing the same function as `cfg`. `special`: bos / eos / pad ids of the model's
+    tokenizer (models/hf/tokenizer_export.py: special_ids); without them GPT-2's end-of-text id 50256 is kept when
+    the vocabulary holds it, and no id is written otherwise (never one outside the vocabulary)."""
+    from transformers import GPT2Config
+
+    if special is None:
+        eod = 50256 if cfg.vocab_size > 50256 else None
+        special = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": None}
+    return GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_inner=cfg.d_ff, activation_function="gelu_new", resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout, attn_pdrop=cfg.attn_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
+        initializer_range=cfg.init_std, architectures=["GPT2LMHeadModel"], tie_word_embeddings=True, **special,
+    )
+
+
+@torch.no_grad()
+def load_full_state_into(model: GPT, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shard of every parameter of `model` (any tp, any pipeline stage) from a full state.
+
+    The embedding (and an untied head) is padded with zero rows from the true to the model's padded vocabulary (as init_weights
+    does: padding ids are never inputs and their logits are masked). Names of other stages are ignored.
+    """
+    missing = [name for name, _, _ in named_shards(model) if name not in full_state]
+    if missing:
+        raise ValueError(f"full state lacks {len(missing)} parameter(s) of the model, e.g. {missing[:8]}")
+    for name, param, spec in named_shards(model):
+        full = full_state[name]
+        if name in VOCAB_PARAMETERS and full.shape[0] < spec.global_shape[0]:
+            full = torch.cat([full, full.new_zeros(spec.global_shape[0] - full.shape[0], full.shape[1])])
+        param.copy_(shard_of(full.to(param.dtype), spec))
+
+
+def gpt_from_full_state(cfg: ModelConfig, full_state: dict[str, torch.Tensor], topology: Topology,
+                        dtype: torch.dtype = torch.float32) -> GPT:
+    """A whole (pp = 1) GPT for this rank of `topology`, holding its shards of `full_state`, in eval mode."""
+    model = GPT(cfg, topology, device=topology.device, dtype=dtype)
+    load_full_state_into(model, full_state)
+    return model.eval()
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of an HF checkpoint directory: model.safetensors, its sharded index, or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    single, index, pickle = (hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json",
+                             hf_dir / "pytorch_model.bin")
+    try:
+        if single.is_file():
+            return load_file(str(single))
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return {k: v for shard in shards for k, v in load_file(str(hf_dir / shard)).items()}
+        if pickle.is_file():
+            return torch.load(pickle, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors/torch raise several types for truncated or corrupt files
+        raise ValueError(f"cannot read the weights of HF checkpoint {hf_dir}: {error}") from error
+    raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no model.safetensors, "
+                            "model.safetensors.index.json or pytorch_model.bin")
+
+
+def read_hf_config(hf_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF GPT-2 directory's config.json, named after the directory (weights not read)."""
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    config = hf_dir / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_dir))
+    except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
+        raise ValueError(f"cannot read HF config {config}: {error}") from error
+    if hf_config.model_type != "gpt2":
+        raise ValueError(f"{config} describes a {hf_config.model_type!r} model, not gpt2")
+    return config_from_hf(hf_config, name=hf_dir.resolve().name)
+
+
+def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, full megazoo state) of an HF GPT-2 checkpoint directory (config.json + weights)."""
+    cfg = read_hf_config(hf_dir)
+    return cfg, hf_to_megazoo_state(read_hf_state_dict(hf_dir), cfg)
+
+
+def import_hf_dir(hf_dir: str | Path, topology: Topology, dtype: torch.dtype = torch.float32) -> GPT:
+    """Our GPT, sharded over `topology`'s tp group, from an HF GPT-2 checkpoint directory."""
+    cfg, full_state = read_hf_dir(hf_dir)
+    return gpt_from_full_state(cfg, full_state, topology, dtype)
+
+
+def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+                  tokenizer_dir: str | Path | None = None, tokenizer=None) -> Path:
+    """Write an HF GPT-2 checkpoint (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads.
+
+    With `tokenizer` (a megazoo Tokenizer) or `tokenizer_dir` (a GPT-2 BPE directory), it is written as a Hugging
+    Face tokenizer, so the directory is also a complete tokenizer for AutoTokenizer, and its end-of-text id is
+    the model's bos / eos / pad id (config.json and generation_config.json: generate() stops there).
+    """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    from megazoo.models.hf.tokenizer_export import save_hf_tokenizer, special_ids
+
+    if tokenizer is None and tokenizer_dir is not None:
+        from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+
+        tokenizer = GPT2BPETokenizer.from_dir(tokenizer_dir)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_state = megazoo_to_hf_state(full_state, cfg)
+    special = special_ids(tokenizer) if tokenizer is not None else None
+    config = config_to_hf(cfg, special)
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    # HF's own format: tied lm_head omitted, "pt" metadata so from_pretrained treats it as a torch checkpoint.
+    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, out_dir, max_length=cfg.n_positions)
+    if tokenizer_dir is not None:  # GPT-2's own files too, for tools that read vocab.json + merges.txt
+        from megazoo.data.fileio import atomic_write_bytes
+        from megazoo.data.tokenizers.gpt2_bpe import find_bpe_files
+
+        vocab, merges = find_bpe_files(tokenizer_dir)
+        atomic_write_bytes(out_dir / "vocab.json", vocab.read_bytes())
+        atomic_write_bytes(out_dir / "merges.txt", merges.read_bytes())
+    return out_dir

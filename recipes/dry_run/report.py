@@ -1,0 +1,194 @@
+"""The dry run's report: each role's measurements beside the planner's numbers, the fit verdict, the JSON.
+
+    megazoo plan --recipe recipes/tnlg-17b.toml --dry-run [--gpu-memory GB | --gpu NAME] [--json OUT]
+
+Planner columns, per role's pipeline stage: model states as `megazoo plan` counts them, the bytes megazoo's ZeRO
+optimizers hold (recipes/fit.state_memory: recipes/planner/zero.py's megazoo_state_memory, not the ZeRO paper's
+Table 1) on the stage's exact parameter count (recipes/planner/shards.py), activations from recipes/planner/activations.py (with
+fit.activation_spec: a fp32 residual stream under ZeRO-0's autocast), buffers from the planner's buffer_memory
+(recipes/planner/fit.py's arithmetic, for this stage rather than the fullest). The activation
+formula is taken for the attention kernel the dry run executes: no scores stored (the CPU's fused SDPA without
+dropout; with dropout the recomputing kernel dry_run.gpu_kernels runs in SDPA's place). Communication: the
+collectives on the dp group ("mesh_dp") in ring bytes sent per rank (all-reduce 2 (N-1)/N, reduce-scatter /
+all-gather (N-1)/N of the tensor) beside the paper's per-step volume. FLOPs: FlopCounterMode's count beside
+6 x matmul parameters x tokens + attention (models/flops.py's convention) for this stage's share, plus the
+forward recomputed under activation checkpointing and the attention core's forward recomputed by
+kernels.attention = "recompute".
+Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the planner's convention).
+"""
+
+from __future__ import annotations
+
+from megazoo.models.layout import parameter_layout
+from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
+from megazoo.parallel.pipeline.partition import rank_chunks
+from megazoo.parallel.pipeline.schedules import placement
+from megazoo.recipes.dry_run.run import RoleResult, attention_recomputed, gpu_kernels
+from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
+                                        state_memory)
+from megazoo.recipes.planner.links import link_bytes
+from megazoo.recipes.planner.shards import shard_parameters
+from megazoo.recipes.resolve import Resolved
+
+RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_gather": lambda n: (n - 1) / n}
+
+
+def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
+    """The planner's bytes for one pipeline stage's device: params, grads, optimizer (0 when offloaded),
+    activations, buffers, total; and its dp communication per step (paper, ring bytes sent)."""
+    cfg, layout = res.model, recipe_layout(res)
+    # What the attention the dry run runs keeps: no scores with the CPU's fused SDPA (no dropout) or with the
+    # recomputing kernel (under dropout it runs in SDPA's place: dry_run.gpu_kernels), as FlashAttention on a GPU.
+    no_scores = layout.flash_attention and res.model.attn_dropout == 0.0 or attention_recomputed(res)
+    state = PRECISION_BYTES[layout.precision][0]  # the paper's bytes: its buffers and communication volume
+    shard = shard_parameters(cfg, layout.tp, layout.pp, layout.stage_layers, placement(layout.schedule))
+    acts = layout_activations(cfg, layout, shard, activation_spec(cfg, layout, 1, no_scores))
+    st = shard.stages[pp_stage]
+    mem = state_memory(st.numel, layout)  # megazoo's optimizers' bytes, as `megazoo plan` counts them
+    buffers = BufferConfig(layout.bucket, layout.bucket)
+    buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
+                        persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
+    grad_ranks = layout.dp * layout.cp  # gradients are reduced (and ZeRO partitions) over dp x cp
+    comm = communication_volume(st.numel, grad_ranks, layout.zero, state, grad_accum=layout.grad_accum)
+    out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
+           "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
+           "buffers": buf, "dp_comm_bytes": comm.bytes if grad_ranks > 1 else 0.0, "psi": st.numel}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
+    if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
+        root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
+        links = link_bytes(st.numel, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
+                           grad_accum=layout.grad_accum, root=root, element_bytes=state.params,
+                           quantized_weights=layout.quantized_weights,
+                           quantized_gradients=layout.quantized_gradients)  # ZeRO++ qwZ / qgZ bytes
+        out["link_bytes"] = {"intra": links.intra, "inter": links.inter}
+    return out
+
+
+def formula_flops(res: Resolved, pp_stage: int) -> float:
+    """6 x this tp rank's matmul parameters of the stage x its tokens (seq_len / cp of each sequence) + 12 L s d / tp
+    attention per token (s: the whole sequence, which every query of a causal cp chunk sees on average)
+    (models/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
+    cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
+    held = rank_chunks(res.stage_layers, par.pp, pp_stage, placement(par.schedule))  # its virtual stages
+    layers = [i for v in held for i in res.stage_layers[v]]
+    last = len(res.stage_layers) - 1 in held  # the head: the last rank, or the first under the V
+    params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
+    blocks = sum(p.local_numel(par.tp) for p in params if p.name.endswith(".weight") and ".ln_" not in p.name)
+    head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
+    tokens = t.micro_batch * t.grad_accum * t.seq_len // par.cp  # cp: this rank's chunks of every sequence
+    attention = 12.0 * len(layers) * t.seq_len * cfg.d_model / par.tp
+    # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: without dropout after
+    # it, the block's last matmul (mlp.c_proj, whose output nothing saves) is not run again.
+    last_mm = sum(p.local_numel(par.tp) for p in params if p.name.endswith("mlp.c_proj.weight"))
+    again = blocks - (last_mm if cfg.dropout == 0.0 else 0)
+    recompute = (2.0 * again + attention / 3) if t.activation_checkpointing else 0.0
+    if attention_recomputed(res):  # kernels.attention = "recompute": the attention core's forward in backward
+        recompute += attention / 3
+    return tokens * (6.0 * (blocks + head) + attention + recompute)
+
+
+def dp_ring_bytes(result: RoleResult, dp: int, world: int, cp: int = 1) -> float:
+    """Bytes this rank sends on its gradient group (dp x cp ranks) in the step, as ring collectives move them.
+    DeviceMesh names the dp group "mesh_dp" (the cp group "mesh_cp" when dp = 1), Topology the dp x cp group
+    "dp_cp"; when the group is the whole world DeviceMesh hands out the default group instead."""
+    n = dp * cp
+    names = ("mesh_dp",) if cp == 1 else ("mesh_cp",) if dp == 1 else ("dp_cp",)
+    total = 0.0
+    for (op, desc), (_, nbytes) in result.measured.by_group.items():
+        if (desc.startswith(names) or desc == "default_pg" and n == world) and op in RING:
+            total += nbytes * RING[op](n)
+    return total
+
+
+def cp_attention_bytes(result: RoleResult) -> float:
+    """Bytes this rank sends for attention across the cp split in the step: ring attention's K / V and dK / dV
+    blocks (send), or Ulysses' all-to-all of q, k, v and the output (and their gradients)."""
+    return float(sum(nbytes for (op, desc), (_, nbytes) in result.measured.by_group.items()
+                     if desc.startswith("mesh_cp") and op in ("send", "all_to_all", "all_to_all_single")))
+
+
+def rel(measured: float, planned_value: float) -> float | None:
+    return None if not planned_value else (measured - planned_value) / planned_value
+
+
+def role_dict(res: Resolved, r: RoleResult) -> dict:
+    plan = planned(res, r.role.pp_stage)
+    m, par = r.measured, res.recipe.parallel
+    world = res.world_size
+    return {"rank": r.role.rank, "pp_stage": r.role.pp_stage, "ranks": list(r.role.ranks), "why": r.role.why,
+            "measured_peak_bytes": m.peak["total"], "planned_peak_bytes": plan["total"],
+            "relative_difference": rel(m.peak["total"], plan["total"]),
+            "by_category": {k: v for k, v in m.peak.items() if k != "total"}, "host_bytes": m.host_bytes,
+            "planned_by_category": {k: plan[k] for k in ("params", "grads", "optimizer", "activations", "buffers")},
+            "collectives": m.collectives, "by_group": [[op, desc, count, nbytes] for (op, desc), (count, nbytes)
+                                                       in sorted(m.by_group.items())],
+            "dp_ring_bytes": dp_ring_bytes(r, par.dp, world, par.cp), "cp_attention_bytes": cp_attention_bytes(r),
+            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "link_bytes": m.link_bytes,
+            "planned_link_bytes": plan.get("link_bytes", {}), "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
+                res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
+
+
+def report(res: Resolved, results: list[RoleResult], capacity_gb: float, seconds: float) -> dict:
+    rows = [role_dict(res, r) for r in results]
+    fits = all(row["measured_peak_bytes"] <= capacity_gb * GB for row in rows)
+    return {"world_size": res.world_size, "fits": fits, "gpu_memory_gb": capacity_gb, "roles": rows,
+            "seconds": seconds, "notes": gpu_kernels(res)[1]}
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def to_text(res: Resolved, rep: dict) -> str:
+    par, t = res.recipe.parallel, res.recipe.train
+    lines = [f"Dry run: {res.model.name}, dp={par.dp} x tp={par.tp} x pp={par.pp}"
+             f"{f' x cp={par.cp} ({par.cp_attention})' if par.cp > 1 else ''} = {rep['world_size']} ranks, "
+             f"ZeRO-{res.recipe.zero.stage}{' + CPU offload' if res.recipe.zero.offload == 'cpu' else ''}, "
+             f"{t.precision}, micro-batch {t.micro_batch} x grad_accum {t.grad_accum}, seq {t.seq_len}: one "
+             f"training step per role on fake tensors and a fake process group ({rep['seconds']:.1f} s)",
+             f"  data: zero token batches of the recipe's shape (no corpus read); device: "
+             f"{rep.get('device', 'CPU kernels')} (GB = 1e9 bytes)"] + [f"  note: {note}" for note in rep.get("notes", [])]
+    if "not_executed" in rep:
+        lines.append("  not executed: CUDA runtime calls the fake device answered instead (call x count: answer):")
+        lines += [f"    {row['kind']}: {row['call']} x {row['count']}: {row['answer']}" for row in rep["not_executed"]]
+    for row in rep["roles"]:
+        c, p = row["by_category"], row["planned_by_category"]
+        n = len(row["ranks"])
+        lines += ["", f"role: rank {row['rank']} (pipeline stage {row['pp_stage']}), stands for {n} rank"
+                      f"{'s' if n != 1 else ''}: {row['why']} ({row['seconds']:.1f} s)",
+                  f"  peak GB measured {_gb(row['measured_peak_bytes'])} vs planner {_gb(row['planned_peak_bytes'])}"
+                  f" ({_pct(row['relative_difference'])})",
+                  f"    measured: params {_gb(c['params'])}, grads {_gb(c['grads'])}, optimizer "
+                  f"{_gb(c['optimizer'])}, activations {_gb(c['activations'])}, backward temporaries "
+                  f"{_gb(c['temporaries'])}, other {_gb(c['other'])}"
+                  + (f"; CPU (offloaded optimizer) {_gb(row['host_bytes'])}" if row["host_bytes"] else ""),
+                  f"    planner:  params {_gb(p['params'])}, grads {_gb(p['grads'])}, optimizer {_gb(p['optimizer'])}"
+                  f", activations {_gb(p['activations'])}, buffers {_gb(p['buffers'])}",
+                  "  collectives in the step (op, group size: count, bytes of the tensors):"]
+        for col in row["collectives"]:
+            lines.append(f"    {col['op']:>14} over {col['group_size']:>3}: {col['count']:>6} x, "
+                         f"{col['bytes'] / GB:.4f} GB")
+        if par.cp > 1:
+            lines.append(f"  cp attention bytes sent ({par.cp_attention}): {_gb(row['cp_attention_bytes'])} GB")
+        grads = "dp" if par.cp == 1 else "dp x cp"
+        lines.append(f"  {grads} ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
+                     f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
+        for link, nbytes in sorted(row.get("link_bytes", {}).items()):  # with parallel.node_size
+            want = row["planned_link_bytes"].get(link, 0.0)
+            lines.append(f"  ZeRO {link}-node bytes sent: {_gb(nbytes)} GB vs the planner's {_gb(want)} GB "
+                         f"({_pct(rel(nbytes, want))})")
+        for way, (count, nbytes, blocking) in sorted(row.get("copies", {}).items()):
+            lines.append(f"  {way.replace('_', '-')} copies: {count} x, {nbytes / GB:.4f} GB, {blocking} blocking")
+        lines.append(f"  FLOPs: {row['flops']:.4g} counted vs {row['formula_flops']:.4g} by formula "
+                     f"({_pct(rel(row['flops'], row['formula_flops']))})")
+        for site, count in row["placeholders"].items():
+            lines.append(f"  placeholder: {count} host read(s) at {site} returned 0 (fake tensors hold no value)")
+    verdict = "yes" if rep["fits"] else "no"
+    worst = max(r["measured_peak_bytes"] for r in rep["roles"])
+    lines += ["", f"fits: {verdict} (largest measured peak {_gb(worst)} GB of {rep['gpu_memory_gb']:g} GB)"]
+    return "\n".join(lines)
