@@ -1,6 +1,6 @@
 """The trainer's closing sample: text from a (tensor-parallel) GPT, every rank running the same loop.
 
-The loop itself (KV cache, tp-gathered logits, identically seeded draws) is models/generation.py's `decode`,
+The loop itself (KV cache, tp-gathered logits, identically seeded draws) is models/generation/generate.py's `decode`,
 shared with `megazoo generate` and the lm-eval adapter.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megazoo.models.generation import decode
+from megazoo.models.generation.generate import decode
 from megazoo.models.transformer import GPT
 
 
