@@ -152,10 +152,12 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
                               f"multiple of parallel.pp = {par.pp} for the interleaved schedule; valid: "
                               f"{', '.join(str(par.pp * k) for k in range(1, 4))}, ...")
     elif par.schedule in ("zbv", "dualpipev"):
-        if par.virtual_stages != 2 or par.pp < 2:
-            raise RecipeError(f"parallel.schedule = {par.schedule!r} needs parallel.virtual_stages = 2 (two chunks "
-                              f"per rank, in a V) and pp >= 2 (got virtual_stages = {par.virtual_stages}, "
-                              f"pp = {par.pp})")
+        if par.virtual_stages != 2:  # an unset virtual_stages is already 2 (recipes/config.py)
+            raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} is invalid with parallel.schedule = "
+                              f"{par.schedule!r}: it runs two chunks per rank, in a V; valid: 2, or leave "
+                              "virtual_stages unset")
+        if par.pp < 2:
+            raise RecipeError(f"parallel.schedule = {par.schedule!r} needs parallel.pp >= 2 (got pp = {par.pp})")
         if par.schedule == "dualpipev" and train.grad_accum < 2 * par.pp - 1:
             raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be at "
                               f"least 2 x parallel.pp - 1 = {2 * par.pp - 1} for the dualpipev schedule")
