@@ -9,10 +9,10 @@ tensors). Our Triton kernels are kernels/triton_*.py, each tested against the re
 """
 
 from megazoo.kernels.dispatch import (MODEL_DEFAULTS, OPS, PREFER, Implementation, KernelChoice, KernelError, Kernels,
-                              describe, implementations, kernels_for_model, model_defaults,
+                              ModelOp, describe, describe_ops, implementations, kernels_for_model, model_defaults,
                               resolve_kernels)
 from megazoo.kernels.layer_norm import LayerNorm
 
 __all__ = ["MODEL_DEFAULTS", "OPS", "PREFER", "Implementation", "KernelChoice", "KernelError", "Kernels",
-           "LayerNorm", "describe", "implementations", "kernels_for_model",
+           "LayerNorm", "ModelOp", "describe", "describe_ops", "implementations", "kernels_for_model",
            "model_defaults", "resolve_kernels"]

@@ -102,6 +102,27 @@ def describe(kernels: Mapping[str, Implementation]) -> list[str]:
     return [kernels[op].line() for op in OPS if op in kernels]
 
 
+@dataclass(frozen=True)
+class ModelOp:
+    """One op a model runs, for the run log: the model's own name for it and the dispatch op that picks its
+    implementation, or none (`kernel` None: the model has one implementation, which `fixed` names)."""
+
+    name: str
+    kernel: str | None = None
+    fixed: str = ""
+
+
+def describe_ops(kernels: Mapping[str, Implementation], ops: tuple[ModelOp, ...]) -> list[str]:
+    """One line per op of the model (models/transformer.py: model_ops): the implementation it runs, and why."""
+    lines = []
+    for op in ops:
+        if op.kernel is None:
+            lines.append(f"kernels: {op.name:<13} = {'model':<9} {op.fixed}  [the model's one implementation]")
+        else:
+            lines.append(dataclasses.replace(kernels[op.kernel], op=op.name).line())
+    return lines
+
+
 def _pick(op: str, candidate: Candidate, why: str) -> Implementation:
     detail = candidate.detail
     if candidate.name == "triton" and triton_interpreted():

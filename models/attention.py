@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazoo.kernels import Implementation, kernels_for_model
+from megazoo.kernels import Implementation, ModelOp, kernels_for_model
 from megazoo.models.config import ModelConfig
 from megazoo.models.generation.kv_cache import LayerCache
 from megazoo.models.layout import check_parallel_compat, kv_split
@@ -92,6 +92,18 @@ def sliding_window_attention(kernel, window: int):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
     return attend
+
+
+def attention_ops(cfg: ModelConfig) -> tuple[ModelOp, ...]:
+    """What Attention runs for `cfg`, for the run log's kernels: lines (models/transformer.py: model_ops)."""
+    if cfg.attention == "sparse":
+        return (ModelOp("attention", fixed=f"block-sparse {cfg.sparse_pattern!r} pattern (models/sparse_attention.py:"
+                                           " FlexAttention on CUDA, gathered blocks elsewhere)"),)
+    if cfg.sliding_window:
+        return (ModelOp("attention", "attention"),
+                ModelOp("sliding_window", fixed=f"SDPA under a {cfg.sliding_window}-token window mask for sequences "
+                                                "longer than the window (shorter: the attention kernel above)"))
+    return (ModelOp("attention", "attention"),)
 
 
 class Attention(nn.Module):

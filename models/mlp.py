@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazoo.kernels import Implementation, kernels_for_model
+from megazoo.kernels import Implementation, ModelOp, kernels_for_model
 from megazoo.models.attention import residual_std
 from megazoo.models.config import ModelConfig
 from megazoo.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SequenceParallel
@@ -64,6 +64,15 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
         gate, up = self.c_fc(x).chunk(2, dim=-1)  # 2 x (b, s, d_ff/tp)
         return self.c_proj(F.silu(gate) * up)
+
+
+def mlp_ops(cfg: ModelConfig) -> tuple[ModelOp, ...]:
+    """What make_mlp runs for `cfg`, for the run log's kernels: lines (models/transformer.py: model_ops)."""
+    if cfg.mlp == "swiglu":
+        return (ModelOp("swiglu", fixed="torch silu(gate) * up on c_fc's local [gate; up] slice (models/mlp.py)"),)
+    if not cfg.mlp_bias:  # MLP: no c_fc bias to fuse, so the bias_gelu kernel is never called
+        return (ModelOp("gelu", fixed="torch.nn.functional.gelu(approximate='tanh') (c_fc has no bias to fuse)"),)
+    return (ModelOp("bias_gelu", "bias_gelu"),)
 
 
 def make_mlp(cfg: ModelConfig, topo: Topology, device=None, dtype=None, *,

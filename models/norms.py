@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazoo.kernels import Implementation, LayerNorm
+from megazoo.kernels import Implementation, LayerNorm, ModelOp
 from megazoo.kernels.layer_norm import (half_under_autocast, in_input_dtype, layer_norm_outside_autocast,
                                        layer_norm_torch)
 from megazoo.models.config import ModelConfig
@@ -77,6 +77,13 @@ class SequenceParallelLayerNorm(LayerNorm):
         if self.fn is layer_norm_torch:  # nn.LayerNorm's own call, in x's dtype
             return in_input_dtype(F.layer_norm(x, self.normalized_shape, weight, bias, self.eps), x)
         return self.fn(x, weight, bias, self.eps)
+
+
+def norm_ops(cfg: ModelConfig) -> tuple[ModelOp, ...]:
+    """What make_norm builds for `cfg`, for the run log's kernels: lines (models/transformer.py: model_ops)."""
+    if cfg.norm == "rmsnorm":
+        return (ModelOp("rms_norm", fixed="models/norms.py RMSNorm (fp32 statistics; backward recomputes from 1/rms)"),)
+    return (ModelOp("layer_norm", "layer_norm"),)
 
 
 def make_norm(cfg: ModelConfig, kernels: Mapping[str, Implementation], device=None, dtype=None,

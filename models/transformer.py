@@ -26,17 +26,25 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megazoo.kernels import Implementation, KernelChoice, kernels_for_model
-from megazoo.models.attention import Attention
+from megazoo.kernels import Implementation, KernelChoice, ModelOp, kernels_for_model
+from megazoo.models.attention import Attention, attention_ops
 from megazoo.models.config import ModelConfig
 from megazoo.models.generation.kv_cache import KVCache, LayerCache
-from megazoo.models.mlp import make_mlp
-from megazoo.models.norms import make_norm
+from megazoo.models.mlp import make_mlp, mlp_ops
+from megazoo.models.norms import make_norm, norm_ops
 from megazoo.models.packing import Segments
 from megazoo.parallel.context import all_reduce_count, positions
 from megazoo.parallel.tensor import ColumnParallelLinear, SequenceParallel, TPRNGTracker, VocabParallelEmbedding
 from megazoo.parallel.tensor.sequence import plain
 from megazoo.parallel.topology import Topology
+
+
+def model_ops(cfg: ModelConfig) -> tuple[ModelOp, ...]:
+    """Every op this config's model (and its optimizer) runs, each stated by the factory that builds it (norms,
+    attention, MLP): the run log's kernels: lines (kernels/dispatch.py: describe_ops). A Llama-style model names
+    its RMSNorm and SwiGLU, not GPT-2's LayerNorm and bias-GELU."""
+    return (*norm_ops(cfg), *attention_ops(cfg), *mlp_ops(cfg), ModelOp("cross_entropy", "cross_entropy"),
+            ModelOp("adamw", "adamw"))
 
 
 class Block(nn.Module):

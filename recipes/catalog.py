@@ -8,6 +8,7 @@ own `demo.toml` in the current directory is theirs, not ours); otherwise a shipp
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -50,3 +51,23 @@ def describe(path: Path, width: int = 100) -> str:
     if len(sentence) > width:
         sentence = sentence[:width - 3].rsplit(" ", 1)[0] + "..."
     return sentence
+
+
+def stated_gpu(recipe: str | Path) -> str | None:
+    """The GPU a recipe's header names, as `plan --gpu` takes it: a known part ("# Target cluster: 256 V100-32GB"
+    -> "v100-32gb", recipes/gpus.py's key) or a size ("on 8 x 80 GB GPUs" -> "80"), else None. `recipe` is a file
+    or a shipped recipe's name. `plan --recipe` and `plan --dry-run` default their --gpu to it."""
+    try:
+        path = find_recipe(str(recipe))
+    except RecipeError:
+        return None
+    header = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break  # the opening comment only
+        header.append(line)
+    text = " ".join(header)
+    if found := re.search(r"Target cluster:.*?\b([AHV]\d{3})-(\d+)GB", text):
+        return f"{found.group(1).lower()}-{found.group(2)}gb"
+    found = re.search(r"\b(\d+) GB GPUs?\b", text)
+    return found.group(1) if found else None

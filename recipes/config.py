@@ -20,6 +20,7 @@ from pathlib import Path
 from megazoo.data.published.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
 from megazoo.models.lora.config import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora/adapters.py)
+from megazoo.parallel.pipeline.schedules import CHUNKS
 from megazoo.recipes.sft_section import SFTSection
 
 
@@ -60,25 +61,26 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"  # pipeline schedule: "gpipe" | "1f1b" | "interleaved" | "zb_h1" | "zbv" | "dualpipev"
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2)
+    virtual_stages: int | None = None  # chunks per rank; unset: the schedule's (zbv/dualpipev 2, interleaved >= 2)
     partition: str = "uniform"  # blocks per stage: "uniform" (by count) | "parameters" (balanced)
     layers: tuple[tuple[int, ...], ...] = ()  # explicit blocks of each (virtual) stage; overrides partition
     timeout_s: float = 600.0  # every collective; a dead or diverged rank ends the job instead of hanging it
-    # Every collective first compares its fingerprint (op, sequence number, shapes, dtypes) across ranks (torch's
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper): a mismatched collective ends the job at once, naming both ranks and
-    # calls, instead of after timeout_s. An extra collective per collective: off, +50% CPU per tp=2 step here.
+    # Each collective first compares its fingerprint (op, seq, shapes, dtypes) across ranks (TORCH_DISTRIBUTED_DEBUG=
+    # DETAIL): a mismatch ends the job at once, naming both ranks and calls. Costs +50% CPU per tp=2 step here.
     check_collectives: bool = False
-    # Entries of torch's per-rank ring of recent collectives (flight recorder, gloo and NCCL; 0: off; no measurable
-    # cost: benchmarks/hang_keys.py). On a collective timeout or SIGUSR1 every rank writes its ring to
-    # run.dir/.progress/ and each rank's last collective (op, seq, group, shapes) is named: parallel/flight_recorder.py
+    # Entries of torch's per-rank ring of recent collectives (0: off; no measurable cost: benchmarks/hang_keys.py).
+    # A timeout or SIGUSR1 writes each ring to run.dir/.progress/ and names each rank's last collective.
     flight_recorder: int = 2000
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
     cp: int = 1
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
-    # Sequence parallelism inside the tp group (Megatron's sequence_parallel): the norm, dropout and residual regions
-    # hold seq_len / (cp x tp) positions per rank, all-gather / reduce-scatter replace tp's all-reduce. Needs tp >= 2.
+    # Megatron's sequence parallelism (tp >= 2): norm, dropout and residual hold seq_len / (cp x tp) positions.
     sequence_parallel: bool = False
     node_size: int = 0  # processes per node for HSDP / hpZ; 0: the launcher's LOCAL_WORLD_SIZE (one node alone)
+
+    def __post_init__(self):  # an unset virtual_stages is the schedule's own number (interleaved's: set it)
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", CHUNKS.get(self.schedule) or 1)
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,7 @@ class TrainSection:
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
     seed: int = 1234
     # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16" | "fp16" (dynamic loss scaling) | "fp64" (parity tests).
-    # bf16/fp16 compute under autocast; with ZeRO >= 1 the parameters and gradients are stored in bf16/fp16 too
-    # (2 bytes each) and the fp32 master weights live in the partitioned optimizer.
+    # bf16/fp16 under autocast; with ZeRO >= 1 parameters and gradients in 2 bytes, fp32 masters in the optimizer.
     precision: str = "auto"
     activation_checkpointing: bool = False
     compile: str = "none"  # "none" | "blocks": each block through torch.compile (inductor) | "blocks:aot_eager"
@@ -219,8 +220,7 @@ class SampleSection:
     tokens: int = 48  # 0 disables the closing sample
     temperature: float = 0.8
     top_k: int = 40
-    # true: also sample once before the first step (a fresh start only), so a fine-tuning run prints the base
-    # model's answer and then the fine-tuned one to the same prompt (recipes/sft-demo.toml)
+    # true: also sample before the first step (fresh start): a fine-tune prints the base model's answer, then its own
     before: bool = False
 
 

@@ -17,12 +17,9 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat, parameter_layout
 from megazoo.models.lora.config import check_lora
-from megazoo.parallel.context.layout import check_context_layout
 from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
 from megazoo.parallel.pipeline.schedules import SCHEDULES
-from megazoo.parallel.topology import check_node_size
-from megazoo.parallel.zero.groups import check_shard_choice
 from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoint_model, from_checkpoint
 from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.sft_check import check_sft
@@ -152,10 +149,12 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
                               f"multiple of parallel.pp = {par.pp} for the interleaved schedule; valid: "
                               f"{', '.join(str(par.pp * k) for k in range(1, 4))}, ...")
     elif par.schedule in ("zbv", "dualpipev"):
-        if par.virtual_stages != 2 or par.pp < 2:
-            raise RecipeError(f"parallel.schedule = {par.schedule!r} needs parallel.virtual_stages = 2 (two chunks "
-                              f"per rank, in a V) and pp >= 2 (got virtual_stages = {par.virtual_stages}, "
-                              f"pp = {par.pp})")
+        if par.virtual_stages != 2:  # an unset virtual_stages is already 2 (recipes/config.py)
+            raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} is invalid with parallel.schedule = "
+                              f"{par.schedule!r}: it runs two chunks per rank, in a V; valid: 2, or leave "
+                              "virtual_stages unset")
+        if par.pp < 2:
+            raise RecipeError(f"parallel.schedule = {par.schedule!r} needs parallel.pp >= 2 (got pp = {par.pp})")
         if par.schedule == "dualpipev" and train.grad_accum < 2 * par.pp - 1:
             raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be at "
                               f"least 2 x parallel.pp - 1 = {2 * par.pp - 1} for the dualpipev schedule")
@@ -215,6 +214,8 @@ def _check_optimizer(recipe: Recipe) -> None:
 
 def _check_nodes(recipe: Recipe) -> None:
     """parallel.node_size fits the layout (when given) and zero.shard_group / zero.hpz fit the stage."""
+    from megazoo.parallel.topology import check_node_size  # torch: see _check_with_torch
+    from megazoo.parallel.zero.groups import check_shard_choice
     par, zero = recipe.parallel, recipe.zero
     try:
         check_node_size(par.node_size, par.dp, par.tp, par.pp, par.dp * par.tp * par.pp * par.cp, par.cp)
@@ -227,6 +228,24 @@ def _check_nodes(recipe: Recipe) -> None:
                              "exchange); valid: optimizer.name = 'adamw' or zero.quantized_gradients = 'none'")
     except ValueError as err:
         raise RecipeError(str(err)) from None
+
+
+def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
+    """The checks whose code sits in modules that import torch (the context layout, node sizes and ZeRO sharding,
+    the kernels), run last: every other mistake is reported without loading torch (seconds under load; a typo'd
+    key or `--set parallel.tp=3` answers at once, tests/recipes/test_cli.py)."""
+    from megazoo.parallel.context.layout import check_context_layout
+    par = recipe.parallel
+    try:  # seq_len divisible by 2 x cp, local heads by cp for all_to_all (parallel/context/layout.py)
+        check_context_layout(par.cp, par.cp_attention, recipe.train.seq_len, cfg.n_head // par.tp, cfg.attn_dropout,
+                             cfg.attention, cfg.sliding_window)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    _check_nodes(recipe)
+    try:
+        recipe.kernels.choice()
+    except ValueError as err:
+        raise RecipeError(f"[kernels]: {err}") from None
 
 
 def model_config(recipe: Recipe) -> ModelConfig:
@@ -279,11 +298,6 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         cp = f" x cp={par.cp}" if par.cp > 1 else ""
         raise RecipeError(f"parallel dp={par.dp} x tp={par.tp} x pp={par.pp}{cp} = {layout} processes, but "
                           f"{world_size} were started; start {layout} (--nproc {layout}) or change the layout")
-    try:  # seq_len divisible by 2 x cp, local heads by cp for all_to_all (parallel/context/layout.py)
-        check_context_layout(par.cp, par.cp_attention, recipe.train.seq_len, cfg.n_head // par.tp, cfg.attn_dropout,
-                             cfg.attention, cfg.sliding_window)
-    except ValueError as err:
-        raise RecipeError(str(err)) from None
     if par.sequence_parallel and par.tp < 2:
         raise RecipeError(f"parallel.sequence_parallel = true with parallel.tp = {par.tp}: it splits the sequence over "
                           "the tensor-parallel group; valid: parallel.tp >= 2, or sequence_parallel = false")
@@ -317,15 +331,10 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         raise RecipeError(f"zero.stage = {recipe.zero.stage} is invalid; valid: 0, 1, 2, 3")
     _positive("zero.reduce_bucket_size", recipe.zero.reduce_bucket_size)
     _choice("zero.offload", recipe.zero.offload, ("none", "cpu"))
-    _check_nodes(recipe)
     _check_optimizer(recipe)
     if recipe.zero.offload == "cpu" and recipe.zero.stage == 0:
         raise RecipeError("zero.offload = 'cpu' needs zero.stage >= 1 (only partitioned optimizer states are "
                           "offloaded); valid: zero.stage = 1, 2 or 3, or zero.offload = 'none'")
-    try:
-        recipe.kernels.choice()
-    except ValueError as err:
-        raise RecipeError(f"[kernels]: {err}") from None
     _positive("checkpoint.every", recipe.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", recipe.checkpoint.keep)
     if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
@@ -352,6 +361,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
     _check_run_and_sample(recipe, global_batch)
     check_sft(recipe.sft, seq_len=train.seq_len, vocab_size=cfg.vocab_size, cp=par.cp, attention=cfg.attention)
+    _check_with_torch(recipe, cfg)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
                     world_size=layout, stage_layers=stages)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from megazoo.data.published.catalog import default_folders
 from megazoo.data.token_dataset import DataCacheError
+from megazoo.kernels import describe_ops
+from megazoo.models.transformer import model_ops
 from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
 from megazoo.workers.local import finish_worker
@@ -50,7 +52,7 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
         try:
             trainer = Trainer(res, topo)
             if rank0:
-                print("\n".join(trainer.kernels.describe()), flush=True)
+                print("\n".join(describe_ops(trainer.kernels, model_ops(res.model))), flush=True)
             start_step = checkpointing.restore(trainer, report=print if rank0 else (lambda *_: None))
             log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
             if rank0:  # every field as this job runs it (after overrides, derived values filled in)

@@ -17,6 +17,7 @@ import http.client
 import os
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,7 +30,25 @@ TIMEOUT_S = 60.0
 
 
 class FetchError(RuntimeError):
-    """A file that could not be fetched or did not match its published hash; nothing was stored for it."""
+    """A file that could not be fetched or did not match its published hash; nothing was stored for it.
+    `unreachable`: the hosts every source tried and could not reach (no network, DNS, refused, timed out), when
+    that was every source's failure; empty otherwise."""
+
+    def __init__(self, message: str, unreachable: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def _unreachable_host(url: str, err: BaseException) -> str | None:
+    """The host of `url` when `err` says it could not be reached at all (a failed name lookup, a refused or timed
+    out connection): a network problem, not a file problem. An HTTP status or a bad hash is None."""
+    if isinstance(err, urllib.error.HTTPError):
+        return None
+    reason = err.reason if isinstance(err, urllib.error.URLError) else err
+    if isinstance(reason, (OSError, TimeoutError)) and not isinstance(reason, FileNotFoundError):
+        parts = urllib.parse.urlsplit(url)
+        return parts.netloc or None  # file:// mirrors have no host: a missing file there is not the network
+    return None
 
 
 def item_names(name: str) -> list[str]:
@@ -43,13 +62,22 @@ def item_names(name: str) -> list[str]:
 
 def fetch_item(item: DataItem, folder: Path, *, base_url: str | None = None, progress: bool = False,
                log: Callable[[str], None] = print) -> Path:
-    """Fetch every file of `item` into `folder/item.folder`; returns that folder."""
+    """Fetch every file of `item` into `folder/item.folder`; returns that folder. A folder this call created and
+    left empty (nothing could be fetched) is removed again: a failed fetch leaves no trace in the cache."""
     target = Path(folder) / item.folder
+    created = [p for p in (target, *target.parents) if not p.exists()]  # deepest first
     target.mkdir(parents=True, exist_ok=True)
-    sweep_stale_temporaries(target, (n for f in item.files for n in f.names))
-    for file in item.files:
-        sources = (Source(f"{base_url.rstrip('/')}/{item.folder}/{file.name}"),) if base_url else file.sources
-        fetch_file(file, target, sources, progress=progress, log=log)
+    try:
+        sweep_stale_temporaries(target, (n for f in item.files for n in f.names))
+        for file in item.files:
+            sources = (Source(f"{base_url.rstrip('/')}/{item.folder}/{file.name}"),) if base_url else file.sources
+            fetch_file(file, target, sources, progress=progress, log=log)
+    finally:
+        for made in created:
+            try:
+                made.rmdir()  # only an empty folder goes
+            except OSError:
+                break
     return target
 
 
@@ -64,18 +92,24 @@ def fetch_file(file: DataFile, target: Path, sources: Iterable[Source], *, progr
             log(f"{present}: present, sha256 ok")
             return present
         log(f"{present}: sha256 does not match the published one; downloading it again")
-    failures = []
+    failures, unreachable = [], []
     for source in sources:
         try:
             actual = _download(source, path, file, progress)
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:  # a short read too
-            failures.append(f"{source.url}: {getattr(err, 'reason', None) or err}")
+            host = _unreachable_host(source.url, err)
+            reason = getattr(err, "reason", None) or err
+            reason = getattr(reason, "strerror", None) or reason
+            failures.append(f"{source.url}: cannot reach {host} ({reason})" if host else f"{source.url}: {reason}")
+            unreachable.append(host)
             continue
         if actual == file.sha256:
             log(f"{path}: {file.size:,} bytes, sha256 ok ({source.url})")
             return path
         failures.append(f"{source.url}: sha256 {actual}, expected {file.sha256} (refused: not stored)")
-    raise FetchError(f"{path} was not stored: " + "; ".join(failures))
+        unreachable.append(None)
+    offline = tuple(dict.fromkeys(unreachable)) if unreachable and all(unreachable) else ()
+    raise FetchError(f"{path} was not stored: " + "; ".join(failures), offline)
 
 
 def _download(source: Source, path: Path, file: DataFile, progress: bool) -> str:

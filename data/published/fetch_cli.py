@@ -42,7 +42,7 @@ def _fetch(args: argparse.Namespace) -> int:
     log = (lambda line: print(line, file=sys.stderr))
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
-    failed = []
+    failed, hosts = [], {}  # hosts: the unreachable ones of each failed item (none: a failure of another kind)
     try:
         for name in names:
             try:
@@ -52,6 +52,7 @@ def _fetch(args: argparse.Namespace) -> int:
             except (FetchError, OSError) as err:
                 print(f"megazoo data fetch: error: {name}: {err}", file=sys.stderr)
                 failed.append(name)
+                hosts[name] = getattr(err, "unreachable", ())
     except KeyboardInterrupt:
         print("megazoo data fetch: stopped by Ctrl-C; no partial file was left", file=sys.stderr)
         return 130
@@ -62,12 +63,26 @@ def _fetch(args: argparse.Namespace) -> int:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     if failed:
-        print(f"megazoo data fetch: {', '.join(failed)} not stored; the files above the error are intact",
-              file=sys.stderr)
+        print(_failure_summary(failed, hosts, [n for n in names if n not in failed]), file=sys.stderr)
         return 1
     print(f"data in {folder}: recipes (data.tokenizer = \"gpt2-bpe\") and the tests look there" if not args.dir
           else f"data in {folder}: use it with --data-dir {folder} or MEGAZOO_DATA_DIR={folder}", file=sys.stderr)
     return 0
+
+
+def _failure_summary(failed: list[str], hosts: dict[str, tuple[str, ...]], stored: list[str]) -> str:
+    """The closing line of a failed fetch: what was not stored and why in one phrase; with no network, the ways
+    to get the data without one."""
+    done = f" ({', '.join(stored)} stored and checked)" if stored else ""
+    if all(hosts[name] for name in failed):
+        unreachable = ", ".join(dict.fromkeys(h for name in failed for h in hosts[name]))
+        return (f"megazoo data fetch: {', '.join(failed)} not stored: no network (could not reach {unreachable})"
+                f"{done}. Without a network, use a copy of a data folder (from a machine that fetched it): "
+                "fetch from it with --mirror URL (http://HOST/PATH, or file:///PATH), or use it where it is with "
+                "MEGAZOO_DATA_DIR=PATH (recipes and tests look there; `megazoo data fetch NAME --dir PATH` checks "
+                "its hashes). Nothing partial was stored.")
+    return (f"megazoo data fetch: {', '.join(failed)} not stored: the errors above say why{done}; nothing partial "
+            "was stored")
 
 
 def add_arguments(parser: argparse.ArgumentParser, more=()) -> None:
@@ -82,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser, more=()) -> None:
                             "or ~/.cache/megazoo/data)")
     fetch.add_argument("--mirror", default=None, metavar="URL",
                        help="download from URL/FOLDER/FILE (a copy laid out like a data folder, e.g. "
-                            "URL/gpt2_bpe/encoder.json) instead of the published sources")
+                            "URL/gpt2_bpe/encoder.json; http:// or file:///PATH) instead of the published sources: "
+                            "the way to fetch without a network")
     fetch.set_defaults(func=_fetch)
     for add in more:  # `megazoo data sft-demo` (recipes/sft_demo_cli.py: it reads a checkpoint, above data/)
         add(sub)

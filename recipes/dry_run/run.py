@@ -23,7 +23,6 @@ step's FLOPs (FlopCounterMode); recipes/dry_run/report.py puts the planner's num
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,7 +34,7 @@ from megazoo.parallel.checkpoint.views import ensure_adam_state
 from megazoo.parallel.simulation.fake_world import (MemoryTracker, StepRecorder, fake_process_group, fake_tensors,
                                          flop_counter)
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.catalog import find_recipe
+from megazoo.recipes.catalog import find_recipe, stated_gpu  # noqa: F401 (stated_gpu: read from here too)
 from megazoo.recipes.config import load_recipe
 from megazoo.recipes.training.data_setup import TrainData
 from megazoo.recipes.resolve import Resolved, resolve_for_planning
@@ -140,21 +139,6 @@ def attention_recomputed(res: Resolved) -> bool:
     """Whether the dry run's attention is "recompute" (swapped in by gpu_kernels, or the recipe's own): it keeps
     no scores, and runs the attention core's forward once more in backward."""
     return res.model.attention == "dense" and gpu_kernels(res)[0].recipe.kernels.attention == "recompute"
-
-
-def stated_gpu(path: str | Path) -> str | None:
-    """The GPU a shipped recipe's header names ("Target cluster: 256 V100-32GB ..."), as recipes/planner/fit.py's key;
-    `path` may also be a shipped recipe's name."""
-    path = Path(path)
-    if not path.is_file():
-        path = Path(__file__).resolve().parents[1] / f"{path.name}.toml"  # the shipped recipes sit in recipes/
-        if not path.is_file():
-            return None
-    for line in path.read_text().splitlines():
-        found = re.search(r"Target cluster:.*?\b([AHV]\d{3})-(\d+)GB", line)
-        if found:
-            return f"{found.group(1).lower()}-{found.group(2)}gb"
-    return None
 
 
 def _global_rank(res: Resolved, pp_rank: int, dp_rank: int = 0, cp_rank: int = 0, tp_rank: int = 0) -> int:

@@ -35,9 +35,13 @@ def _capacity(args) -> tuple[float, object]:
     if args.gpu_memory and args.gpu:
         raise FitUsageError("give one of --gpu-memory GB or --gpu NAME, not both")
     text = args.gpu_memory or args.gpu
+    if not text and args.recipe and not args.search:  # the GPU the recipe's header names (recipes/catalog.py)
+        from megazoo.recipes.catalog import stated_gpu
+        text = stated_gpu(args.recipe)
     if not text:
-        raise FitUsageError(f"--recipe / --search need the GPU: --gpu-memory GB (e.g. 32) or --gpu NAME "
-                            f"(valid: {', '.join(GPUS)})")
+        need = (f"--recipe {args.recipe} names no target GPU in its header (e.g. '# Target cluster: 16 V100-32GB')"
+                if args.recipe and not args.search else "--recipe / --search need the GPU")
+        raise FitUsageError(f"{need}: give --gpu-memory GB (e.g. 32) or --gpu NAME (valid: {', '.join(GPUS)})")
     try:
         return parse_gpu(text)
     except PlanError as err:
@@ -104,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         best = max_micro_batch(cfg, layout, capacity, paper=args.paper)
     except PlanError as err:
         raise FitUsageError(str(err)) from None
-    where = f"{cfg.name}" + (f" on {gpu.name}" if gpu else f" on a {capacity:g} GB GPU")
+    where = f"{cfg.name}" + (f" on {gpu.name}" if gpu else f" on a {capacity:g} GB GPU") + (
+        " (the recipe's target GPU; --gpu NAME or --gpu-memory GB plans another)"
+        if args.recipe and not (args.gpu or args.gpu_memory) else "")
     print(f"Memory plan: {where} (GB = 1e9 bytes, per device)")
     for line in mem.lines():
         print(line)
@@ -162,7 +168,8 @@ def _run_search(args, capacity: float, gpu) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", default=None, help="plan this recipe's layout (with --gpu-memory / --gpu)")
+    parser.add_argument("--recipe", default=None, help="plan this recipe's layout (on --gpu-memory / --gpu, default: "
+                        "the GPU its header names)")
     parser.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
                         help="override a recipe key (as megazoo train --set)")
     parser.add_argument("--gpu-memory", default=None, help="GPU memory in GB (1e9 bytes), e.g. 32; or a GPU name")

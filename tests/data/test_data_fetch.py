@@ -187,8 +187,43 @@ def test_unknown_names_and_unreachable_sources(tmp_path, capsys):
     with pytest.raises(FetchError, match="valid: wikitext103, lambada, gpt2-bpe, all"):
         item_names("wikitext2")
     assert _fetch("lambada", tmp_path, "http://127.0.0.1:9") == 1  # nothing listens on port 9
-    assert "lambada_test.jsonl was not stored: http://127.0.0.1:9/lambada/" in capsys.readouterr().err
-    assert _left(tmp_path / "lambada") == []
+    err = capsys.readouterr().err
+    assert "lambada_test.jsonl was not stored: http://127.0.0.1:9/lambada/lambada_test.jsonl: cannot reach " \
+           "127.0.0.1:9 (" in err and "not stored: no network (could not reach 127.0.0.1:9)" in err
+    assert not (tmp_path / "lambada").exists()  # no empty folder left behind
+
+
+def test_offline_fetch_says_no_network_names_the_offline_ways_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """No network (every host's name lookup fails): each file's line names the URL and the host it could not reach,
+    the closing line says "no network" and names --mirror URL and MEGAZOO_DATA_DIR / --dir, and the cache folder the
+    fetch would have made is not there afterwards (it used to keep one empty folder per item)."""
+    import socket
+    import urllib.error
+
+    def offline(url, timeout=None):
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setattr("megazoo.data.published.fetch.urllib.request.urlopen", offline)
+    cache = tmp_path / "cache" / "megazoo" / "data"
+    assert fetch_cli.main(["fetch", "all", "--dir", str(cache)]) == 1
+    err = capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()
+    wikitext = CATALOG["wikitext103"].files[0]
+    assert f"{cache / 'wikitext103' / wikitext.name} was not stored: {wikitext.sources[0].url}: cannot reach " \
+           "huggingface.co (Name or service not known)" in err
+    closing = err.strip().splitlines()[-1]
+    assert closing.startswith("megazoo data fetch: wikitext103, lambada, gpt2-bpe not stored: no network (could not "
+                              "reach huggingface.co, openaipublic.blob.core.windows.net)")
+    for way in ("--mirror URL", "file:///PATH", "MEGAZOO_DATA_DIR=PATH", "--dir PATH", "Nothing partial was stored"):
+        assert way in closing, way
+    assert "intact" not in err and "Traceback" not in err
+
+
+def test_a_copy_on_disk_is_a_mirror(data_dir, tmp_path, capsys):
+    """The offline answer the message gives: --mirror file:///PATH of a data folder's copy, checked as any mirror."""
+    assert _fetch("gpt2-bpe", tmp_path, data_dir.resolve().as_uri()) == 0
+    assert _left(tmp_path / "gpt2_bpe") == sorted(f.name for f in CATALOG["gpt2-bpe"].files)
+    assert "sha256 ok (file://" in capsys.readouterr().err
 
 
 def test_help_imports_no_torch():

@@ -93,6 +93,25 @@ def test_help_loads_no_torch(command):
     assert printed == "True"  # the help itself was printed
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["parallel.tp=3"], "parallel.tp = 3 does not divide the 4 attention heads"),
+    (["parallel.pp=5"], "parallel.pp = 5 is larger than the number of blocks"),
+    (["train.global_batch=7"], "train.global_batch = 7 does not equal"),
+    (["parallel.schedule=zbv", "parallel.pp=2", "parallel.virtual_stages=3"], "parallel.virtual_stages = 3 is invalid"),
+    (["train.seq_len=100000"], "train.seq_len = 100000 exceeds"),
+    (["zero.stage=5"], "zero.stage = 5 is invalid"),
+])
+def test_an_arithmetic_mistake_is_refused_without_loading_torch(tmp_path, sets, message):
+    """resolve()'s arithmetic checks run before anything imports torch (seconds under load): `--set parallel.tp=3`
+    answers as fast as a typo'd key. recipes/resolve.py runs the checks whose code needs torch last."""
+    argv = ["train", "demo", "--set", f"run.dir={tmp_path}", *(arg for text in sets for arg in ("--set", text))]
+    code = ("import sys\nfrom megazoo.recipes.cli import main\n"
+            f"code = main({argv!r})\nprint(code, sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "2 []", (run.stdout, run.stderr[-2000:])
+    assert run.stderr.startswith("megazoo: error: ") and message in run.stderr, run.stderr
+
+
 def test_the_listed_help_of_each_command_is_the_help_it_registers():
     """`megazoo --help` lists lazily loaded commands from recipes/cli.py's COMMANDS table; each line there must
     be the help its own module registers (built here with every module loaded)."""

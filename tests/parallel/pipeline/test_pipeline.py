@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,11 @@ from recipe_helpers import tiny_recipe, tiny_resolved
 from parity_helpers import assert_same_training, train_run
 
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.config import RecipeError
+from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[3]
 
 TRAIN = {"micro_batch": 2, "grad_accum": 4}  # 4 pipeline micro-batches of 2 sequences: global batch 8
 
@@ -114,8 +117,13 @@ def test_3d_dp2_tp2_pp2_with_zero_equals_reference(stage):
     ({"pp": 2, "virtual_stages": 2}, {}, {}, "needs parallel.schedule = 'interleaved'"),
     ({"pp": 2, "schedule": "zigzag"}, {}, {},
      "parallel.schedule = 'zigzag' is invalid; valid: 'gpipe', '1f1b', 'interleaved', 'zb_h1', 'zbv', 'dualpipev'"),
-    ({"pp": 2, "schedule": "zbv"}, {}, {}, "parallel.schedule = 'zbv' needs parallel.virtual_stages = 2"),
-    ({"pp": 1, "schedule": "zbv", "virtual_stages": 2}, {}, {}, "and pp >= 2 (got virtual_stages = 2, pp = 1)"),
+    ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, {}, {},
+     "parallel.virtual_stages = 3 is invalid with parallel.schedule = 'zbv': it runs two chunks per rank, in a V; "
+     "valid: 2, or leave virtual_stages unset"),
+    ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 1}, {"grad_accum": 4}, {},
+     "parallel.virtual_stages = 1 is invalid with parallel.schedule = 'dualpipev'"),
+    ({"pp": 1, "schedule": "zbv"}, {}, {}, "parallel.schedule = 'zbv' needs parallel.pp >= 2 (got pp = 1)"),
+    ({"pp": 2, "schedule": "interleaved"}, {}, {}, "needs parallel.virtual_stages >= 2 and pp >= 2"),
     ({"pp": 2, "schedule": "zb_h1", "virtual_stages": 2}, {}, {}, "valid with gpipe/1f1b/zb_h1: 1"),
     ({"pp": 4, "schedule": "dualpipev", "virtual_stages": 2}, {"grad_accum": 4}, {},
      "train.grad_accum = 4 (the pipeline's micro-batches) must be at least 2 x parallel.pp - 1 = 7"),
@@ -124,6 +132,18 @@ def test_bad_pipeline_recipes_fail_before_training(parallel, train, zero, messag
     recipe = tiny_recipe(parallel=parallel, train=train, zero=zero, model={"n_layer": 4})
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(recipe)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("zbv", 2), ("dualpipev", 2), ("1f1b", 1), ("zb_h1", 1)])
+def test_the_v_schedules_take_their_two_chunks_unasked(schedule, chunks):
+    """zbv / dualpipev run two chunks per rank and nothing else: an unset parallel.virtual_stages is that 2, in the
+    recipe every reader sees (a file or --set alike), and the stages are cut for it."""
+    res = resolve(tiny_recipe(parallel={"pp": 2, "schedule": schedule}, train={"grad_accum": 4},
+                              model={"n_layer": 4}))
+    assert res.recipe.parallel.virtual_stages == chunks
+    assert len(res.stage_layers) == 2 * chunks
+    from_set = load_recipe(REPO / "recipes" / "demo.toml", ["parallel.pp=2", f"parallel.schedule={schedule}"])
+    assert from_set.parallel.virtual_stages == chunks
 
 
 def _save_then_resume(saved_with: dict, resumed_with: dict, run_dir: str, save_at: int = 5):

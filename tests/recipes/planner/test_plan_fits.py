@@ -36,7 +36,7 @@ def test_named_gpus(capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--recipe", DEMO], "--gpu-memory GB"),
+    (["--recipe", DEMO], "--recipe recipes/demo.toml names no target GPU in its header"),
     (["--recipe", DEMO, "--gpu-memory", "big"], "valid GPUs"),
     (["--recipe", DEMO, "--gpu-memory", "32", "--gpu", "v100-32gb"], "not both"),
     (["--recipe", "no/such.toml", "--gpu-memory", "32"], "neither a file nor a shipped recipe"),
@@ -47,6 +47,19 @@ def test_named_gpus(capsys):
 def test_bad_fit_flags_exit_2(capsys, argv, needle):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and err.startswith("megazoo plan: error:") and needle in err, err
+
+
+@pytest.mark.parametrize("recipe, gpu", [("gpt3-175b", "a100-80gb"), ("tnlg-17b", "v100-32gb"),
+                                         ("recipes/llama3.1-405b.toml", "h100-80gb"), ("llama-8b-lora", "24")])
+def test_a_recipe_is_planned_on_the_gpu_its_header_names(capsys, recipe, gpu):
+    """Each shipped recipe names its target GPU: `plan --recipe NAME` alone plans on it, with the verdict and
+    breakdown that naming it gives; another GPU is a flag away."""
+    code, out, err = run_cli(capsys, "--recipe", recipe)
+    flag = "--gpu" if not gpu.isdigit() else "--gpu-memory"
+    named_code, named, _ = run_cli(capsys, "--recipe", recipe, flag, gpu)
+    assert (code, err) == (named_code, "") and "the recipe's target GPU" in out.splitlines()[0]
+    assert out.splitlines()[1:] == named.splitlines()[1:] and code == 0  # each fits its own target
+    assert run_cli(capsys, "--recipe", recipe, "--gpu-memory", "1")[0] == 3
 
 
 def test_memory_grows_with_micro_batch_and_checkpointing_cuts_it():

@@ -37,3 +37,13 @@ def test_wandb_offline_logging_and_metrics_file(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
+
+
+def test_the_run_log_names_a_llama_models_own_kernels(tmp_path, capsys):
+    """The log's kernels: lines (recipes/train.py) follow the model: llama-tiny runs RMSNorm and SwiGLU, so the
+    lines say so and name no LayerNorm or bias-GELU (they used to list GPT-2's ops for every model)."""
+    table = {**TINY, "model": {"preset": "llama-tiny", "n_layer": 1, "vocab_size": 300},
+             "train": {**TINY["train"], "steps": 1}, "run": {"dir": str(tmp_path)}, "sample": {"tokens": 0}}
+    run(resolve(from_dict(Recipe, table)), Topology.solo())
+    kernels = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("kernels: ")]
+    assert kernels == ["rms_norm", "attention", "swiglu", "cross_entropy", "adamw"]
