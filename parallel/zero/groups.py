@@ -5,7 +5,10 @@
   HSDP ("node") stages 1-3 partition over the dp ranks of one node only (`Topology.dp_intra_group`); each node
                 holds a full replica of the partitioned states. backward: reduce-scatter inside the node, then
                 all-reduce the owned gradient chunk over the same chunk's owners on the other nodes
-                (`dp_inter_group`). step / stage-3 gathers: inside the node. Cross-node traffic per step:
+                (`dp_inter_group`), once per optimizer step whatever the gradient accumulation (stages 2-3
+                add each micro-batch's node sum into the owned chunk; the last backward sends it across, in
+                the owned chunk's fp32 when there were several micro-batches, GradientReducer in
+                partitioned.py). step / stage-3 gathers: inside the node. Cross-node traffic per step:
                 2 x (params / per_node) x (nodes - 1) / nodes elements (one all-reduce of a chunk), instead of
                 2 (stages 1-2) or 3 (stage 3) x params x (dp - 1) / dp. Costs: states per_node times, not dp
                 times, smaller.

@@ -67,6 +67,11 @@ def test_which_layout_wins_depends_on_the_inter_node_bandwidth():
     assert flat.inter == pytest.approx(3 * psi * 63 / 64) and flat.intra == 0
     assert hpz.inter == pytest.approx(2 / 3 * flat.inter)  # ZeRO++: hpZ removes the backward gather's third
     assert hsdp.inter == pytest.approx(2 * psi / 8 * 7 / 8)  # one all-reduce of the node's chunk
+    for stage in (1, 2, 3):  # once per step, whatever the accumulation (the micro-batches' sums add up first)
+        assert link_volume(psi, dp, node, stage, "hsdp", grad_accum=4).inter == pytest.approx(hsdp.inter)
+    # bf16: one micro-batch crosses the reduce-scatter output (2 bytes), several the owned fp32 chunk (4 bytes)
+    assert link_bytes(psi, dp, node, 2, "hsdp", element_bytes=2).inter == pytest.approx(hsdp.inter * 2)
+    assert link_bytes(psi, dp, node, 2, "hsdp", element_bytes=2, grad_accum=4).inter == pytest.approx(hsdp.inter * 4)
     assert [c.volume.sharding for c in rank_shardings(psi, dp, node, 0, element_bytes=2, intra_bw=1,
                                                       inter_bw=1, state=MIXED_ADAM)] == ["flat"]
     with pytest.raises(PlanError, match=r"dp ranks per node = 3 must divide dp = 64"):
