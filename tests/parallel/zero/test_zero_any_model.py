@@ -80,8 +80,13 @@ def engine_training(stage: int, grad_accum: int, meta: bool = False, loss_scaler
             "tied": model.lm_head.weight is model.transformer.wte.weight, "steps": engine.step_count,
             "skipped": engine.skipped_steps, "memory": engine.memory_bytes(),
             "n_params": sum(p.numel() for p in model.parameters()), "kinds": sorted(engine.comm.bytes),
-            "links": dict(engine.comm.link_bytes), "groups": {"shard": engine.zero.groups.shard_size, "replicas": engine.zero.groups.replica_size,
-                       "secondary": engine.zero.groups.secondary_size, "hpz": engine.zero.groups.hpz}}
+            "links": dict(engine.comm.link_bytes), "groups": _groups(engine)}
+
+
+def _groups(engine: ZeroEngine) -> dict:
+    groups = getattr(engine.zero, "groups", None)  # stage 0 partitions nothing
+    return {} if groups is None else {"shard": groups.shard_size, "replicas": groups.replica_size,
+                                      "secondary": groups.secondary_size, "hpz": groups.hpz}
 
 
 def assert_matches_reference(results: list[dict], ref: dict, grad_accum: int) -> None:
