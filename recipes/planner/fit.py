@@ -144,13 +144,14 @@ class DeviceMemory:
 def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelStateMemory:
     """Model states of `psi` parameters per device under `layout`, partitioned over dp x cp (cp ranks hold the
     same parameters): megazoo's optimizers' bytes, or with `paper` the ZeRO paper's (planner.py owns both)."""
-    n = layout.dp_per_node if layout.sharding == "hsdp" else layout.dp * layout.cp  # HSDP: inside a node
+    in_node = layout.dp_per_node * layout.cp  # a node's dp x cp ranks (cp ranks hold the same parameters)
+    n = in_node if layout.sharding == "hsdp" else layout.dp * layout.cp  # HSDP: inside a node
     if paper:
         mem = model_state_memory(psi, n, layout.zero, PRECISION_BYTES[layout.precision][0], offload=layout.offload)
     else:
         mem = megazoo_state_memory(psi, n, layout.zero, MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
     if layout.sharding == "hpz":  # + the secondary copy of the node's share of the parameters
-        mem = replace(mem, params_bytes=mem.params_bytes + psi / layout.dp_per_node
+        mem = replace(mem, params_bytes=mem.params_bytes + psi / in_node
                       * PRECISION_BYTES[layout.precision][0].params)
     return mem
 

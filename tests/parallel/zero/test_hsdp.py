@@ -182,6 +182,41 @@ def test_hsdp_and_hpz_with_tp_and_pp_equal_one_process(reference):
             assert_same_training(rank[name], reference)
 
 
+def test_hsdp_and_hpz_with_context_parallelism_equal_one_process(reference):
+    """dp 4 x cp 2 on 2 nodes of 4 (each node: 2 dp ranks x both cp ranks). cp ranks hold the same parameters,
+    so HSDP partitions over the node's dp x cp ranks and hpZ's secondaries live there too; the chunks' replicas
+    are the same (dp, cp) position on the other node. Same training as one process (fp64, 1e-10); HSDP's only
+    inter-node bytes are one all-reduce of the owned chunks (a quarter of the parameters) per step."""
+    runs = {"hsdp2": ({"stage": 2, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
+            "hsdp3": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 2}),
+            "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2})}
+    resolved = {name: tiny_resolved(parallel={"dp": 4, "cp": 2, "node_size": 4}, zero=zero,
+                                    train={**train, "steps": STEPS}) for name, (zero, train) in runs.items()}
+
+    def work():
+        topo = Topology.build(4, cp=2, node_size=4)
+        out = {"node": _members(topo.dp_cp_intra_group), "replicas": _members(topo.dp_inter_group)}
+        for name, res in resolved.items():
+            trainer = Trainer(res, topo)
+            result = trainer.fit()
+            out[name] = {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
+                         "params": trainer.full_state_dict()}
+            trainer.train_step(STEPS)
+            out[name + "-links"] = dict(trainer.zero.comm.link_bytes)
+            out[name + "-numel"] = sum(b.numel for b in trainer.zero.buckets)
+        return out
+
+    got = run_distributed(work, 8)
+    for rank, mine in enumerate(got):
+        assert mine["node"] == ([0, 1, 2, 3] if rank < 4 else [4, 5, 6, 7])  # global rank = 2 dp + cp
+        assert mine["replicas"] == [rank % 4, rank % 4 + 4]
+        for name in runs:
+            assert_same_training(mine[name], reference)
+        for name in ("hsdp2", "hsdp3"):  # the owned chunk (1/4 of the padded buckets) over 2 nodes, fp64
+            assert mine[name + "-links"]["inter"] == pytest.approx(2 * mine[name + "-numel"] / 4 / 2 * 8, rel=1e-12)
+        assert mine["hpz3-links"]["intra"] > 0  # the backward gathers ran inside the node
+
+
 def test_hsdp_checkpoint_loads_into_flat_and_hsdp_layouts(tmp_path):
     """HSDP stage 3 saves after 2 steps (each chunk written once, by node 0: the replicas on the other node
     write nothing); flat ZeRO-1 and HSDP ZeRO-2 load it and finish like one process that never stopped."""

@@ -53,6 +53,21 @@ def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding, quantized):
     assert "ZeRO inter-node bytes sent" in to_text(res, rep)
 
 
+@pytest.mark.parametrize("stage, sharding", [(2, "hsdp"), (3, "hpz")])
+def test_dry_run_bytes_per_link_with_context_parallelism(stage, sharding):
+    """cp 2: ZeRO's groups are dp x cp (HSDP: the node's dp x cp ranks), and the plan counts them so."""
+    zero = {"stage": stage, "reduce_bucket_size": 20_000, "shard_group": "node" if sharding == "hsdp" else "dp",
+            "hpz": sharding == "hpz"}
+    res = tiny_resolved(parallel={"dp": 4, "cp": 2, "node_size": 4}, zero=zero,
+                        train={"micro_batch": 1, "grad_accum": 2, "precision": "fp32", "steps": 1},
+                        kernels={"adamw": ""})
+    result = run_role(res, roles(res)[0])
+    row = report(res, [result], 80.0, 0.0)["roles"][0]
+    assert result.measured.link_bytes["inter"] > 0 and result.measured.link_bytes["intra"] > 0
+    for link in ("intra", "inter"):
+        assert row["planned_link_bytes"][link] == pytest.approx(result.measured.link_bytes[link], rel=1e-3)
+
+
 def test_which_layout_wins_depends_on_the_inter_node_bandwidth():
     psi, dp, node = 7_500_000_000, 64, 8  # the ZeRO paper's 7.5B model on 8 nodes of 8
     def ranked(inter_gbs, stage=3):
