@@ -193,8 +193,8 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: their dropout draws from the tp stream.
         with self.rng.fork() if p > 0 else contextlib.nullcontext():
-            if segments is not None:  # block-diagonal causal mask (window included): torch's SDPA takes it
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, dropout_p=p)
+            if segments is not None:  # causal inside each packed example, no (s x s) mask (models/packing.py)
+                y = segments.attend(q, k, v, p)
             else:
                 y = self.attend(q, k, v, p)  # (b, h, s, hd)
         return self.c_proj(y.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim))

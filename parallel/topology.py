@@ -117,6 +117,8 @@ class Topology:
     dp_per_node: int = 0  # dp ranks of this (pp, cp, tp) position on one node; 0: all dp (one node)
     dp_intra_group: dist.ProcessGroup | None = None  # this node's dp ranks (dp_group when dp fits in a node)
     dp_inter_group: dist.ProcessGroup | None = None  # the same node-local dp position on every node
+    # this node's dp x cp ranks of this (pp, tp) position: HSDP's and hpZ's node group (dp_intra_group if cp = 1)
+    dp_cp_intra_group: dist.ProcessGroup | None = None
 
     @property
     def dp_nodes(self) -> int:
@@ -130,6 +132,11 @@ class Topology:
     @property
     def dp_inter_rank(self) -> int:
         return self.dp_rank // (self.dp_per_node or self.dp)
+
+    @property
+    def dp_cp_intra_rank(self) -> int:
+        """The rank in dp_cp_intra_group (dp-major, as the mesh)."""
+        return self.dp_intra_rank * self.cp + self.cp_rank
 
     @property
     def world_size(self) -> int:
@@ -234,6 +241,10 @@ class Topology:
                         dp_cp_group = created
         dp_group = group("dp", dp)
         dp_intra, dp_inter = _node_groups(grid, dp_per_node, (pp_rank, dp_rank, cp_rank, tp_rank), dp_group)
+        dp_cp_intra = dp_intra
+        if cp > 1:  # a node holds whole cp groups: its dp ranks x every cp rank (= dp x cp when dp fits in it)
+            dp_cp_intra = _node_dp_cp_group(grid, dp_per_node, (pp_rank, dp_rank, tp_rank), dp_cp_group,
+                                            group("cp", cp))
         return cls(
             dp=dp, tp=tp, pp=pp, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, rank=dist.get_rank(),
             device=device, mesh=mesh, dp_group=dp_group, tp_group=group("tp", tp), pp_group=group("pp", pp),
@@ -241,6 +252,7 @@ class Topology:
             cp=cp, cp_rank=cp_rank, cp_group=group("cp", cp), cp_attention=cp_attention, dp_cp_group=dp_cp_group,
             sequence_parallel=sequence_parallel,
             node_size=node_size, dp_per_node=dp_per_node, dp_intra_group=dp_intra, dp_inter_group=dp_inter,
+            dp_cp_intra_group=dp_cp_intra,
         )
 
     def describe(self) -> str:
@@ -273,6 +285,24 @@ def _node_groups(grid, per_node: int, coords: tuple[int, int, int, int], dp_grou
                     if mine and d0 % per_node == j:
                         inter = created
     return intra, inter
+
+
+def _node_dp_cp_group(grid, per_node: int, coords: tuple[int, int, int], dp_cp_group, cp_group):
+    """The dp x cp ranks on the node of the rank at `coords` = (pp, dp, tp): the whole dp x cp group when dp
+    fits in a node, the cp group with one dp rank per node, else new groups (created by every rank, in order)."""
+    pp, dp, cp, tp = grid.shape
+    if per_node >= dp:
+        return dp_cp_group if dp > 1 else cp_group
+    if per_node == 1:
+        return cp_group
+    mine = None
+    for p in range(pp):
+        for t in range(tp):
+            for k in range(dp // per_node):
+                created = dist.new_group([int(r) for r in grid[p, k * per_node:(k + 1) * per_node, :, t].flatten()])
+                if (p, t) == (coords[0], coords[2]) and coords[1] // per_node == k:
+                    mine = created
+    return mine
 
 
 def local_device(local_rank: int = 0) -> torch.device:

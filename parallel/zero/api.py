@@ -17,6 +17,8 @@ Usage (launch with `torchrun --nproc-per-node 2 train.py`)::
     # was: optimizer = torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.1)
     engine = ZeroEngine(model, Topology.build(dp=dist.get_world_size()), stage=3, lr=3e-4,
                         weight_decay=0.1, grad_clip=1.0, grad_accum=2)
+    # multi-node: Topology.build(dp=..., node_size=int(os.environ["LOCAL_WORLD_SIZE"])) and e.g.
+    # shard_group="node" (HSDP) or hpz=True, quantized_weights=True, quantized_gradients="int8" (ZeRO++)
     for batch in loader:                                   # this rank's micro-batches (DistributedSampler)
         loss = model(**batch).loss                         # unchanged (or engine(**batch))
         engine.backward(loss)                              # was: (loss / 2).backward()
@@ -75,6 +77,13 @@ class ZeroEngine:
     `units` (stage 3): modules or their qualified names. `init_fn(owner, name, tensor, spec)` initialises a
     model built on the meta device, one unit at a time (stage 3 only). `offload="cpu"`: ZeRO-Offload (stage
     >= 1). `loss_scaler`: fp16 dynamic loss scaling. `engine.comm` counts this rank's communication.
+
+    Node-aware ZeRO and ZeRO++ (parallel/zero/groups.py; the recipe's [zero] keys of the same names), for a
+    topology built with `node_size` (processes per node): `shard_group="node"` is HSDP (stages 1-3 partition
+    inside a node, the owned gradient chunks cross nodes once per step), `hpz=True` stage 3's backward gathers
+    inside the node (ZeRO++ hpZ), `quantized_weights=True` stage 3's gathers in int8 blocks (qwZ; the masters
+    and full_state_dict stay exact), `quantized_gradients="int8" | "int4"` the hierarchical quantized gradient
+    reduce (qgZ, stages 1-3, flat or hpZ).
     """
 
     def __init__(self, model: nn.Module, topology: Topology, *, stage: int = 2, lr: float = 1e-3,
@@ -82,7 +91,9 @@ class ZeroEngine:
                  grad_clip: float = 0.0, grad_accum: int = 1, lr_schedule: Callable[[int], float] | None = None,
                  units: Sequence[nn.Module | str] | None = None, init_fn: InitFn | None = None,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
-                 loss_scaler: DynamicLossScaler | None = None, broadcast_parameters: bool = True):
+                 loss_scaler: DynamicLossScaler | None = None, broadcast_parameters: bool = True,
+                 shard_group: str = "dp", hpz: bool = False, quantized_weights: bool = False,
+                 quantized_gradients: str = "none"):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage = {stage!r} is invalid; valid: 0, 1, 2, 3")
         if not isinstance(grad_accum, int) or grad_accum < 1:
@@ -112,7 +123,8 @@ class ZeroEngine:
                                                                   for u in units]
         self.zero = build_zero(stage, model, named, topology, lr=lr, betas=betas, eps=eps,
                                weight_decay=weight_decay, bucket_elements=bucket_elements, offload=offload,
-                               units=units or (), init_fn=init_fn)
+                               units=units or (), init_fn=init_fn, shard_group=shard_group, hpz=hpz,
+                               quantized_weights=quantized_weights, quantized_gradients=quantized_gradients)
         self.optimizer, self.comm = self.zero.optimizer, self.zero.comm
         if stage == 3:
             self._retie()  # a tied alias still points at the meta parameter its first name replaced

@@ -2,10 +2,14 @@
 
   flat ("dp")   every stage partitions over all dp x cp ranks: a bucket's gradient is reduce-scattered and its
                 parameters all-gathered over the whole group, across nodes when it spans them.
-  HSDP ("node") stages 1-3 partition over the dp ranks of one node only (`Topology.dp_intra_group`); each node
+  HSDP ("node") stages 1-3 partition over the dp (x cp) ranks of one node only (`Topology.dp_cp_intra_group`;
+                cp ranks hold the same parameters and a node holds whole cp groups); each node
                 holds a full replica of the partitioned states. backward: reduce-scatter inside the node, then
                 all-reduce the owned gradient chunk over the same chunk's owners on the other nodes
-                (`dp_inter_group`). step / stage-3 gathers: inside the node. Cross-node traffic per step:
+                (`dp_inter_group`), once per optimizer step whatever the gradient accumulation (stages 2-3
+                add each micro-batch's node sum into the owned chunk; the last backward sends it across, in
+                the owned chunk's fp32 when there were several micro-batches, GradientReducer in
+                partitioned.py). step / stage-3 gathers: inside the node. Cross-node traffic per step:
                 2 x (params / per_node) x (nodes - 1) / nodes elements (one all-reduce of a chunk), instead of
                 2 (stages 1-2) or 3 (stage 3) x params x (dp - 1) / dp. Costs: states per_node times, not dp
                 times, smaller.
@@ -71,8 +75,6 @@ def check_shard_choice(shard_group: str, hpz: bool, stage: int, cp: int = 1, qua
     if hpz and shard_group == "node":
         raise ValueError("zero.hpz = true with zero.shard_group = 'node' is redundant (HSDP already gathers inside "
                          "a node); valid: one of them")
-    if (shard_group == "node" or hpz) and cp > 1:
-        raise ValueError(f"zero.shard_group = 'node' / zero.hpz need parallel.cp = 1 (got {cp})")
 
 
 def check_quantized_gradients(bits: str, stage: int, shard_group: str = "dp", cp: int = 1,
@@ -102,11 +104,14 @@ def shard_groups(topo: Topology, shard_group: str = "dp", hpz: bool = False, sta
     """The ShardGroups of `topo` for zero.shard_group / zero.hpz / zero.quantized_gradients, or a ValueError
     naming the field."""
     check_shard_choice(shard_group, hpz, stage, topo.cp, quantized_gradients=quantized_gradients)
+    # The node group: this node's dp ranks x every cp rank (cp ranks hold the same parameters and a node holds
+    # whole cp groups, Topology.build), as flat ZeRO partitions over dp x cp. The replicas of a chunk: the same
+    # (node-local dp, cp) position on the other nodes, `dp_inter_group` (built per cp rank).
+    in_node = (topo.dp // topo.dp_nodes) * topo.cp
     if shard_group == "node":
-        return ShardGroups(topo.dp_intra_group, topo.dp // topo.dp_nodes, topo.dp_intra_rank,
+        return ShardGroups(topo.dp_cp_intra_group, in_node, topo.dp_cp_intra_rank,
                            topo.dp_inter_group, topo.dp_nodes, topo.dp_inter_rank)
-    per_node = topo.dp // topo.dp_nodes
     return ShardGroups(topo.grad_group, topo.grad_size, topo.grad_rank,
-                       secondary_group=topo.dp_intra_group if hpz else None, secondary_size=per_node if hpz else 1,
-                       secondary_rank=topo.dp_intra_rank if hpz else 0, hpz=hpz,
+                       secondary_group=topo.dp_cp_intra_group if hpz else None, secondary_size=in_node if hpz else 1,
+                       secondary_rank=topo.dp_cp_intra_rank if hpz else 0, hpz=hpz,
                        quantized_gradients=quantized_gradients)

@@ -48,27 +48,39 @@ class GradientReducer:
     """Reduce-scatters full-size gradient buffers over dp, asynchronously, into owned fp32 chunks.
 
     Collective: reduce-scatter (sum) over dp per launched buffer; the owner then divides by dp. HSDP (`replicas`
-    > 1: the group is one node's dp ranks): the reduced chunk is then all-reduced (sum) over `replica_group`, the
-    same chunk's owners on the other nodes, and divided by dp = size x replicas. At most
-    MAX_REDUCTIONS_IN_FLIGHT buffers are in flight: launching another first finishes the oldest, so the
+    > 1: the group is one node's dp ranks): the owned chunk is all-reduced (sum) over `replica_group`, the same
+    chunk's owners on the other nodes, and divided by dp = size x replicas, once per optimizer step: the node's
+    sums of every micro-batch accumulate in the owned chunk first. In the step's last backward (`cross_now`, set
+    by the stage's begin_micro_batch(last=True)) each chunk crosses as soon as its last reduction is added, so
+    the cross-node all-reduce overlaps that backward; a chunk with one contribution in the step (no gradient
+    accumulation) crosses as the reduce-scatter's output, in the reduction's dtype (bf16: half the bytes of the
+    fp32 owned chunk). What has not crossed by `drain()` (no begin_micro_batch(last=True), ZeRO-Offload's host
+    chunks) crosses there. `owned_of(key)` is the owned chunk a launch with that key accumulates into.
+    At most MAX_REDUCTIONS_IN_FLIGHT buffers are in flight: launching another first finishes the oldest, so the
     full-size buffers are freed during backward, not all at its end.
     """
 
     def __init__(self, group, dp: int, ledger: CommLedger, max_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT, *,
-                 replica_group=None, replicas: int = 1, hierarchical: HierarchicalReduce | None = None):
+                 replica_group=None, replicas: int = 1, hierarchical: HierarchicalReduce | None = None,
+                 owned_of: Callable[[int], torch.Tensor | None] | None = None, device: torch.device | None = None):
         self.group, self.dp, self.ledger, self.max_in_flight = group, dp, ledger, max_in_flight
         self.hierarchical = hierarchical  # qgZ: quantized all-to-all in the node, then across nodes (qgz.py)
         self.replica_group = replica_group
+        self.owned_of, self.device = owned_of, device  # HSDP: the owned chunk of a key; where NCCL reduces it
+        self.cross_now = False  # HSDP: the coming backward is the step's last; its reductions cross nodes at once
+        self._added: set[int] = set()  # keys whose owned chunk received a reduction since the last drain
+        self._crossed: set[int] = set()  # ... and already all-reduced over the replicas
         self.scale = 1.0 / (dp * replicas)  # the mean over every rank holding these parameters
         self.pool = BufferPool()  # this step's full-size gradient buckets (stages 2-3) and reduce-scatter outputs
         self._pending: deque = deque()
         self._host_adds: deque = deque()  # ZeRO-Offload: (event, pinned staging, owned CPU chunk) not yet added
 
     def launch(self, flat: torch.Tensor, owned_grad: torch.Tensor | Callable[[torch.Tensor, float], object],
-               on_done: Callable[[], object] | None = None) -> None:
+               on_done: Callable[[], object] | None = None, key: int | None = None) -> None:
         """Reduce-scatter `flat` into `owned_grad` (+=, divided by dp); `flat` must not be written until done.
         `owned_grad` may be a function(sum, 1 / dp) that accumulates the reduced chunk itself (stage 3 creates
-        its owned gradients at their first reduction); it returns True when it kept `sum` (taken from the pool)."""
+        its owned gradients at their first reduction); it returns True when it kept `sum` (taken from the pool).
+        `key`: which owned chunk (`owned_of`) this is, for HSDP's once-per-step crossing of the nodes."""
         while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
         out = self.pool.take(flat.numel() // self.dp, flat.dtype, flat.device)
@@ -79,15 +91,20 @@ class GradientReducer:
             work = self.hierarchical.launch(out, flat)
         else:
             work = reduce_scatter_flat(out, flat, self.group, async_op=True, ledger=self.ledger)
-        self._pending.append((work, out, owned_grad, on_done))
+        self._pending.append((work, out, owned_grad, on_done, key, self.cross_now))
 
     def _finish_oldest(self) -> None:
-        work, out, owned_grad, on_done = self._pending.popleft()
+        work, out, owned_grad, on_done, key, cross = self._pending.popleft()
         if work is not None:
             work.wait()
-        if self.replica_group is not None:  # HSDP: the node's sum of this chunk, summed over the nodes
+        hsdp = self.replica_group is not None
+        if hsdp and key is None:
+            raise ValueError("HSDP: a gradient reduction launched without the key of its owned chunk")
+        if hsdp and cross and key not in self._added:  # the step's only contribution: cross as it is
             all_reduce(out, self.replica_group, ledger=self.ledger)
-        if not callable(owned_grad) and out.device != owned_grad.device and out.device.type == "cuda":
+            self._crossed.add(key)
+        host = not callable(owned_grad) and out.device != owned_grad.device and out.device.type == "cuda"
+        if host:
             # ZeRO-Offload: copy the reduced chunk into pinned host memory without blocking the backward that
             # called us; the CPU add happens once the copy's event has completed (at the latest in drain()).
             staging = accelerator.pinned_empty(out.shape, out.dtype)
@@ -106,9 +123,24 @@ class GradientReducer:
         else:
             owned_grad.add_(out.to(owned_grad.device, owned_grad.dtype), alpha=self.scale)
             self.pool.give(out)
+        if key is not None:
+            self._added.add(key)
+        if hsdp and cross and not host and key not in self._crossed:  # the last micro-batch's sum is in: cross
+            self._cross(key)
         if on_done is not None:
             on_done()
         self._add_copied(block=False)
+
+    def _cross(self, key: int) -> None:
+        """HSDP: all-reduce (sum) owned chunk `key` over the replicas, on the device (offloaded chunks go there
+        and back: NCCL reduces device memory only)."""
+        owned = self.owned_of(key)
+        if owned is not None:
+            on_device = owned.to(self.device) if self.device is not None else owned
+            all_reduce(on_device, self.replica_group, ledger=self.ledger)
+            if on_device is not owned:
+                owned.copy_(on_device)
+        self._crossed.add(key)
 
     def _add_copied(self, block: bool) -> None:
         while self._host_adds and (block or self._host_adds[0][0].query()):
@@ -129,6 +161,11 @@ class GradientReducer:
         while self._pending:
             self._finish_oldest()
         self._add_copied(block=True)
+        if self.replica_group is not None:  # HSDP: every chunk not yet crossed this step (same keys on replicas)
+            for key in sorted(self._added - self._crossed):
+                self._cross(key)
+        self._added.clear()
+        self._crossed.clear()
         self.pool.clear()  # nothing transient is held between steps
 
 
@@ -198,7 +235,8 @@ class PartitionedOptimizer:
             topo.dp_intra_group, topo.dp_inter_group, topo.dp // topo.dp_nodes, topo.dp_nodes, bits, self.comm)
         self.reducer = GradientReducer(self.group, self.groups.shard_size, self.comm, max_in_flight,
                                        replica_group=self.groups.replica_group, replicas=self.groups.replica_size,
-                                       hierarchical=hierarchical)
+                                       hierarchical=hierarchical, owned_of=lambda k: self.owned_grads[k],
+                                       device=topo.device)
         self.wait_s: dict[str, float] = defaultdict(float)  # host seconds waiting on all-gathers (benchmarks)
 
     def _timed_wait(self, works: list, kind: str = "all-gather") -> None:

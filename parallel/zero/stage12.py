@@ -24,7 +24,8 @@ for the chunk of each bucket it owns (partitioned.py). One step:
 Collectives per step, per bucket: one reduce-scatter (stage 2: per micro-batch) and one all-gather over dp:
 the same 2 x params x (dp-1)/dp elements per rank as plain data parallelism's all-reduce. HSDP
 (zero.shard_group = "node", groups.py): both run over the node's dp ranks, and the owned gradient chunk is
-all-reduced over the nodes in between.
+all-reduced over the nodes once per step, in the last micro-batch's backward (stage 2 accumulates the node's
+sums of the earlier micro-batches in the owned chunk first).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
             self.reducer.finish_launched()
             self.reducer.pool.clear()
         self._reduce_now = last or self.stage == 2
+        self.reducer.cross_now = last  # HSDP: only the step's last backward crosses nodes
         self._ready = [0] * len(self.buckets)
         self._got = [set() for _ in self.buckets]
         self._launched.clear()
@@ -151,9 +153,9 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                     flat[off:off + p.numel()].zero_()
             # The reducer owns the buffer from here and gives it back to the pool when the reduction is done.
             self.full_grads[i] = None
-            self.reducer.launch(flat, self.owned_grads[i], on_done=lambda: self.reducer.pool.give(flat))
+            self.reducer.launch(flat, self.owned_grads[i], on_done=lambda: self.reducer.pool.give(flat), key=i)
         else:
-            self.reducer.launch(flat, self.owned_grads[i], on_done=flat.zero_)
+            self.reducer.launch(flat, self.owned_grads[i], on_done=flat.zero_, key=i)
 
     def finish_gradients(self) -> None:
         """Wait for every reduce-scatter of this step; owned_grads then hold the dp-mean gradient chunk."""

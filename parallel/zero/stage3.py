@@ -17,7 +17,7 @@ Owned gradient chunks exist from their unit's first reduce-scatter (whose output
 step's first forward, which releases them (zero by then): no fp32 gradient memory while a forward runs.
 So 3 x params x (dp-1)/dp elements per rank per micro-batch: 1.5 x plain data parallelism.
 HSDP (zero.shard_group = "node"): every gather and reduce-scatter runs over the node's dp ranks, and each owned
-gradient chunk is all-reduced over the nodes. hpZ (zero.hpz): the forward's all-gather over dp leaves each rank a
+gradient chunk is all-reduced over the nodes once per step (in the last micro-batch's backward). hpZ (zero.hpz): the forward's all-gather over dp leaves each rank a
 secondary copy of its node-local part of the unit, and the backward's all-gather runs inside the node from those
 (groups.py has the volumes).
 
@@ -131,6 +131,7 @@ class ZeroStage3(PartitionedOptimizer):
                          specs={name: spec for name, _, spec in named}, adamw=adamw, max_in_flight=1,
                          groups=groups)
         self._owned_grad_of = {}  # (unit, bucket) -> what the reducer adds the reduced chunk into
+        self._key: dict[tuple[int, int], int] = {}
         k = 0
         for u in self.units:
             for j in range(len(u.buckets)):
@@ -139,6 +140,7 @@ class ZeroStage3(PartitionedOptimizer):
                 into = (lambda out, scale, k=k: self.accumulate_owned(k, out, scale)) if offload == "none" \
                     else self.owned_grads[k]
                 self._owned_grad_of[(u.index, j)] = into
+                self._key[(u.index, j)] = k  # the owned chunk's index (HSDP crosses nodes per chunk, per step)
                 k += 1
         self._where = {}
         for u in self.units:
@@ -275,8 +277,9 @@ class ZeroStage3(PartitionedOptimizer):
 
     # ---- gradients ----------------------------------------------------------------------------------------
     def begin_micro_batch(self, last: bool) -> None:
-        """Stage 3 reduces every micro-batch; kept for the same interface as stages 1-2."""
+        """Stage 3 reduces every micro-batch; `last` says whether HSDP's reductions cross nodes in it."""
         self._in_backward = False
+        self.reducer.cross_now = last
         for u in self.units:
             u.ready = 0
 
@@ -321,7 +324,7 @@ class ZeroStage3(PartitionedOptimizer):
             # The reducer owns the buffer from here and gives it back to the pool when the reduction is done.
             unit.grad_flats[j] = None
             self.reducer.launch(flat, self._owned_grad_of[(unit.index, j)],
-                                on_done=lambda flat=flat: self.reducer.pool.give(flat))
+                                on_done=lambda flat=flat: self.reducer.pool.give(flat), key=self._key[(unit.index, j)])
         unit.ready = -1  # reduced for this micro-batch
         unit.secondary = None  # hpZ: the next forward gathers (and keeps) fresh ones
         if unit.frozen and unit is not self.root:

@@ -57,7 +57,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
         root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
-        links = link_bytes(st.numel, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
+        # ZeRO's groups are dp x cp: the whole group, and its part on one node
+        links = link_bytes(st.numel, grad_ranks, layout.dp_per_node * layout.cp, layout.zero, layout.sharding,
                            grad_accum=layout.grad_accum, root=root, element_bytes=state.params,
                            quantized_weights=layout.quantized_weights,
                            quantized_gradients=layout.quantized_gradients)  # ZeRO++ qwZ / qgZ bytes

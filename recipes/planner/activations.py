@@ -74,6 +74,13 @@ class ActivationSpec:
     mlp_elements: float = 8.0  # MLP activations per token, in units of h (GELU: 2 d_ff / h; SwiGLU: 4 d_ff / h)
     block_weights: float = 12.0  # matmul weight elements of one block, in units of h^2 (weight_copies)
     mlp_hidden: float = 4.0  # d_ff / h: the MLP output projection's input per token, in units of h
+    # Packed rows (SFT, models/packing.py): attention runs inside each example through fused kernels (CUDA's
+    # variable-length FlashAttention in 16 bits, SDPA per example elsewhere), so without attention dropout no
+    # scores are kept whatever the attention kernel, and no (s x s) mask; with dropout, SDPA's math path keeps
+    # each example's n^2 scores, at most s^2 per row: the unpacked formula is the bound. The per-example path
+    # (32-bit activations, or dropout) also keeps each example's output for its own backward beside their
+    # concatenation (the projection's input): + s b h e / t
+    packed: bool = False
 
     @property
     def residual(self) -> int:
@@ -81,7 +88,7 @@ class ActivationSpec:
 
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
-                  *, autocast_fp32_params: bool = False) -> "ActivationSpec":
+                  *, autocast_fp32_params: bool = False, packed: bool = False) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
         from megazoo.models.flops import block_matmul_params
@@ -92,7 +99,8 @@ class ActivationSpec:
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
-                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h)
+                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h,
+                              packed)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -114,11 +122,13 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
     sharded = (4 + spec.mlp_elements) * e
     sbh = s * b * h
     weights = e * spec.block_weights * h * h / t if spec.weight_copies else 0.0  # the matmul weights' 16-bit casts
-    if spec.flash_attention:
+    if spec.flash_attention or (spec.packed and not spec.attn_dropout):
         scores = 4 * a * s * b / t  # its fp32 log-sum-exp (its output is the projection input, counted above)
     else:
         per_score = e + ((spec.mask_bytes + e) if spec.attn_dropout else 0)
         scores = per_score * a * s * (s * cp) * b / t
+    if spec.packed and (spec.element_bytes != 2 or spec.attn_dropout):
+        sharded += e  # the per-example outputs SDPA keeps, beside their concatenation
     return sbh * (replicated + sharded / t) + scores + weights
 
 

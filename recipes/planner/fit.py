@@ -64,6 +64,7 @@ class Layout:
     node_size: int = 0  # GPUs per node (HSDP / hpZ); 0: one node
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
+    packed: bool = False  # SFT rows packing several examples (activations.ActivationSpec.packed)
 
     @property
     def dp_per_node(self) -> int:
@@ -144,13 +145,14 @@ class DeviceMemory:
 def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelStateMemory:
     """Model states of `psi` parameters per device under `layout`, partitioned over dp x cp (cp ranks hold the
     same parameters): megazoo's optimizers' bytes, or with `paper` the ZeRO paper's (planner.py owns both)."""
-    n = layout.dp_per_node if layout.sharding == "hsdp" else layout.dp * layout.cp  # HSDP: inside a node
+    in_node = layout.dp_per_node * layout.cp  # a node's dp x cp ranks (cp ranks hold the same parameters)
+    n = in_node if layout.sharding == "hsdp" else layout.dp * layout.cp  # HSDP: inside a node
     if paper:
         mem = model_state_memory(psi, n, layout.zero, PRECISION_BYTES[layout.precision][0], offload=layout.offload)
     else:
         mem = megazoo_state_memory(psi, n, layout.zero, MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
     if layout.sharding == "hpz":  # + the secondary copy of the node's share of the parameters
-        mem = replace(mem, params_bytes=mem.params_bytes + psi / layout.dp_per_node
+        mem = replace(mem, params_bytes=mem.params_bytes + psi / in_node
                       * PRECISION_BYTES[layout.precision][0].params)
     return mem
 
@@ -161,7 +163,7 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
     (recipes/model_setup.parameter_dtype): a fp32 residual stream and 16-bit weight casts (recipes/planner/activations.py)."""
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
-                                    autocast_fp32_params=layout.zero == 0)
+                                    autocast_fp32_params=layout.zero == 0, packed=layout.packed)
 
 
 def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:
@@ -238,7 +240,7 @@ def recipe_layout(resolved) -> Layout:
                   cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
-                  quantized_gradients=zero.quantized_gradients)
+                  quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

@@ -11,8 +11,8 @@ ZeRO++ paper counts ZeRO-3's cross-node volume, and as parallel/collectives.Comm
     flat    2       -                                      (A + 1) one(N)       when the dp group spans nodes;
     flat    3       -                                      3 A one(N)           intra-node when m = 1)
     hsdp    1       2 one(n)                               2 (Psi / n) (m - 1) / m   (all-reduce of the chunk)
-    hsdp    2       (A + 1) one(n)                         A x the same              (each micro-batch's chunk)
-    hsdp    3       3 A one(n)                             A x the same
+    hsdp    2       (A + 1) one(n)                         the same (once per step: the micro-batches'
+    hsdp    3       3 A one(n)                             the same  node sums accumulate in the chunk first)
     hpz     3       A one(n)   (backward gather)           2 A one(N)   (forward gather + reduce-scatter)
 
 Stage 3 gathers each block twice per micro-batch but its root unit (embeddings, final norm: `root` elements)
@@ -88,7 +88,7 @@ def link_volume(psi: int, dp: int, per_node: int, stage: int, sharding: str = "f
         return LinkVolume(sharding, stage, a * (psi - root) * (n - 1) / n, 2 * a * one(dp))
     chunk_all_reduce = 2 * (psi / n) * (m - 1) / m
     intra = {1: 2 * one(n), 2: (a + 1) * one(n), 3: a * (3 * psi - root) * (n - 1) / n}[stage]
-    return LinkVolume(sharding, stage, intra, (1 if stage == 1 else a) * chunk_all_reduce)
+    return LinkVolume(sharding, stage, intra, chunk_all_reduce)
 
 
 QUANT_BLOCK = 256  # elements per scale (parallel/zero/quantized.py QWZ_BLOCK, qgz.py QGZ_BLOCK)
@@ -125,7 +125,10 @@ def link_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str = "fl
         raise PlanError(f"qgZ (quantized gradients) needs ZeRO stage 1-3, flat or hpz (got stage {stage}, "
                         f"{sharding})")
     eb = element_bytes
-    intra, inter = vol.intra * eb, vol.inter * eb
+    # HSDP stages 2-3 with accumulation send the owned chunk across nodes in its fp32 (fp64 stays fp64) master
+    # dtype; a single contribution crosses as the reduce-scatter output, in the gradients' dtype
+    cross = max(eb, 4) if sharding == "hsdp" and stage >= 2 and grad_accum > 1 else eb
+    intra, inter = vol.intra * eb, vol.inter * cross
     n = min(per_node, dp)
     m, a = dp // n, grad_accum
     spans = "inter" if m > 1 else "intra"  # where the flat ring's bytes count

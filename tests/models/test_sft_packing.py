@@ -70,11 +70,12 @@ def test_segments_restart_positions_and_confine_attention():
     seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0]])
     layout = Segments.from_ids(seg)
     assert layout.positions.tolist() == [[0, 1, 2, 0, 1, 0, 1]]
-    mask = layout.mask[0, 0]
+    mask = layout.dense_mask()[0, 0]
     assert mask[4].tolist() == [False, False, False, True, True, False, False]  # sees its own example only
     assert mask[2].tolist() == [True, True, True, False, False, False, False]
     assert mask[6].tolist() == [False] * 5 + [True, True]  # padding sees padding: no empty softmax row
-    windowed = Segments.from_ids(seg, sliding_window=2).mask[0, 0]
+    windowed = Segments.from_ids(seg, sliding_window=2).dense_mask()[0, 0]
+    assert layout.runs == ((0, 0, 3), (0, 3, 5), (0, 5, 7)) and layout.cu_seqlens.tolist() == [0, 3, 5, 7]
     assert windowed[2].tolist() == [False, True, True, False, False, False, False]
 
 

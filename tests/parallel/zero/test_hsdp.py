@@ -20,8 +20,9 @@ STEPS = 2
 LAYOUTS = {  # name -> (zero section, train section) at dp 4 on 2 nodes of 2
     "flat3": ({"stage": 3}, {"micro_batch": 2}),
     "hsdp1": ({"stage": 1, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
-    # HSDP stage 2 runs in test_hsdp_and_hpz_with_tp_and_pp_equal_one_process (under pp 2) and in the dry run's
-    # bytes test (tests/recipes/planner/test_dry_run_links.py)
+    # stages 2-3 with gradient accumulation: the owned chunk crosses nodes once per step, not per micro-batch
+    "hsdp2": ({"stage": 2, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
+    "hsdp3a": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
     "hsdp3": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 2}),
     # hpZ with activation checkpointing: the recomputed forward in backward gathers from the secondaries
     "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2, "activation_checkpointing": True}),
@@ -99,8 +100,9 @@ def runs():
             trainer.train_step(STEPS)  # the ledger then holds exactly this step's traffic
             zero = trainer.zero
             got["links"] = dict(zero.comm.link_bytes)
+            got["calls"] = dict(zero.comm.calls)
             units = getattr(zero, "units", None)
-            got["numel"] = {"all": sum(b.numel for b in zero.buckets),
+            got["numel"] = {"all": sum(b.numel for b in zero.buckets), "buckets": len(zero.buckets),
                             "root": sum(b.numel for b in units[-1].buckets) if units else 0}
             out[name] = got
         return out
@@ -125,10 +127,14 @@ def _expected_links(name: str, numel: dict[str, int]) -> dict[str, float]:
         return {"inter": ((2 * blocks + root) + p) * flat * b + norm(flat)}
     if name == "hpz3":  # per micro-batch (2): forward gather + reduce-scatter over dp; backward gather in the node
         return {"inter": 2 * ((blocks + root) + p) * flat * b + norm(flat), "intra": 2 * blocks * node * b}
-    chunk_allreduce = 2 * (p / 2) * across * b  # the owned chunk (p / 2) all-reduced over the 2 nodes
+    # the owned chunk (p / 2) all-reduced over the 2 nodes: once per step, whatever the accumulation
+    chunk_allreduce = 2 * (p / 2) * across * b
     if name == "hsdp1":  # one reduce-scatter (last micro-batch), one all-gather, inside the node
         return {"intra": 2 * p * node * b + norm(node), "inter": chunk_allreduce}
-    return {"intra": ((2 * blocks + root) + p) * node * b + norm(node), "inter": chunk_allreduce}  # hsdp3
+    if name == "hsdp2":  # a reduce-scatter per micro-batch (2), one all-gather, inside the node
+        return {"intra": 3 * p * node * b + norm(node), "inter": chunk_allreduce}
+    a = 2 if name == "hsdp3a" else 1
+    return {"intra": a * ((2 * blocks + root) + p) * node * b + norm(node), "inter": chunk_allreduce}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -140,6 +146,19 @@ def test_bytes_per_link_class_follow_the_formula(runs, name):
             assert got[link] == pytest.approx(want[link], rel=1e-12), link
     flat, hpz, hsdp = (runs[0][n]["links"] for n in ("flat3", "hpz3", "hsdp3"))
     assert hpz["inter"] / 2 < flat["inter"] and 3 * hsdp["inter"] <= flat["inter"]  # per micro-batch, both save
+
+
+@pytest.mark.parametrize("name", ["hsdp2", "hsdp3a"])
+def test_hsdp_crosses_nodes_once_per_step_under_gradient_accumulation(runs, name):
+    """2 micro-batches per step: the inter-node bytes are one all-reduce of the owned chunks, as with one
+    micro-batch (hsdp3), and there is one inter-node all-reduce per bucket, not one per bucket and micro-batch."""
+    for rank in runs:
+        got = rank[name]
+        buckets = got["numel"]["buckets"]
+        assert got["links"]["inter"] == pytest.approx(2 * (got["numel"]["all"] / 2) / 2 * 8, rel=1e-12)
+        # all-reduces: one per bucket across nodes + the norm's two (dp inside the node, tp: a group of one)
+        assert got["calls"]["all_reduce"] == buckets + 1
+    assert runs[0]["hsdp3a"]["links"]["inter"] == runs[0]["hsdp3"]["links"]["inter"]
 
 
 def test_hsdp_and_hpz_with_tp_and_pp_equal_one_process(reference):
@@ -161,6 +180,41 @@ def test_hsdp_and_hpz_with_tp_and_pp_equal_one_process(reference):
     for rank in run_distributed(work, 8):
         for name in ("hsdp3", "hpz3", "pp"):
             assert_same_training(rank[name], reference)
+
+
+def test_hsdp_and_hpz_with_context_parallelism_equal_one_process(reference):
+    """dp 4 x cp 2 on 2 nodes of 4 (each node: 2 dp ranks x both cp ranks). cp ranks hold the same parameters,
+    so HSDP partitions over the node's dp x cp ranks and hpZ's secondaries live there too; the chunks' replicas
+    are the same (dp, cp) position on the other node. Same training as one process (fp64, 1e-10); HSDP's only
+    inter-node bytes are one all-reduce of the owned chunks (a quarter of the parameters) per step."""
+    runs = {"hsdp2": ({"stage": 2, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
+            "hsdp3": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 2}),
+            "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2})}
+    resolved = {name: tiny_resolved(parallel={"dp": 4, "cp": 2, "node_size": 4}, zero=zero,
+                                    train={**train, "steps": STEPS}) for name, (zero, train) in runs.items()}
+
+    def work():
+        topo = Topology.build(4, cp=2, node_size=4)
+        out = {"node": _members(topo.dp_cp_intra_group), "replicas": _members(topo.dp_inter_group)}
+        for name, res in resolved.items():
+            trainer = Trainer(res, topo)
+            result = trainer.fit()
+            out[name] = {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
+                         "params": trainer.full_state_dict()}
+            trainer.train_step(STEPS)
+            out[name + "-links"] = dict(trainer.zero.comm.link_bytes)
+            out[name + "-numel"] = sum(b.numel for b in trainer.zero.buckets)
+        return out
+
+    got = run_distributed(work, 8)
+    for rank, mine in enumerate(got):
+        assert mine["node"] == ([0, 1, 2, 3] if rank < 4 else [4, 5, 6, 7])  # global rank = 2 dp + cp
+        assert mine["replicas"] == [rank % 4, rank % 4 + 4]
+        for name in runs:
+            assert_same_training(mine[name], reference)
+        for name in ("hsdp2", "hsdp3"):  # the owned chunk (1/4 of the padded buckets) over 2 nodes, fp64
+            assert mine[name + "-links"]["inter"] == pytest.approx(2 * mine[name + "-numel"] / 4 / 2 * 8, rel=1e-12)
+        assert mine["hpz3-links"]["intra"] > 0  # the backward gathers ran inside the node
 
 
 def test_hsdp_checkpoint_loads_into_flat_and_hsdp_layouts(tmp_path):

@@ -49,11 +49,14 @@ def reference_training() -> dict:
             "params": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def engine_training(stage: int, grad_accum: int, meta: bool = False, loss_scaler=None) -> dict:
+def engine_training(stage: int, grad_accum: int, meta: bool = False, loss_scaler=None, *, dp: int = 2,
+                    node_size: int = 0, topo: Topology | None = None, bypass_qgz: bool = False, **node_aware) -> dict:
     """The reference loop on this dp rank's share of each batch, as grad_accum micro-batches per step. The
-    loop differs from the reference only in the engine line and engine.backward / engine.step."""
-    topo = Topology.build(dp=2)
-    share = batches()[:, topo.dp_rank * BATCH // 2:(topo.dp_rank + 1) * BATCH // 2]
+    loop differs from the reference only in the engine line and engine.backward / engine.step. `node_aware`:
+    ZeroEngine's shard_group / hpz / quantized_weights / quantized_gradients; `bypass_qgz`: qgZ's hierarchical
+    all-to-alls with unquantized values on the wire (then exact)."""
+    topo = topo or Topology.build(dp=dp, node_size=node_size)
+    share = batches()[:, topo.dp_rank * BATCH // dp:(topo.dp_rank + 1) * BATCH // dp]
     data = share.reshape(STEPS * grad_accum, -1, SEQ)  # this rank's micro-batches, in order
     init_fn = None
     if meta:  # built on the meta device; stage 3 materialises one unit at a time from the reference init
@@ -61,7 +64,10 @@ def engine_training(stage: int, grad_accum: int, meta: bool = False, loss_scaler
         init_fn = lambda owner, name, tensor, spec: tensor.copy_(full[name])  # noqa: E731
     model = tiny_gpt2("meta" if meta else None)
     engine = ZeroEngine(model, topo, stage=stage, lr=LR, weight_decay=WD, grad_clip=CLIP, grad_accum=grad_accum,
-                        lr_schedule=lambda step: LR * warmup(step), init_fn=init_fn, loss_scaler=loss_scaler)
+                        lr_schedule=lambda step: LR * warmup(step), init_fn=init_fn, loss_scaler=loss_scaler,
+                        **node_aware)
+    if bypass_qgz:
+        engine.zero.reducer.hierarchical.bits = "none"
     losses, norms = [], []
     for step in range(len(data)):
         batch = data[step]
@@ -73,7 +79,14 @@ def engine_training(stage: int, grad_accum: int, meta: bool = False, loss_scaler
     return {"losses": losses, "norms": [n for n in norms if n is not None], "params": engine.full_state_dict(),
             "tied": model.lm_head.weight is model.transformer.wte.weight, "steps": engine.step_count,
             "skipped": engine.skipped_steps, "memory": engine.memory_bytes(),
-            "n_params": sum(p.numel() for p in model.parameters())}
+            "n_params": sum(p.numel() for p in model.parameters()), "kinds": sorted(engine.comm.bytes),
+            "links": dict(engine.comm.link_bytes), "groups": _groups(engine)}
+
+
+def _groups(engine: ZeroEngine) -> dict:
+    groups = getattr(engine.zero, "groups", None)  # stage 0 partitions nothing
+    return {} if groups is None else {"shard": groups.shard_size, "replicas": groups.replica_size,
+                                      "secondary": groups.secondary_size, "hpz": groups.hpz}
 
 
 def assert_matches_reference(results: list[dict], ref: dict, grad_accum: int) -> None:
@@ -106,6 +119,67 @@ def test_engine_equals_single_process_adamw(reference, stage, grad_accum):
     for got in results:  # between steps a stage-3 rank holds half the parameters (fp64: 8 bytes each)
         full_bytes = 8 * got["n_params"]
         assert got["memory"]["params"] <= (0.5 if stage == 3 else 1.0) * full_bytes + 8 * 64
+
+
+NODE_AWARE = {  # name -> (stage, ZeroEngine keywords): dp 4 on 2 "nodes" of 2, 2 micro-batches per step
+    "hsdp2": (2, {"shard_group": "node"}), "hsdp3": (3, {"shard_group": "node"}), "hpz3": (3, {"hpz": True}),
+    "qgz1-bypassed": (1, {"quantized_gradients": "int8", "bypass_qgz": True}),
+    "qgz2": (2, {"quantized_gradients": "int8"}),
+    "hpz-qwz-qgz3": (3, {"hpz": True, "quantized_weights": True, "quantized_gradients": "int4"}),
+}  # (HSDP stage 1 and qwZ alone take the same keyword path; the Trainer's tests run each layout)
+
+
+def _node_aware_runs() -> dict:
+    topo = Topology.build(dp=4, node_size=2)
+    return {name: engine_training(stage, 2, dp=4, topo=topo, **kw) for name, (stage, kw) in NODE_AWARE.items()}
+
+
+@pytest.fixture(scope="module")
+def node_aware():
+    return run_distributed(_node_aware_runs, 4)
+
+
+@pytest.mark.parametrize("name", ["hsdp2", "hsdp3", "hpz3", "qgz1-bypassed"])
+def test_engine_node_aware_layouts_equal_single_process_adamw(node_aware, reference, name):
+    """HSDP, hpZ and qgZ's hierarchical reduce (unquantized on the wire) through ZeroEngine: the same training
+    as one process, fp64, 1e-10."""
+    results = [rank[name] for rank in node_aware]
+    assert_matches_reference(results, reference, 2)
+    for got in results:
+        groups = got["groups"]
+        if name.startswith("hsdp"):  # partitioned over the node's 2 ranks, replicated over the 2 nodes
+            assert (groups["shard"], groups["replicas"]) == (2, 2)
+            assert got["links"]["inter"] < got["links"]["intra"]
+        if name == "hpz3":
+            assert groups["hpz"] and groups["secondary"] == 2 and got["links"]["intra"] > 0
+        if name == "qgz1-bypassed":
+            assert "all_to_all" in got["kinds"] and "reduce_scatter" not in got["kinds"]
+
+
+@pytest.mark.parametrize("name, kinds", [("qgz2", ["all_to_all_int8"]),
+                                         ("hpz-qwz-qgz3", ["all_gather_int8", "all_to_all_int4"])])
+def test_engine_quantized_layouts_train_close_to_exact(node_aware, reference, name, kinds):
+    """qgZ / qwZ through ZeroEngine: the quantized collectives run and the losses stay within 1% of the exact
+    run's (the bound test_qwz.py holds the Trainer to); qgZ's first loss precedes any quantized update: exact."""
+    results = [rank[name] for rank in node_aware]
+    losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64).view(len(results), STEPS, 2)
+    ref = torch.tensor(reference["losses"], dtype=torch.float64)
+    rel = ((losses.mean(dim=(0, 2)) - ref).abs() / ref).tolist()
+    assert 0 < max(rel) < 1e-2, rel
+    if "qwz" not in name:
+        assert rel[0] < 1e-12
+    for got in results:
+        assert set(kinds) <= set(got["kinds"]) and got["steps"] == STEPS and got["tied"]
+    assert results[0]["groups"]["shard"] == 4
+
+
+def test_engine_refuses_node_aware_choices_that_do_not_fit():
+    with pytest.raises(ValueError, match=r"zero.hpz = true needs zero.stage = 3 \(got 2\)"):
+        ZeroEngine(torch.nn.Linear(2, 2), Topology.solo(), stage=2, hpz=True)
+    with pytest.raises(ValueError, match=r"zero.quantized_weights = true needs zero.stage = 3"):
+        ZeroEngine(torch.nn.Linear(2, 2), Topology.solo(), stage=1, quantized_weights=True)
+    with pytest.raises(ValueError, match=r"zero.shard_group = 'rack' is invalid; valid: 'dp', 'node'"):
+        ZeroEngine(torch.nn.Linear(2, 2), Topology.solo(), stage=1, shard_group="rack")
 
 
 def test_stage3_materialises_a_meta_model_and_reties_the_head(reference):

@@ -53,6 +53,21 @@ def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding, quantized):
     assert "ZeRO inter-node bytes sent" in to_text(res, rep)
 
 
+@pytest.mark.parametrize("stage, sharding", [(2, "hsdp"), (3, "hpz")])
+def test_dry_run_bytes_per_link_with_context_parallelism(stage, sharding):
+    """cp 2: ZeRO's groups are dp x cp (HSDP: the node's dp x cp ranks), and the plan counts them so."""
+    zero = {"stage": stage, "reduce_bucket_size": 20_000, "shard_group": "node" if sharding == "hsdp" else "dp",
+            "hpz": sharding == "hpz"}
+    res = tiny_resolved(parallel={"dp": 4, "cp": 2, "node_size": 4}, zero=zero,
+                        train={"micro_batch": 1, "grad_accum": 2, "precision": "fp32", "steps": 1},
+                        kernels={"adamw": ""})
+    result = run_role(res, roles(res)[0])
+    row = report(res, [result], 80.0, 0.0)["roles"][0]
+    assert result.measured.link_bytes["inter"] > 0 and result.measured.link_bytes["intra"] > 0
+    for link in ("intra", "inter"):
+        assert row["planned_link_bytes"][link] == pytest.approx(result.measured.link_bytes[link], rel=1e-3)
+
+
 def test_which_layout_wins_depends_on_the_inter_node_bandwidth():
     psi, dp, node = 7_500_000_000, 64, 8  # the ZeRO paper's 7.5B model on 8 nodes of 8
     def ranked(inter_gbs, stage=3):
@@ -67,6 +82,11 @@ def test_which_layout_wins_depends_on_the_inter_node_bandwidth():
     assert flat.inter == pytest.approx(3 * psi * 63 / 64) and flat.intra == 0
     assert hpz.inter == pytest.approx(2 / 3 * flat.inter)  # ZeRO++: hpZ removes the backward gather's third
     assert hsdp.inter == pytest.approx(2 * psi / 8 * 7 / 8)  # one all-reduce of the node's chunk
+    for stage in (1, 2, 3):  # once per step, whatever the accumulation (the micro-batches' sums add up first)
+        assert link_volume(psi, dp, node, stage, "hsdp", grad_accum=4).inter == pytest.approx(hsdp.inter)
+    # bf16: one micro-batch crosses the reduce-scatter output (2 bytes), several the owned fp32 chunk (4 bytes)
+    assert link_bytes(psi, dp, node, 2, "hsdp", element_bytes=2).inter == pytest.approx(hsdp.inter * 2)
+    assert link_bytes(psi, dp, node, 2, "hsdp", element_bytes=2, grad_accum=4).inter == pytest.approx(hsdp.inter * 4)
     assert [c.volume.sharding for c in rank_shardings(psi, dp, node, 0, element_bytes=2, intra_bw=1,
                                                       inter_bw=1, state=MIXED_ADAM)] == ["flat"]
     with pytest.raises(PlanError, match=r"dp ranks per node = 3 must divide dp = 64"):

@@ -24,7 +24,7 @@ from megazoo.recipes.planner.activations import (ActivationSpec, checkpoint_byte
 TOLERANCE = 0.03  # relative
 
 
-def measured_bytes(cfg, b: int, s: int, attention: str) -> int:
+def measured_bytes(cfg, b: int, s: int, attention: str, packed: bool = False) -> int:
     torch.manual_seed(0)
     model = GPT(cfg, Topology.solo(), kernels=KernelChoice("auto", {"attention": attention}))
     for p in model.parameters():
@@ -40,14 +40,17 @@ def measured_bytes(cfg, b: int, s: int, attention: str) -> int:
         return t
 
     x = torch.randint(0, cfg.vocab_size, (b, s))
+    # packed: each row holds examples of s / 4, s / 2 and s / 4 tokens (models/packing.py)
+    ids = torch.cat([torch.full((b, n), i + 1) for i, n in enumerate((s // 4, s // 2, s - 3 * s // 4))], dim=1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(model(x), x)
+        loss = model.loss(model(x, segment_ids=ids if packed else None), x)
     loss.backward()
     return sum(saved.values())
 
 
-def predicted_bytes(cfg, b: int, s: int, attention: str) -> float:
-    spec = ActivationSpec.for_model(cfg, element_bytes=4, mask_bytes=4, flash_attention=attention == "torch")
+def predicted_bytes(cfg, b: int, s: int, attention: str, packed: bool = False) -> float:
+    spec = ActivationSpec.for_model(cfg, element_bytes=4, mask_bytes=4, flash_attention=attention == "torch",
+                                    packed=packed)
     return stage_activations(cfg, s, b, 1, [cfg.n_layer], spec=spec)[0].total_bytes
 
 
@@ -105,3 +108,21 @@ def test_formula_matches_saved_tensors_for_the_llama_block(attention):
     for a, b in ((points[0], points[1]), (points[0], points[2])):
         grew, formula = measured[b] - measured[a], predicted[b] - predicted[a]
         assert abs(grew / formula - 1) < TOLERANCE, (a, b, grew, formula)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_packed_rows_keep_no_scores_and_no_mask(preset):
+    """Packed SFT rows under the materialising attention kernel ("reference"): the examples' attention runs per
+    example through SDPA, so what autograd keeps is the fused-attention formula (no s^2 term, no s x s mask),
+    never more than the same rows unpacked."""
+    cfg = get_preset(preset).replace(n_layer=2, vocab_size=512, dropout=0.0, attn_dropout=0.0)
+    if cfg.d_ff:
+        cfg = cfg.replace(d_ff=448)
+    points = [(2, 64), (2, 128), (4, 64)]
+    measured = {p: measured_bytes(cfg, *p, "reference", packed=True) for p in points}
+    predicted = {p: predicted_bytes(cfg, *p, "reference", packed=True) for p in points}
+    for p in points:
+        assert abs(measured[p] / predicted[p] - 1) < TOLERANCE, (p, measured[p], predicted[p])
+        assert measured[p] < measured_bytes(cfg, *p, "reference")  # packing costs no more than padding
+    grew, formula = measured[(2, 128)] - measured[(2, 64)], predicted[(2, 128)] - predicted[(2, 64)]
+    assert abs(grew / formula - 1) < TOLERANCE, (grew, formula)  # linear in s: no s^2 term

@@ -68,9 +68,11 @@ def test_sft_recipe_errors_name_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("parallel, micro_batch, packing", [({"pp": 2}, 2, True), ({"dp": 2}, 1, True),
-                                                             ({"cp": 2}, 2, False)], ids=["pp2", "dp2", "cp2-padded"])
+                                                             ({"tp": 2}, 2, True), ({"cp": 2}, 2, False)],
+                         ids=["pp2", "dp2", "tp2", "cp2-padded"])
 def test_sft_training_across_processes_equals_one_process(tmp_path, parallel, micro_batch, packing):
-    """One SFT step (global batch 4) at pp=2 (the segment ids reach both stages' attention), dp=2 (each rank's
+    """One SFT step (global batch 4) at pp=2 (the segment ids reach both stages' attention), tp=2 (each rank's
+    heads attend inside the packed examples without a mask), dp=2 (each rank's
     micro-batches weighted by their share of the whole step's response tokens) or cp=2 (padded rows, -100 targets
     split with the sequence) give the single process's losses and parameters (fp64, 1e-10)."""
     from harness import run_distributed
