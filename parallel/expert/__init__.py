@@ -1,0 +1,11 @@
+"""Expert parallelism: the routed experts of every MoE layer split over the ep ranks of the Topology.
+
+comms.py: the uneven all-to-all and the count exchange (forward / backward table). dispatch.py: permute tokens
+by expert, all-to-all them to the ranks holding their experts, run the local experts, all-to-all back, combine.
+"""
+
+from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
+from megazoo.parallel.expert.dispatch import ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine
+
+__all__ = ["ExpertDispatcher", "ExpertsFn", "all_to_all_uneven", "check_expert_split", "dispatch_combine",
+           "exchange_counts"]
