@@ -72,13 +72,13 @@ class ParallelSection:
     # cost: benchmarks/hang_keys.py). On a collective timeout or SIGUSR1 every rank writes its ring to
     # run.dir/.progress/ and each rank's last collective (op, seq, group, shapes) is named: parallel/flight_recorder.py
     flight_recorder: int = 2000
-    # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
-    cp: int = 1
+    cp: int = 1  # context parallelism: sequences split over cp ranks (load-balanced causal chunks, parallel/context)
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
     # Sequence parallelism inside the tp group (Megatron's sequence_parallel): the norm, dropout and residual regions
     # hold seq_len / (cp x tp) positions per rank, all-gather / reduce-scatter replace tp's all-reduce. Needs tp >= 2.
     sequence_parallel: bool = False
     node_size: int = 0  # processes per node for HSDP / hpZ; 0: the launcher's LOCAL_WORLD_SIZE (one node alone)
+    ep: int = 1  # expert parallelism: an MoE model's routed experts split over ep ranks of dp x cp (parallel/expert)
 
 
 @dataclass(frozen=True)

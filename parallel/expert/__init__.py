@@ -5,7 +5,8 @@ by expert, all-to-all them to the ranks holding their experts, run the local exp
 """
 
 from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
-from megazoo.parallel.expert.dispatch import ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine
+from megazoo.parallel.expert.dispatch import (ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine,
+                                             exchange_rows, local_expert_range)
 
 __all__ = ["ExpertDispatcher", "ExpertsFn", "all_to_all_uneven", "check_expert_split", "dispatch_combine",
-           "exchange_counts"]
+           "exchange_counts", "exchange_rows", "local_expert_range"]

@@ -28,8 +28,8 @@ import torch
 from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
 from megazoo.parallel.topology import group_rank, group_size
 
-# rows [N, d] sorted by local expert, one count per local expert (summing to N) -> rows [N, d_out]
-ExpertsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+# rows [N, d] sorted by local expert, counts [n] int64 (one per local expert, summing to N) -> rows [N, d_out]
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def check_expert_split(num_experts: int, ep: int) -> int:
@@ -60,48 +60,54 @@ def _rank_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts, lengths) + within
 
 
-def dispatch_combine(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn,
+def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsFn, group=None) -> torch.Tensor:
+    """rows [N, d] sorted by global expert, counts [num_experts] (rows per expert) -> [N, d_out]: each row through
+    its expert, wherever that expert lives, in the same order (steps 2-5 above without the combine). This is the
+    experts callable of a dispatcher that sorts and combines itself (models/moe/dispatch.py)."""
+    ep = group_size(group)
+    num_experts = counts.numel()
+    n_local = check_expert_split(num_experts, ep)
+    if group is None:
+        return experts_fn(rows, counts)
+    received = exchange_counts(counts, group)  # [ep * n]: rows each rank sends to my experts
+    host = torch.cat([counts, received]).tolist()  # one device-to-host read for every split
+    send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+    recv = [sum(host[num_experts + r * n_local:num_experts + (r + 1) * n_local]) for r in range(ep)]
+    arrived = all_to_all_uneven(rows, recv, send, group)  # (source rank, local expert) order
+    received = received.view(ep, n_local)
+    regroup = _rank_major_to_expert_major(received)
+    computed = experts_fn(arrived.index_select(0, regroup), received.sum(0))
+    return all_to_all_uneven(computed.index_select(0, _inverse(regroup)), send, recv, group)
+
+
+def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts_fn: ExpertsFn,
                      num_experts: int, group=None) -> torch.Tensor:
-    """x [T, d], indices [T, k] (expert ids in [0, num_experts)), weights [T, k] -> [T, d_out]: for each token
+    """x [T, d], weights [T, k], indices [T, k] (expert ids in [0, num_experts)) -> [T, d_out]: for each token
     the sum over its k experts of weight x expert(token), the experts living on the ranks of `group` (None: all
     local). Differentiable in x, weights and whatever `experts_fn` closes over."""
     t, k = indices.shape
-    ep = group_size(group)
-    n_local = check_expert_split(num_experts, ep)
     flat = indices.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // k)  # [T * k, d], sorted by expert
-    counts = torch.bincount(flat, minlength=num_experts)
-    if group is None:
-        out = experts_fn(rows, counts.tolist())
-    else:
-        received = exchange_counts(counts, group)  # [ep * n]: rows each rank sends to my experts
-        host = torch.cat([counts, received]).tolist()  # one device-to-host read for every split
-        send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
-        mine = host[num_experts:]
-        recv = [sum(mine[r * n_local:(r + 1) * n_local]) for r in range(ep)]
-        per_expert = [sum(mine[r * n_local + e] for r in range(ep)) for e in range(n_local)]
-        arrived = all_to_all_uneven(rows, recv, send, group)  # (source rank, local expert) order
-        regroup = _rank_major_to_expert_major(received.view(ep, n_local))
-        computed = experts_fn(arrived.index_select(0, regroup), per_expert)
-        out = all_to_all_uneven(computed.index_select(0, _inverse(regroup)), send, recv, group)
+    out = exchange_rows(rows, torch.bincount(flat, minlength=num_experts), experts_fn, group)
     pairs = out.index_select(0, _inverse(order))  # back to pair order: [T * k, d_out]
     return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
 
 
+def local_expert_range(num_experts: int, group=None) -> range:
+    """The global ids of the experts this rank of `group` holds: a contiguous block of num_experts / ep."""
+    n = check_expert_split(num_experts, group_size(group))
+    return range(group_rank(group) * n, (group_rank(group) + 1) * n)
+
+
 class ExpertDispatcher:
     """The token dispatcher of an MoE layer whose experts are split over `group` (the Topology's ep group;
-    None: every expert local). `local_experts()` is the range of global expert ids this rank holds."""
+    None: every expert local). `local_experts` is the range of global expert ids this rank holds."""
 
     def __init__(self, num_experts: int, group=None):
         self.num_experts, self.group = num_experts, group
-        self.ep, self.ep_rank = group_size(group), group_rank(group)
-        self.experts_per_rank = check_expert_split(num_experts, self.ep)
+        self.local_experts = local_expert_range(num_experts, group)
 
-    def local_experts(self) -> range:
-        first = self.ep_rank * self.experts_per_rank
-        return range(first, first + self.experts_per_rank)
-
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                  experts_fn: ExpertsFn) -> torch.Tensor:
-        return dispatch_combine(x, indices, weights, experts_fn, self.num_experts, self.group)
+        return dispatch_combine(x, weights, indices, experts_fn, self.num_experts, self.group)

@@ -48,7 +48,7 @@ def _expert(x, w1, w2):
 def _loop_experts(w1, w2):
     """The per-expert loop over rows sorted by expert."""
     def run(rows, counts):
-        outs = [_expert(chunk, w1[e], w2[e]) for e, chunk in enumerate(rows.split(counts))]
+        outs = [_expert(chunk, w1[e], w2[e]) for e, chunk in enumerate(rows.split(counts.tolist()))]
         return torch.cat(outs) if outs else rows.new_zeros(0, D)
     return run
 
@@ -77,11 +77,11 @@ def _on_ep_rank(ep: int):
     rank = dist.get_rank()
     group = dist.new_group(list(range(ep)))
     dispatcher = ExpertDispatcher(2 * ep, group)
-    mine = dispatcher.local_experts()
+    mine = dispatcher.local_experts
     w1, w2 = (w[mine.start:mine.stop].clone().requires_grad_() for w in _expert_weights(ep))
     x, indices, weights, dy = _rank_inputs(ep, rank)
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    y = dispatcher(x, indices, weights, _loop_experts(w1, w2))
+    y = dispatcher(x, weights, indices, _loop_experts(w1, w2))
     (y * dy).sum().backward()
     return y.detach(), x.grad, weights.grad, w1.grad, w2.grad
 
@@ -107,7 +107,7 @@ def test_local_dispatch_equals_dense():
     for rank in range(ep):
         x, indices, weights, dy = _rank_inputs(ep, rank)
         x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        y = dispatch_combine(x, indices, weights, _loop_experts(w1, w2), 2 * ep)
+        y = dispatch_combine(x, weights, indices, _loop_experts(w1, w2), 2 * ep)
         (y * dy).sum().backward()
         torch.testing.assert_close(y.detach(), outs[rank], rtol=0, atol=TOL)
         torch.testing.assert_close(x.grad, dxs[rank], rtol=0, atol=TOL)
