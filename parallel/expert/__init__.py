@@ -2,6 +2,8 @@
 
 comms.py: the uneven all-to-all and the count exchange (forward / backward table). dispatch.py: permute tokens
 by expert, all-to-all them to the ranks holding their experts, run the local experts, all-to-all back, combine.
+layout.py: the resolver's checks of parallel.ep. zero.py: any ZeRO stage with expert weights over their expert-
+data-parallel group (ExpertSplitZero).
 """
 
 from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
