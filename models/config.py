@@ -282,8 +282,10 @@ def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
     def value(config: dict, field: str):
         if field == "n_kv_head" and not config.get(field):  # not recorded (older checkpoints) or 0: n_head
             return config.get("n_head", missing)
-        if field == "head_dim" and not config.get(field):  # not recorded: the heads fill d_model
-            return config.get("d_model", 0) // max(config.get("n_head", 1), 1)
+        if field == "head_dim":  # reported only where the heads do not fill d_model (else n_head / d_model say it)
+            d, n = config.get("d_model", 0), max(config.get("n_head", 1), 1)
+            hd = config.get(field) or d // n  # not recorded (older checkpoints): the heads fill d_model
+            return hd if hd * n != d else "d_model / n_head"
         if field.startswith("moe_") and not config.get("n_experts"):  # a dense model has no experts to shape
             return "(dense)"
         found = config.get(field, _LATER_FIELDS.get(field, missing))
