@@ -28,7 +28,7 @@ from megazoo.models.moe.dispatch import TokenDispatcher, make_dispatcher
 from megazoo.models.moe.experts import ExpertComputation
 from megazoo.models.moe.losses import RouterStats
 from megazoo.models.moe.router import Router, route
-from megazoo.parallel.tensor import SequenceParallel, reduce_from_tp_region
+from megazoo.parallel.tensor import SequenceParallel, ShardSpec, reduce_from_tp_region
 from megazoo.parallel.tensor.sequence import plain
 from megazoo.parallel.topology import Topology
 
@@ -58,6 +58,12 @@ class MoE(nn.Module):
         self.router = Router(cfg, device=device, dtype=dtype, replicated=replicated)
         self.experts = ExpertComputation(len(local), cfg.d_model, cfg.moe_d_ff, cfg.init_std, residual_std(cfg),
                                          cfg.moe_experts_impl, device=device, dtype=dtype, replicated=replicated)
+        if len(local) < cfg.n_experts:  # expert parallelism: this rank's block of dim 0 (checkpoints, init)
+            ep = cfg.n_experts // len(local)
+            for weights in (self.experts.c_fc, self.experts.c_proj):
+                global_shape = (cfg.n_experts, *weights.weight.shape[1:])
+                weights.shard_specs = {"weight": ShardSpec(global_shape, dim=0, rank=local.start // len(local),
+                                                           size=ep)}
         if cfg.moe_shared_experts:
             shared = cfg.replace(d_ff=cfg.moe_shared_experts * cfg.moe_shared_d_ff, n_experts=0)
             self.shared = SwiGLU(shared, topo, device=device, dtype=dtype, sequence_parallel=self.sequence_parallel)

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn as nn
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.moe.experts import capacity
+from megazoo.models.moe.experts import ExpertComputation, capacity
+from megazoo.parallel.expert import exchange_rows, local_expert_range
 from megazoo.parallel.topology import Topology
 
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens sorted by expert, counts) -> outputs
@@ -84,6 +86,31 @@ class LocalDispatcher:
         return Dispatched(out, counts, dropped)
 
 
+class ExpertParallelDispatcher(LocalDispatcher):
+    """ep > 1: this rank holds local_experts of the ep group's split; sorting, dropping and the combine are the
+    local dispatcher's, and the sorted rows travel to their experts' ranks and back in between (parallel/expert:
+    counts exchanged, all-to-all with uneven splits, the local experts, the inverse all-to-all)."""
+
+    def __init__(self, n_experts: int, capacity_factor: float, group):
+        super().__init__(n_experts, capacity_factor)
+        self.group = group
+        self.local_experts = local_expert_range(n_experts, group)
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 experts: Experts) -> Dispatched:
+        return super().__call__(x, weights, indices,
+                                lambda rows, counts: exchange_rows(rows, counts, experts, self.group))
+
+
 def make_dispatcher(cfg: ModelConfig, topo: Topology) -> TokenDispatcher:
-    """The dispatcher of this rank's MoE layers: local at ep = 1 (expert parallelism plugs in here)."""
+    """The dispatcher of this rank's MoE layers: local at ep = 1, the all-to-all one over the ep group."""
+    if topo.ep > 1:
+        return ExpertParallelDispatcher(cfg.n_experts, cfg.moe_capacity_factor, topo.ep_group)
     return LocalDispatcher(cfg.n_experts, cfg.moe_capacity_factor)
+
+
+def expert_parameter_names(model: nn.Module) -> set[str]:
+    """The names of the routed experts' parameters (split over ep ranks; their gradients reduced over the
+    expert-data-parallel group, parallel/expert/zero.py)."""
+    return {f"{m}.{p}" if m else p for m, module in model.named_modules() if isinstance(module, ExpertComputation)
+            for p, _ in module.named_parameters()}
