@@ -105,3 +105,25 @@ def test_ep2_with_pp2(schedule):
     for got in _on_ranks({"dp": 2, "pp": 2, "ep": 2, "schedule": schedule}, 2, 2, {"stage": 1},
                          model=NO_ROUTER_LOSSES):
         assert_same_training(got, _reference(2, NO_ROUTER_LOSSES))
+
+
+@pytest.mark.parametrize("parallel, micro_batch, grad_accum", [
+    ({"cp": 2, "ep": 2}, 2, 4),  # ep spans the two cp ranks of one sequence
+    ({"dp": 2, "cp": 2, "ep": 4}, 2, 2),  # ep spans dp x cp, expert-data-parallel 1
+    ({"dp": 2, "cp": 2, "ep": 2}, 2, 2),  # ep over cp, the experts' gradients reduced over dp
+])
+def test_ep_with_cp(parallel, micro_batch, grad_accum):
+    """Router losses off: under cp each rank's aux loss sees half of each sequence's tokens (the same at ep 1:
+    a model-side gap, not expert parallelism's)."""
+    for got in _on_ranks(parallel, micro_batch, grad_accum, {"stage": 1}, model=NO_ROUTER_LOSSES):
+        assert_same_training(got, _reference(2, NO_ROUTER_LOSSES))
+
+
+def test_ep2_with_activation_checkpointing(reference):
+    """The recomputed forward runs the dispatch's all-to-alls again inside backward, on every ep rank alike."""
+    res = tiny_resolved(model=MOE, parallel={"dp": 2, "ep": 2},
+                        train={"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "eval_batches": 1,
+                               "activation_checkpointing": True})
+    assert res.recipe.train.activation_checkpointing
+    for got in run_distributed(lambda: train_run(res, Topology.of(res.recipe.parallel)), 2):
+        assert_same_training(got, reference)
