@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.moe.experts import ExpertComputation, capacity
-from megazoo.parallel.expert import exchange_rows, local_expert_range
+from megazoo.parallel.expert import CommLedger, exchange_rows, local_expert_range
 from megazoo.parallel.topology import Topology
 
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens sorted by expert, counts) -> outputs
@@ -95,11 +95,12 @@ class ExpertParallelDispatcher(LocalDispatcher):
         super().__init__(n_experts, capacity_factor)
         self.group = group
         self.local_experts = local_expert_range(n_experts, group)
+        self.comm = CommLedger()  # this layer's all-to-all bytes (parallel/expert/comms.py)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                  experts: Experts) -> Dispatched:
         return super().__call__(x, weights, indices,
-                                lambda rows, counts: exchange_rows(rows, counts, experts, self.group))
+                                lambda rows, counts: exchange_rows(rows, counts, experts, self.group, self.comm))
 
 
 def make_dispatcher(cfg: ModelConfig, topo: Topology) -> TokenDispatcher:

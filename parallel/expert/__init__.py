@@ -6,9 +6,10 @@ layout.py: the resolver's checks of parallel.ep. zero.py: any ZeRO stage with ex
 data-parallel group (ExpertSplitZero).
 """
 
-from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
+from megazoo.parallel.collectives import CommLedger  # what the dispatch counts its all-to-all bytes into
+from megazoo.parallel.expert.comms import all_to_all_bytes, all_to_all_uneven, exchange_counts
 from megazoo.parallel.expert.dispatch import (ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine,
                                              exchange_rows, local_expert_range)
 
-__all__ = ["ExpertDispatcher", "ExpertsFn", "all_to_all_uneven", "check_expert_split", "dispatch_combine",
+__all__ = ["CommLedger", "ExpertDispatcher", "ExpertsFn", "all_to_all_bytes", "all_to_all_uneven", "check_expert_split", "dispatch_combine",
            "exchange_counts", "exchange_rows", "local_expert_range"]

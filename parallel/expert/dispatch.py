@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from megazoo.parallel.collectives import CommLedger
 from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
 from megazoo.parallel.topology import group_rank, group_size
 
@@ -60,10 +61,12 @@ def _rank_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts, lengths) + within
 
 
-def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsFn, group=None) -> torch.Tensor:
+def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsFn, group=None,
+                  ledger: CommLedger | None = None) -> torch.Tensor:
     """rows [N, d] sorted by global expert, counts [num_experts] (rows per expert) -> [N, d_out]: each row through
     its expert, wherever that expert lives, in the same order (steps 2-5 above without the combine). This is the
-    experts callable of a dispatcher that sorts and combines itself (models/moe/dispatch.py)."""
+    experts callable of a dispatcher that sorts and combines itself (models/moe/dispatch.py). `ledger` counts the
+    rows' all-to-all bytes (comms.py)."""
     ep = group_size(group)
     num_experts = counts.numel()
     n_local = check_expert_split(num_experts, ep)
@@ -73,15 +76,15 @@ def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsF
     host = torch.cat([counts, received]).tolist()  # one device-to-host read for every split
     send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
     recv = [sum(host[num_experts + r * n_local:num_experts + (r + 1) * n_local]) for r in range(ep)]
-    arrived = all_to_all_uneven(rows, recv, send, group)  # (source rank, local expert) order
+    arrived = all_to_all_uneven(rows, recv, send, group, ledger)  # (source rank, local expert) order
     received = received.view(ep, n_local)
     regroup = _rank_major_to_expert_major(received)
     computed = experts_fn(arrived.index_select(0, regroup), received.sum(0))
-    return all_to_all_uneven(computed.index_select(0, _inverse(regroup)), send, recv, group)
+    return all_to_all_uneven(computed.index_select(0, _inverse(regroup)), send, recv, group, ledger)
 
 
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts_fn: ExpertsFn,
-                     num_experts: int, group=None) -> torch.Tensor:
+                     num_experts: int, group=None, ledger: CommLedger | None = None) -> torch.Tensor:
     """x [T, d], weights [T, k], indices [T, k] (expert ids in [0, num_experts)) -> [T, d_out]: for each token
     the sum over its k experts of weight x expert(token), the experts living on the ranks of `group` (None: all
     local). Differentiable in x, weights and whatever `experts_fn` closes over."""
@@ -89,7 +92,7 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tens
     flat = indices.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // k)  # [T * k, d], sorted by expert
-    out = exchange_rows(rows, torch.bincount(flat, minlength=num_experts), experts_fn, group)
+    out = exchange_rows(rows, torch.bincount(flat, minlength=num_experts), experts_fn, group, ledger)
     pairs = out.index_select(0, _inverse(order))  # back to pair order: [T * k, d_out]
     return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
 
@@ -102,12 +105,14 @@ def local_expert_range(num_experts: int, group=None) -> range:
 
 class ExpertDispatcher:
     """The token dispatcher of an MoE layer whose experts are split over `group` (the Topology's ep group;
-    None: every expert local). `local_experts` is the range of global expert ids this rank holds."""
+    None: every expert local). `local_experts` is the range of global expert ids this rank holds; `comm` counts
+    its all-to-all bytes."""
 
     def __init__(self, num_experts: int, group=None):
         self.num_experts, self.group = num_experts, group
         self.local_experts = local_expert_range(num_experts, group)
+        self.comm = CommLedger()
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                  experts_fn: ExpertsFn) -> torch.Tensor:
-        return dispatch_combine(x, weights, indices, experts_fn, self.num_experts, self.group)
+        return dispatch_combine(x, weights, indices, experts_fn, self.num_experts, self.group, self.comm)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from megazoo.parallel.expert import ExpertDispatcher, dispatch_combine
+from megazoo.parallel.expert import ExpertDispatcher, all_to_all_bytes, dispatch_combine
 from megazoo.parallel.expert.dispatch import _rank_major_to_expert_major, check_expert_split
 
 D, F, K, TOL = 6, 5, 2, 1e-10
@@ -83,14 +83,30 @@ def _on_ep_rank(ep: int):
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     y = dispatcher(x, weights, indices, _loop_experts(w1, w2))
     (y * dy).sum().backward()
-    return y.detach(), x.grad, weights.grad, w1.grad, w2.grad
+    grads = x.grad, weights.grad, w1.grad.clone(), w2.grad.clone()
+    # Rows that left this rank: its pairs for other ranks' experts (dispatch; their gradients in backward), and
+    # what it received from others (sent back by the combine, their gradients back again in backward).
+    n = len(mine)
+    away = int((indices // n != rank).sum())
+    arrived = sum(int((_rank_inputs(ep, r)[1] // n == rank).sum()) for r in range(ep) if r != rank)
+    counted = dispatcher.comm.bytes["all_to_all"], 2 * (away + arrived) * D * 8
+    # Uniform routing (token t to experts t and t + 1, T a multiple of the experts): the formula's volume.
+    uniform = ExpertDispatcher(2 * ep, group)
+    t = 4 * ep
+    idx = torch.stack([torch.arange(t) % (2 * ep), (torch.arange(t) + 1) % (2 * ep)], 1)
+    xu = torch.randn(t, D, dtype=torch.float64, requires_grad=True)
+    uniform(xu, torch.ones(t, K, dtype=torch.float64), idx, _loop_experts(w1, w2)).sum().backward()
+    formula = uniform.comm.bytes["all_to_all"], all_to_all_bytes(t, K, D, ep, 8)
+    return (y.detach(), *grads, counted, formula)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_dispatch_equals_dense(ep):
     results = run_distributed(_on_ep_rank, ep, ep)
     outs, dxs, dws, dw1, dw2 = _dense(ep)
-    for rank, (y, dx, dw, g1, g2) in enumerate(results):
+    for rank, (y, dx, dw, g1, g2, counted, formula) in enumerate(results):
+        assert counted[0] == counted[1] and counted[0] > 0, f"rank {rank}: counted all-to-all bytes {counted}"
+        assert formula[0] == formula[1], f"rank {rank}: uniform routing's bytes vs the formula {formula}"
         torch.testing.assert_close(y, outs[rank], rtol=0, atol=TOL, msg=f"ep={ep} rank {rank} output")
         torch.testing.assert_close(dx, dxs[rank], rtol=0, atol=TOL, msg=f"ep={ep} rank {rank} token grad")
         torch.testing.assert_close(dw, dws[rank], rtol=0, atol=TOL, msg=f"ep={ep} rank {rank} weight grad")
