@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megazoo-installed
 
-.PHONY: install demo sft-demo test test-gpu clean
+.PHONY: install demo moe-demo sft-demo test test-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/megazoo train recipes/demo.toml
+
+# The mixture-of-experts demo (recipes/moe-demo.toml): 8 experts per layer split over 2 processes (ep 2).
+moe-demo: install
+	$(VENV)/bin/megazoo train recipes/moe-demo.toml
 
 # The fine-tuning demo (recipes/sft-demo.toml): LoRA on `make demo`'s model (trained first if it is missing), taught
 # to answer a docstring with its signature through the ChatML template; prints the answers before and after.

@@ -34,6 +34,7 @@ from megazoo.kernels import Implementation, ModelOp, kernels_for_model
 from megazoo.models.config import ModelConfig
 from megazoo.models.generation.kv_cache import LayerCache
 from megazoo.models.layout import check_parallel_compat, kv_split
+from megazoo.models.norms import HeadRMSNorm
 from megazoo.models.packing import Segments
 from megazoo.models.rotary import apply_rotary, rotary_tables
 from megazoo.models.sparse_attention import SparseAttention
@@ -152,6 +153,9 @@ class Attention(nn.Module):
                 self.c_kv = ReplicatedKV(cfg, group, head=head, device=device, dtype=dtype)
         self.c_proj = RowParallelLinear(cfg.n_head * hd, d, group, bias=cfg.proj_bias, init_std=residual_std(cfg),
                                         device=device, dtype=dtype, sequence_parallel=sp)
+        if cfg.qk_norm:  # Qwen3: q and k RMS-normalised per head, before the rotary positions
+            self.q_norm = HeadRMSNorm(hd, cfg.layer_norm_eps, group, device=device, dtype=dtype)
+            self.k_norm = HeadRMSNorm(hd, cfg.layer_norm_eps, group, device=device, dtype=dtype)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (b, s, h hd), k and v (b, s, g hd)."""
@@ -175,8 +179,12 @@ class Attention(nn.Module):
             self._check_segments(cache)
         q, k, v = self._project(x)  # sequence parallelism: x (b, s/tp, d), q k v over the whole s
         b, s = q.shape[:2]
-        q = q.view(b, s, self.n_local_heads, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
-        k, v = (t.view(b, s, self.n_local_kv, self.head_dim).transpose(1, 2) for t in (k, v))  # (b, g, s, hd)
+        q = q.view(b, s, self.n_local_heads, self.head_dim)
+        k = k.view(b, s, self.n_local_kv, self.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # (b, h, s, hd)
+        k, v = k.transpose(1, 2), v.view(b, s, self.n_local_kv, self.head_dim).transpose(1, 2)  # (b, g, s, hd)
         if self.cfg.positions == "rotary":
             if segments is not None:  # (b, s) positions -> (b, 1, s, hd) tables, broadcast over the heads
                 cos, sin = (t[:, None] for t in rotary_tables(self.cfg, segments.positions, q.dtype))

@@ -60,24 +60,60 @@ class ModelConfig:
     sparse_global_blocks: int = 1  # fixed: summary blocks at the end of each window; bigbird: the first blocks
     sparse_random_blocks: int = 1  # bigbird: random earlier blocks per query block
     sparse_seed: int = 0  # bigbird: the random blocks' seed (the same pattern in every layer and run)
+    # Qwen3's attention (models/attention.py): the head width may differ from d_model / n_head, and q and k are
+    # RMS-normalised per head (one weight of head_dim, shared by the heads) before the rotary positions.
+    head_dim: int = 0  # 0 means d_model // n_head
+    qk_norm: bool = False
+    # Mixture of experts (models/moe/): the MLP of an MoE layer is n_experts routed SwiGLU experts (no biases), of
+    # which each token uses moe_top_k, plus optional always-on shared experts. n_experts = 0: a dense model.
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_d_ff: int = 0  # one routed expert's hidden width; 0 means d_ff
+    moe_shared_experts: int = 0  # shared experts, run as one SwiGLU of moe_shared_experts x moe_shared_d_ff
+    moe_shared_d_ff: int = 0  # one shared expert's width; 0 means moe_d_ff
+    moe_shared_gate: bool = False  # Qwen2-MoE: the shared output scaled by sigmoid(x . w), w of shape (1, d)
+    # Which layers are MoE: layer i (from 0) is when i >= moe_first_dense (DeepSeek's first_k_dense_replace), (i +
+    # 1) % moe_every == 0 (Qwen's decoder_sparse_step) and i is not in moe_dense_layers (Qwen's mlp_only_layers).
+    moe_first_dense: int = 0
+    moe_every: int = 1
+    moe_dense_layers: tuple[int, ...] = ()
+    # Router (models/moe/router.py, always in fp32 or wider): "softmax" scores over all experts, top-k, then
+    # renormalised to sum 1 when moe_norm_topk_prob (Mixtral, Qwen3-MoE) or kept as they are (Qwen2-MoE);
+    # "sigmoid_bias" (DeepSeek-V3) is reserved for its own issue and refused for now.
+    moe_router: str = "softmax"
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coef: float = 0.0  # load balancing (Switch / HF's router_aux_loss_coef), added in training
+    moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE), added in training
+    moe_capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(factor x tokens x k / E) at most
+    moe_experts_impl: str = "grouped"  # "grouped": one grouped matmul (torch._grouped_mm) | "loop": per expert
 
     def __post_init__(self):
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.n_kv_head == 0:
             object.__setattr__(self, "n_kv_head", self.n_head)
+        heads_fill_d_model = self.head_dim == 0
+        if self.head_dim == 0 and isinstance(self.d_model, int) and isinstance(self.n_head, int) and self.n_head:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        if self.moe_d_ff == 0:
+            object.__setattr__(self, "moe_d_ff", self.d_ff)
+        if self.moe_shared_d_ff == 0:
+            object.__setattr__(self, "moe_shared_d_ff", self.moe_d_ff)
+        if isinstance(self.moe_dense_layers, list):  # TOML arrays and checkpoints' JSON
+            object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
         for field in ("n_layer", "n_head", "d_model", "n_positions", "vocab_size", "d_ff", "vocab_multiple",
-                      "n_kv_head"):
+                      "n_kv_head", "head_dim"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{field} = {value!r} is invalid: it must be a positive integer")
-        if self.d_model % self.n_head:
+        if self.d_model % self.n_head and heads_fill_d_model:
             raise ValueError(f"model.d_model = {self.d_model} is not divisible by model.n_head = {self.n_head}")
         for field in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise ValueError(f"model.{field} = {getattr(self, field)} must be in [0, 1)")
         self._check_architecture()
         self._check_sparse()
+        check_moe(self)
 
     def _check_architecture(self) -> None:
         for field, valid in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS), ("rope_scaling", ROPE_SCALINGS)):
@@ -90,7 +126,7 @@ class ModelConfig:
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"model.positions = 'rotary' needs an even head dimension, got d_model / n_head = "
                              f"{self.head_dim}")
-        for field in ("tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias"):
+        for field in ("tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "qk_norm"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"model.{field} = {getattr(self, field)!r} is invalid: it must be true or false")
         if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
@@ -125,14 +161,26 @@ class ModelConfig:
                              f"0..{self.sparse_local_blocks}")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
     def fused_qkv(self) -> bool:
         """Multi-head attention keeps GPT-2's fused [Q; K; V] projection (attn.c_attn); grouped-query attention
-        has attn.c_q and attn.c_kv ([K; V], n_kv_head heads each), so K/V can be replicated where tp > n_kv_head."""
-        return self.n_kv_head == self.n_head
+        has attn.c_q and attn.c_kv ([K; V], n_kv_head heads each), so K/V can be replicated where tp > n_kv_head.
+        Heads narrower or wider than d_model / n_head (Qwen3's head_dim) take the c_q / c_kv pair too."""
+        return self.n_kv_head == self.n_head and self.head_dim * self.n_head == self.d_model
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether block `index` (from 0) has the MoE block in place of the dense MLP (the field comments above)."""
+        return (self.n_experts > 0 and index >= self.moe_first_dense and (index + 1) % self.moe_every == 0
+                and index not in self.moe_dense_layers)
+
+    def num_active_parameters(self, vocab: int | None = None) -> int:
+        """Parameters one token uses: all of them but the routed experts it is not sent to (each MoE layer's
+        n_experts - moe_top_k experts' weights are left out), the convention of "30B-A3B"."""
+        idle = sum(self.n_experts - self.moe_top_k for i in range(self.n_layer) if self.moe_layer(i))
+        return self.num_parameters(vocab) - idle * 3 * self.d_model * self.moe_d_ff
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of vocab_multiple * tp (so every tp shard is whole and aligned)."""
@@ -152,6 +200,13 @@ class ModelConfig:
             changes["d_ff"] = 0  # the MLP width follows d_model (4x) unless it was set on its own
         if "n_head" in changes and "n_kv_head" not in changes and self.n_kv_head == self.n_head:
             changes["n_kv_head"] = 0  # multi-head attention stays multi-head
+        if ({"d_model", "n_head"} & set(changes) and "head_dim" not in changes
+                and self.head_dim * self.n_head == self.d_model):
+            changes["head_dim"] = 0  # the heads keep filling d_model unless their width was set on its own
+        if "d_ff" in changes and "moe_d_ff" not in changes and self.moe_d_ff == self.d_ff:
+            changes["moe_d_ff"] = 0
+        if "moe_d_ff" in changes and "moe_shared_d_ff" not in changes and self.moe_shared_d_ff == self.moe_d_ff:
+            changes["moe_shared_d_ff"] = 0
         return dataclasses.replace(self, **changes)
 
 
@@ -159,13 +214,64 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 MLPS = ("gelu", "swiglu")
 ROPE_SCALINGS = ("none", "llama3")
+MOE_ROUTERS = ("softmax", "sigmoid_bias")
+MOE_EXPERT_IMPLS = ("grouped", "loop")
+
+
+def check_moe(cfg: ModelConfig) -> None:
+    """The MoE fields (see ModelConfig); messages name the field, the value and what is valid."""
+    for field in ("n_experts", "moe_first_dense", "moe_shared_experts"):
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"model.{field} = {value!r} is invalid: it must be an integer >= 0")
+    if not cfg.n_experts:
+        return
+    for field in ("moe_top_k", "moe_d_ff", "moe_shared_d_ff", "moe_every"):
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"model.{field} = {value!r} is invalid: it must be a positive integer")
+    if cfg.moe_top_k > cfg.n_experts:
+        raise ValueError(f"model.moe_top_k = {cfg.moe_top_k} is larger than model.n_experts = {cfg.n_experts}; "
+                         f"valid: 1..{cfg.n_experts}")
+    if cfg.mlp != "swiglu" or cfg.mlp_bias:
+        raise ValueError(f"model.n_experts = {cfg.n_experts} needs model.mlp = 'swiglu' and model.mlp_bias = false "
+                         f"(the experts are bias-free SwiGLUs), got mlp = {cfg.mlp!r}, mlp_bias = {cfg.mlp_bias}")
+    bad = [i for i in cfg.moe_dense_layers if not isinstance(i, int) or not 0 <= i < cfg.n_layer]
+    if bad:
+        raise ValueError(f"model.moe_dense_layers holds {bad}: layer indices must be in 0..{cfg.n_layer - 1}")
+    if not any(cfg.moe_layer(i) for i in range(cfg.n_layer)):
+        raise ValueError(f"model.n_experts = {cfg.n_experts} but no layer is MoE (moe_first_dense = "
+                         f"{cfg.moe_first_dense}, moe_every = {cfg.moe_every}, moe_dense_layers = "
+                         f"{list(cfg.moe_dense_layers)}); set n_experts = 0 for a dense model")
+    if cfg.moe_router not in MOE_ROUTERS:
+        raise ValueError(f"model.moe_router = {cfg.moe_router!r} is invalid; valid: "
+                         f"{', '.join(repr(v) for v in MOE_ROUTERS)}")
+    if cfg.moe_router == "sigmoid_bias":
+        raise ValueError("model.moe_router = 'sigmoid_bias' (DeepSeek-V3's scoring) is reserved and not built yet; "
+                         "valid now: 'softmax'")
+    if cfg.moe_experts_impl not in MOE_EXPERT_IMPLS:
+        raise ValueError(f"model.moe_experts_impl = {cfg.moe_experts_impl!r} is invalid; valid: "
+                         f"{', '.join(repr(v) for v in MOE_EXPERT_IMPLS)}")
+    for field in ("moe_norm_topk_prob", "moe_shared_gate"):
+        if not isinstance(getattr(cfg, field), bool):
+            raise ValueError(f"model.{field} = {getattr(cfg, field)!r} is invalid: it must be true or false")
+    if cfg.moe_shared_gate and not cfg.moe_shared_experts:
+        raise ValueError("model.moe_shared_gate = true needs model.moe_shared_experts >= 1")
+    for field in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor"):
+        value = getattr(cfg, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
 
 # The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions", "n_kv_head", "norm",
-                       "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias")
+                       "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_dim",
+                       "qk_norm", "n_experts", "moe_d_ff", "moe_shared_experts", "moe_shared_d_ff",
+                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers")
 # Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
 _LATER_FIELDS = {"norm": "layernorm", "positions": "learned", "mlp": "gelu", "tie_embeddings": True,
-                 "qkv_bias": True, "proj_bias": True, "mlp_bias": True}
+                 "qkv_bias": True, "proj_bias": True, "mlp_bias": True, "qk_norm": False, "n_experts": 0,
+                 "moe_shared_experts": 0, "moe_shared_gate": False, "moe_first_dense": 0, "moe_every": 1,
+                 "moe_dense_layers": ()}
 
 
 def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
@@ -176,7 +282,14 @@ def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
     def value(config: dict, field: str):
         if field == "n_kv_head" and not config.get(field):  # not recorded (older checkpoints) or 0: n_head
             return config.get("n_head", missing)
-        return config.get(field, _LATER_FIELDS.get(field, missing))
+        if field == "head_dim":  # reported only where the heads do not fill d_model (else n_head / d_model say it)
+            d, n = config.get("d_model", 0), max(config.get("n_head", 1), 1)
+            hd = config.get(field) or d // n  # not recorded (older checkpoints): the heads fill d_model
+            return hd if hd * n != d else "d_model / n_head"
+        if field.startswith("moe_") and not config.get("n_experts"):  # a dense model has no experts to shape
+            return "(dense)"
+        found = config.get(field, _LATER_FIELDS.get(field, missing))
+        return tuple(found) if isinstance(found, list) else found
 
     return [f"model.{field} = {value(saved, field)} there, {value(mine, field)} here"
             for field in ARCHITECTURE_FIELDS if value(saved, field) != value(mine, field)]

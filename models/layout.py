@@ -39,8 +39,16 @@ class ModelConfig(Protocol):
     qkv_bias: bool
     proj_bias: bool
     mlp_bias: bool
+    qk_norm: bool
+    n_experts: int
+    moe_d_ff: int
+    moe_shared_experts: int
+    moe_shared_d_ff: int
+    moe_shared_gate: bool
 
     def padded_vocab(self, tp: int = 1) -> int: ...
+
+    def moe_layer(self, index: int) -> bool: ...
 
 
 class ParamSpec(NamedTuple):
@@ -100,11 +108,35 @@ def block_parameters(cfg: ModelConfig, index: int, tp: int = 1) -> list[ParamSpe
         params += _linear(h + "attn.c_kv", 2 * cfg.n_kv_head * hd, d, 0 if kv_split(cfg, tp) else None,
                           cfg.qkv_bias, 2)
     params += _linear(h + "attn.c_proj", d, cfg.n_head * hd, 1, cfg.proj_bias)
+    if cfg.qk_norm:  # Qwen3: one per-head RMSNorm weight for q and one for k, replicated
+        params += [ParamSpec(h + "attn.q_norm.weight", (hd,), None), ParamSpec(h + "attn.k_norm.weight", (hd,), None)]
     params += _norm(cfg, h + "ln_2")
+    if cfg.moe_layer(index):
+        return params + moe_parameters(cfg, h)
     gated = cfg.mlp == "swiglu"
     params += _linear(h + "mlp.c_fc", 2 * f if gated else f, d, 0, cfg.mlp_bias, 2 if gated else 1)
     params += _linear(h + "mlp.c_proj", d, f, 1, cfg.mlp_bias)
     return params
+
+
+def moe_parameters(cfg: ModelConfig, h: str) -> list[ParamSpec]:
+    """An MoE block (models/moe/block.py): the router and the routed experts, stacked (E, out, in), replicated over
+    tp (expert-tp 1; expert parallelism splits dim 0 over the ep ranks); the shared experts one tensor-parallel
+    SwiGLU of width moe_shared_experts x moe_shared_d_ff; Qwen2-MoE's shared gate (1, d), replicated."""
+    d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
+    params = [ParamSpec(h + "mlp.router.weight", (e, d), None),
+              ParamSpec(h + "mlp.experts.c_fc.weight", (e, 2 * f, d), None),
+              ParamSpec(h + "mlp.experts.c_proj.weight", (e, d, f), None)]
+    if cfg.moe_shared_experts:
+        s = cfg.moe_shared_experts * cfg.moe_shared_d_ff
+        params += _linear(h + "mlp.shared.c_fc", 2 * s, d, 0, False, 2) + _linear(h + "mlp.shared.c_proj", d, s, 1, False)
+        if cfg.moe_shared_gate:
+            params.append(ParamSpec(h + "mlp.shared_gate.weight", (1, d), None))
+    return params
+
+
+# Routed-expert parameters: what `ModelConfig.num_active_parameters` counts k of E, and what expert parallelism splits.
+EXPERT_PARAMETERS = (".mlp.experts.c_fc.weight", ".mlp.experts.c_proj.weight")
 
 
 def parameter_layout(cfg: ModelConfig, tp: int = 1, *, vocab: int | None = None, layers: range | None = None,
@@ -150,7 +182,8 @@ def check_parallel_compat(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"parallel.{name} = {value!r} is invalid: it must be an integer >= 1")
-    valid_tp = ", ".join(str(k) for k in divisors(cfg.n_head) if cfg.d_ff % k == 0
+    shared = cfg.moe_shared_experts * cfg.moe_shared_d_ff if cfg.n_experts else 0
+    valid_tp = ", ".join(str(k) for k in divisors(cfg.n_head) if cfg.d_ff % k == 0 and shared % k == 0
                          and (cfg.n_kv_head % k == 0 or k % cfg.n_kv_head == 0))
     if cfg.n_head % tp:
         raise ValueError(f"parallel.tp = {tp} does not divide the {cfg.n_head} attention heads of {cfg.name} "
@@ -158,6 +191,9 @@ def check_parallel_compat(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
     if cfg.d_ff % tp:
         raise ValueError(f"parallel.tp = {tp} does not divide the MLP width of {cfg.name} "
                          f"(model.d_ff = {cfg.d_ff}); valid tp: {valid_tp}")
+    if shared % tp:
+        raise ValueError(f"parallel.tp = {tp} does not divide the shared experts' width of {cfg.name} "
+                         f"(model.moe_shared_experts x model.moe_shared_d_ff = {shared}); valid tp: {valid_tp}")
     if cfg.n_kv_head % tp and tp % cfg.n_kv_head:
         raise ValueError(f"parallel.tp = {tp} neither divides nor is a multiple of the {cfg.n_kv_head} key/value "
                          f"heads of {cfg.name} (model.n_kv_head = {cfg.n_kv_head}): a rank's query heads must share "

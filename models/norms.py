@@ -12,7 +12,7 @@ from megazoo.kernels import Implementation, LayerNorm, ModelOp
 from megazoo.kernels.layer_norm import (half_under_autocast, in_input_dtype, layer_norm_outside_autocast,
                                        layer_norm_torch)
 from megazoo.models.config import ModelConfig
-from megazoo.parallel.tensor import SequenceParallel
+from megazoo.parallel.tensor import SequenceParallel, copy_to_tp_region
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -57,6 +57,22 @@ class RMSNorm(nn.Module):
             # As LayerNorm (kernels/layer_norm.py, layer_norm_outside_autocast): outside autocast, y in x's dtype.
             # Its explicit casts keep x, y and dx 16-bit already (autocast's fp32 ops here, pow and rsqrt, get
             # fp32 statistics); the cast only acts on an fp32 weight beside a 16-bit x, whose product promotes.
+            with torch.autocast(x.device.type, enabled=False):
+                return in_input_dtype(_RMSNormFunction.apply(x, weight, self.eps), x)
+        return _RMSNormFunction.apply(x, weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """Qwen3's per-head RMSNorm of q or k: one (head_dim,) weight for every head, replicated over tp while the heads
+    are split, so each rank's gradient covers only its own heads: it is all-reduced over tp (copy_to_tp_region)."""
+
+    def __init__(self, dim: int, eps: float, group, device=None, dtype=None):
+        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., head_dim)
+        weight = copy_to_tp_region(self.weight, self.group)
+        if half_under_autocast(x):
             with torch.autocast(x.device.type, enabled=False):
                 return in_input_dtype(_RMSNormFunction.apply(x, weight, self.eps), x)
         return _RMSNormFunction.apply(x, weight, self.eps)

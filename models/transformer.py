@@ -31,6 +31,7 @@ from megazoo.models.attention import Attention, attention_ops
 from megazoo.models.config import ModelConfig
 from megazoo.models.generation.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp, mlp_ops
+from megazoo.models.moe import MoE, RouterStats, load_balancing_loss, z_loss
 from megazoo.models.norms import make_norm, norm_ops
 from megazoo.models.packing import Segments
 from megazoo.parallel.context import all_reduce_count, positions
@@ -50,7 +51,7 @@ def model_ops(cfg: ModelConfig) -> tuple[ModelOp, ...]:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, topo: Topology, rng: TPRNGTracker, device=None, dtype=None, *,
                  kernels: Mapping[str, Implementation] | None = None,
-                 sequence_parallel: SequenceParallel | None = None):
+                 sequence_parallel: SequenceParallel | None = None, index: int = 0):
         super().__init__()
         kernels = kernels_for_model(kernels)
         sp = sequence_parallel if sequence_parallel is not None else plain(topo.tp_group)
@@ -58,7 +59,10 @@ class Block(nn.Module):
         self.ln_1 = make_norm(cfg, kernels, device=device, dtype=dtype, sequence_parallel=sp)
         self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
         self.ln_2 = make_norm(cfg, kernels, device=device, dtype=dtype, sequence_parallel=sp)
-        self.mlp = make_mlp(cfg, topo, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
+        if cfg.moe_layer(index):  # the MoE block in place of the dense MLP (models/moe/)
+            self.mlp = MoE(cfg, topo, device=device, dtype=dtype, sequence_parallel=sp)
+        else:
+            self.mlp = make_mlp(cfg, topo, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,7 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(cfg.n_positions, cfg.d_model, device=device, dtype=dtype)
             self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleDict({str(i): Block(cfg, topo, self.rng, device=device, dtype=dtype, kernels=self.kernels,
-                                              sequence_parallel=sp) for i in self.layers})
+                                              sequence_parallel=sp, index=i) for i in self.layers})
         if with_head:
             self.ln_f = make_norm(cfg, self.kernels, device=device, dtype=dtype, sequence_parallel=sp)
             if not tied:  # untied head: column-parallel over the padded vocabulary (identity fwd, dx all-reduce bwd)
@@ -176,4 +180,21 @@ class GPT(nn.Module):
         scaled by cp: gradients are averaged over dp x cp, so the cp ranks' mean is the unsplit sequence's loss."""
         per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
         count = all_reduce_count((targets != -100).sum(), self.topo.cp_group)
-        return per_token.sum() * self.topo.cp / count.clamp(min=1)
+        loss = per_token.sum() * self.topo.cp / count.clamp(min=1)
+        if self.training and self.moe_stats():  # MoE: the router's auxiliary losses of the last forward
+            loss = loss + self.moe_aux_losses()
+        return loss
+
+    def moe_stats(self) -> list[RouterStats]:
+        """The RouterStats of this stage's MoE layers from the last forward (models/moe/losses.py)."""
+        return [block.mlp.stats for block in self.h.values()
+                if isinstance(block.mlp, MoE) and block.mlp.stats is not None]
+
+    def moe_aux_losses(self) -> torch.Tensor:
+        """moe_aux_loss_coef x load balancing + moe_z_loss_coef x z-loss, pooled over this stage's MoE layers
+        (transformers' aux_loss pools over all of them: equal to it at pp = 1)."""
+        stats = self.moe_stats()
+        loss = self.cfg.moe_aux_loss_coef * load_balancing_loss(stats, self.cfg.n_experts)
+        if self.cfg.moe_z_loss_coef:
+            loss = loss + self.cfg.moe_z_loss_coef * z_loss(stats)
+        return loss

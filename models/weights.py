@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from megazoo.models.layout import VOCAB_PARAMETERS
+from megazoo.models.moe.dispatch import expert_parameter_names
 from megazoo.models.norms import RMSNorm
 from megazoo.models.transformer import GPT
 from megazoo.parallel.tensor import ShardSpec, VocabParallelEmbedding, named_shards, normal_shard_
@@ -54,7 +55,10 @@ def init_weights(model: GPT, seed: int) -> None:
 def full_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Every parameter of this rank's stage as a full tensor (all-gathered over tp), the embedding without its
     padding rows. Under ZeRO-3 call it inside `zero.gathered()`."""
-    full = tp_full_state_dict(model, model.topo.tp_group)
+    experts = {}  # expert parallelism: the routed experts are split over the ep group, not tp
+    if model.topo.ep > 1:
+        experts = dict.fromkeys(expert_parameter_names(model), model.topo.ep_group)
+    full = tp_full_state_dict(model, model.topo.tp_group, experts)
     for name in VOCAB_PARAMETERS:
         if name in full:
             full[name] = full[name][: model.cfg.vocab_size]

@@ -33,6 +33,7 @@ class GradientAllReducer:
                  ledger: CommLedger | None = None, key: Callable[[torch.nn.Parameter], Hashable] | None = None):
         self.group, self.ledger = group, ledger
         self.size = dist.get_world_size(group) if group is not None else 1
+        self.divisor = self.size  # the mean's denominator (expert weights: all dp x cp ranks, expert/zero.py)
         filling: dict[Hashable, list[torch.nn.Parameter]] = {}
         closed: list[tuple[Hashable, list[torch.nn.Parameter]]] = []
         for p in reversed([p for p in params if p.requires_grad]):
@@ -83,12 +84,15 @@ class GradientAllReducer:
     def finish(self) -> None:
         """Launch what backward did not (buckets with unused parameters, on every rank alike), wait, average."""
         if self.group is None:
+            if self.divisor != 1:
+                for flat in self.flats:
+                    flat.div_(self.divisor)
             return
         for i in range(len(self.flats)):
             self._launch(i)
         for i, work in sorted(self._works.items()):
             work.wait()
-            self.flats[i].div_(self.size)
+            self.flats[i].div_(self.divisor)
         self._works.clear()
 
     @torch.no_grad()

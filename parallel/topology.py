@@ -16,6 +16,12 @@ ranks of each (pp, cp, tp) position. The dp group then splits in two: `dp_intra_
 node: fast links) and `dp_inter_group` (the dp ranks at this node-local position on the other nodes: the slow
 network). HSDP and hpZ (parallel/zero/groups.py) shard and gather inside a node and cross nodes less.
 
+Experts: `ep` ranks of each (pp, tp) position's dp x cp ranks split the routed experts of every MoE layer
+(parallel/expert); ep is carved out of dp x cp, not a mesh dim of its own. The ep ranks are consecutive grad ranks
+(ep innermost: the all-to-all of every MoE layer stays on the closest ranks), `ep_group`; the (dp x cp) / ep
+ranks holding the same experts (same ep rank) form the expert-data-parallel group `edp_group`, over which expert
+weights' gradients are reduced (and ZeRO partitions them); dense weights still use `grad_group`.
+
 A group of one rank is stored as `None`: communication helpers treat `None` as "nothing to do", which is what
 makes `Topology.solo()` (no process group at all) run the same code as a real job.
 """
@@ -119,6 +125,22 @@ class Topology:
     dp_inter_group: dist.ProcessGroup | None = None  # the same node-local dp position on every node
     # this node's dp x cp ranks of this (pp, tp) position: HSDP's and hpZ's node group (dp_intra_group if cp = 1)
     dp_cp_intra_group: dist.ProcessGroup | None = None
+    ep: int = 1  # expert parallelism: ranks of grad_group splitting the routed experts (parallel/expert)
+    ep_group: dist.ProcessGroup | None = None  # consecutive grad ranks: ep rank = grad_rank % ep
+    edp_group: dist.ProcessGroup | None = None  # the (dp x cp) / ep ranks holding the same experts
+
+    @property
+    def ep_rank(self) -> int:
+        return self.grad_rank % self.ep
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the grad ranks holding the same experts."""
+        return self.grad_size // self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.grad_rank // self.ep
 
     @property
     def dp_nodes(self) -> int:
@@ -178,7 +200,7 @@ class Topology:
         launcher's processes per node, when the layout leaves it open (0)."""
         return cls.build(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, cp_attention=layout.cp_attention,
                          sequence_parallel=layout.sequence_parallel,
-                         node_size=layout.node_size if node_size is None else node_size)
+                         node_size=layout.node_size if node_size is None else node_size, ep=getattr(layout, "ep", 1))
 
     @staticmethod
     def rank_at(layout, *, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
@@ -189,9 +211,11 @@ class Topology:
     @classmethod
     def build(cls, dp: int, tp: int = 1, pp: int = 1, device: str | torch.device | None = None, *, cp: int = 1,
               cp_attention: str = "all_to_all", sequence_parallel: bool = False,
-              node_size: int = 0) -> "Topology":
+              node_size: int = 0, ep: int = 1) -> "Topology":
         """Build the mesh over the default process group (which the launcher initialised). `node_size`:
-        processes per node (the entry point passes LOCAL_WORLD_SIZE or the recipe's parallel.node_size)."""
+        processes per node (the entry point passes LOCAL_WORLD_SIZE or the recipe's parallel.node_size). `ep`:
+        expert-parallel ranks carved out of dp x cp (check_expert_layout)."""
+        check_expert_layout(ep, dp, cp)
         if cp_attention not in CP_ATTENTION:
             raise ValueError(f"parallel.cp_attention = {cp_attention!r} is invalid; valid: {', '.join(CP_ATTENTION)}")
         if sequence_parallel and tp == 1:
@@ -240,6 +264,7 @@ class Topology:
                     if (p, t) == (pp_rank, tp_rank):
                         dp_cp_group = created
         dp_group = group("dp", dp)
+        ep_group, edp_group = _expert_groups(grid, ep, (pp_rank, dp_rank, cp_rank, tp_rank))
         dp_intra, dp_inter = _node_groups(grid, dp_per_node, (pp_rank, dp_rank, cp_rank, tp_rank), dp_group)
         dp_cp_intra = dp_intra
         if cp > 1:  # a node holds whole cp groups: its dp ranks x every cp rank (= dp x cp when dp fits in it)
@@ -253,12 +278,50 @@ class Topology:
             sequence_parallel=sequence_parallel,
             node_size=node_size, dp_per_node=dp_per_node, dp_intra_group=dp_intra, dp_inter_group=dp_inter,
             dp_cp_intra_group=dp_cp_intra,
+            ep=ep, ep_group=ep_group, edp_group=edp_group,
         )
 
     def describe(self) -> str:
         cp = f" cp {self.cp_rank}/{self.cp} ({self.cp_attention})" if self.cp > 1 else ""
-        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}{cp} "
+        ep = f" ep {self.ep_rank}/{self.ep}" if self.ep > 1 else ""
+        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}{cp}{ep} "
                 f"tp {self.tp_rank}/{self.tp}{' (sequence parallel)' if self.sequence_parallel else ''} on {self.device}")
+
+
+def check_expert_layout(ep: int, dp: int, cp: int = 1) -> None:
+    """A ValueError naming parallel.ep when it is not a positive divisor of dp x cp (ep is carved out of them)."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"parallel.ep = {ep!r} is invalid: it must be a positive integer")
+    if (dp * cp) % ep:
+        valid = [d for d in range(1, dp * cp + 1) if dp * cp % d == 0]
+        raise ValueError(f"parallel.ep = {ep} does not divide parallel.dp x parallel.cp = {dp} x {cp} = {dp * cp} "
+                         f"(expert parallelism is carved out of them); valid: {valid}")
+
+
+def _expert_groups(grid, ep: int, coords: tuple[int, int, int, int]):
+    """(ep group, expert-data-parallel group) of the rank at `coords` in `grid`: within each (pp, tp) position's
+    dp x cp ranks (grad rank order, dp-major), consecutive runs of ep ranks, and every ep-th rank. Created by
+    every rank in the same order (new_group is collective); a group of one is None."""
+    pp, dp, cp, tp = grid.shape
+    if ep == 1:
+        return None, None
+    edp = dp * cp // ep
+    ep_group = edp_group = None
+    p0, d0, c0, t0 = coords
+    mine = d0 * cp + c0
+    for p in range(pp):
+        for t in range(tp):
+            ranks = [int(r) for r in grid[p, :, :, t].flatten()]
+            for k in range(edp):
+                created = dist.new_group(ranks[k * ep:(k + 1) * ep], group_desc="ep")
+                if (p, t) == (p0, t0) and mine // ep == k:
+                    ep_group = created
+            if edp > 1:
+                for j in range(ep):
+                    created = dist.new_group(ranks[j::ep], group_desc="edp")
+                    if (p, t) == (p0, t0) and mine % ep == j:
+                        edp_group = created
+    return ep_group, edp_group
 
 
 def _node_groups(grid, per_node: int, coords: tuple[int, int, int, int], dp_group):

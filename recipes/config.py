@@ -71,12 +71,12 @@ class ParallelSection:
     # Entries of torch's per-rank ring of recent collectives (0: off; no measurable cost: benchmarks/hang_keys.py).
     # A timeout or SIGUSR1 writes each ring to run.dir/.progress/ and names each rank's last collective.
     flight_recorder: int = 2000
-    # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks, parallel/context).
-    cp: int = 1
+    cp: int = 1  # context parallelism: sequences split over cp ranks (load-balanced causal chunks, parallel/context)
     cp_attention: str = "all_to_all"  # "all_to_all" (Ulysses: local heads divisible by cp) | "ring" (any heads)
     # Megatron's sequence parallelism (tp >= 2): norm, dropout and residual hold seq_len / (cp x tp) positions.
     sequence_parallel: bool = False
     node_size: int = 0  # processes per node for HSDP / hpZ; 0: the launcher's LOCAL_WORLD_SIZE (one node alone)
+    ep: int = 1  # expert parallelism: an MoE model's routed experts split over ep ranks of dp x cp (parallel/expert)
 
     def __post_init__(self):  # an unset virtual_stages is the schedule's own number (interleaved's: set it)
         if self.virtual_stages is None:

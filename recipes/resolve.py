@@ -235,10 +235,17 @@ def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
     the kernels), run last: every other mistake is reported without loading torch (seconds under load; a typo'd
     key or `--set parallel.tp=3` answers at once, tests/recipes/test_cli.py)."""
     from megazoo.parallel.context.layout import check_context_layout
+    from megazoo.parallel.expert.layout import check_expert_parallel
     par = recipe.parallel
     try:  # seq_len divisible by 2 x cp, local heads by cp for all_to_all (parallel/context/layout.py)
         check_context_layout(par.cp, par.cp_attention, recipe.train.seq_len, cfg.n_head // par.tp, cfg.attn_dropout,
                              cfg.attention, cfg.sliding_window)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    try:  # ep divides the experts and dp x cp; top-k fits; the ZeRO choice partitions experts (parallel/expert)
+        check_expert_parallel(par.ep, par.dp, par.cp, getattr(cfg, "n_experts", 0), getattr(cfg, "moe_top_k", 0),
+                              model=cfg.name, shard_group=recipe.zero.shard_group, hpz=recipe.zero.hpz,
+                              quantized_gradients=recipe.zero.quantized_gradients, optimizer=recipe.optimizer.name)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     _check_nodes(recipe)
@@ -275,7 +282,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
     """Check the recipe against its own topology (and `world_size`, if known) and derive what follows. `model`,
     where given, is the architecture already worked out (resolve_for_planning's); else model_config(recipe)."""
     par, train, data = recipe.parallel, recipe.train, recipe.data
-    for name in ("dp", "tp", "pp", "cp"):
+    for name in ("dp", "tp", "pp", "cp", "ep"):
         _positive(f"parallel.{name}", getattr(par, name))
     _positive("parallel.timeout_s", par.timeout_s)
     _positive("parallel.flight_recorder", par.flight_recorder, allow_zero=True)

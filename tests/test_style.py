@@ -42,7 +42,7 @@ ALLOWED = {
     # too; it imports nothing of megazoo, so kernels still sit above parallel's lowest layer only.
     "kernels": ("kernels", "parallel.tensor", "parallel.topology", "parallel.collectives", "parallel.accelerator"),
     "models": ("models", "kernels", "data", "parallel.tensor", "parallel.topology", "parallel.checkpoint",
-               "parallel.context"),
+               "parallel.context", "parallel.expert"),
     "workers": ("workers", "parallel.topology", "parallel.checkpoint", "data.fileio"),  # no model, no recipe
     "eval": ("eval", "models", "kernels", "data", "parallel", "workers"),
     "recipes": PACKAGES,

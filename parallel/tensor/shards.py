@@ -94,10 +94,12 @@ def unique_named_shards(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module, group) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, group, groups: dict | None = None) -> dict[str, torch.Tensor]:
     """`model.state_dict()` with every tensor-parallel parameter all-gathered over `group` (tp): tied names and
     buffers included, so it loads into a single-process copy with `load_state_dict`. Under ZeRO-3 call it
-    inside `zero.gathered()`. Collective: one all-gather over tp per tp-sharded parameter."""
+    inside `zero.gathered()`. `groups`: the parameters split over another group (name -> group: the routed
+    experts over ep). Collective: one all-gather over tp per tp-sharded parameter."""
     specs = {name: spec for name, _, spec in named_shards(model)}
-    return {key: gather_full(value, specs[key], group) if key in specs else value.detach().clone()
+    groups = groups or {}
+    return {key: gather_full(value, specs[key], groups.get(key, group)) if key in specs else value.detach().clone()
             for key, value in model.state_dict(keep_vars=True).items()}

@@ -14,8 +14,10 @@ import torch
 
 from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.lora.adapters import attach_lora
+from megazoo.models.moe.dispatch import expert_parameter_names
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
+from megazoo.parallel.expert.zero import build_expert_split
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor import named_shards
@@ -158,8 +160,12 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         tied = TiedParameters(frozenset({"wte.weight"}), None, counted_in_norm=True)
     else:
         tied = TiedParameters(frozenset({"wte.weight"}), topo.embedding_group, counted_in_norm=topo.is_first_stage)
-    return build_zero(
-        zero.stage, model, named, topo, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+    build, split = build_zero, {}
+    if topo.ep > 1:  # expert weights over their expert-data-parallel group, dense ones over dp x cp
+        experts = {name for chunk in chunks for name in expert_parameter_names(chunk)}
+        build, split = build_expert_split, {"build": build_zero, "is_expert": experts.__contains__}
+    return build(
+        stage=zero.stage, model=model, named=named, topo=topo, **split, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
         units=list(model.h.values()), tied=tied, group_of=chunk_of.get, adamw=kernels["adamw"].fn,
         compression=compression_of(res.recipe),  # [optimizer]: 1-bit / 0-1 Adam (parallel/compressed/)

@@ -1,0 +1,58 @@
+"""The router's statistics per MoE layer and the auxiliary losses pooled from them.
+
+Load balancing (Switch Transformer eq. 4-6, as transformers' load_balancing_loss_func computes `aux_loss` for
+Mixtral, Qwen2-MoE and Qwen3-MoE): over the N routed rows of all MoE layers together,
+
+    aux = E * sum_e (C_e / N) * (P_e / N),    C_e = top-k assignments to expert e, P_e = sum of its probabilities
+
+pooled over the layers before the product (transformers' choice; a per-layer mean would differ). C_e is a count (no
+gradient); the gradient reaches the router through P_e. Each layer records (C, P, rows) in a RouterStats, so the
+pooled loss needs no logits kept and a layout that splits the tokens (sequence parallelism) sums the statistics.
+
+Router z-loss (ST-MoE, Zoph et al. 2022): mean over rows of logsumexp(logits)^2, pooled over layers the same way
+(sum of squares over all layers' rows / N). Both are added to the training loss with their coefficients
+(ModelConfig.moe_aux_loss_coef, moe_z_loss_coef) by the decoder's `loss`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing of one forward pass. counts/dropped carry no gradient."""
+
+    counts: torch.Tensor  # (E,) int64: top-k assignments routed to each expert
+    prob_sum: torch.Tensor  # (E,) router dtype: sum over rows of the softmax probabilities (with gradient)
+    rows: int  # the rows (tokens) routed
+    z_sum: torch.Tensor  # () sum over rows of logsumexp(logits)^2 (with gradient)
+    dropped: torch.Tensor  # () int64: assignments dropped by the capacity factor
+
+    @staticmethod
+    def of(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+        return RouterStats(counts=counts, prob_sum=probs.sum(0), rows=probs.shape[0],
+                           z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(), dropped=dropped)
+
+    def reduced(self, ranks: int, reduce_counts, reduce_sums) -> "RouterStats":
+        """The statistics summed over `ranks` ranks that split the tokens evenly (sequence parallelism):
+        `reduce_counts` (no gradient) for the counts, `reduce_sums` for the differentiable sums (all-reduce forward,
+        identity backward: every rank adds the same loss, and each rank's rows get their gradient from its own
+        copy). No host read: the rows are the same on every rank."""
+        return RouterStats(reduce_counts(self.counts), reduce_sums(self.prob_sum), self.rows * ranks,
+                           reduce_sums(self.z_sum), reduce_counts(self.dropped))
+
+
+def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
+    """transformers' aux_loss over the given layers (pooled: module docstring)."""
+    rows = sum(s.rows for s in stats)
+    counts = sum(s.counts for s in stats).to(stats[0].prob_sum.dtype)
+    probs = sum(s.prob_sum for s in stats)
+    return n_experts * (counts / rows * (probs / rows)).sum()
+
+
+def z_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """Router z-loss, mean over every layer's rows of logsumexp(logits)^2."""
+    return sum(s.z_sum for s in stats) / sum(s.rows for s in stats)

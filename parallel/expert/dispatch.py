@@ -1,0 +1,118 @@
+"""Token dispatch and combine for expert parallelism: every token goes to the ranks holding its top-k experts
+and comes back weighted.
+
+The num_experts experts are split over the ep ranks in contiguous blocks: ep rank r holds experts
+[r * n, (r + 1) * n), n = num_experts / ep. One MoE layer's forward, for T tokens of width d routed to k experts:
+
+1. permute: the T * k (token, expert) pairs sorted by expert (a stable sort: pairs of one expert keep token
+   order, so every layout feeds an expert the same rows in the same order), which also sorts them by rank;
+2. exchange counts: one all-to-all of the [num_experts] pair counts, so each rank learns how many rows each
+   other rank sends to each of its n experts (the one host read of the layer: the receive sizes);
+3. all-to-all the rows (uneven splits); what arrives is ordered (source rank, local expert) and is regrouped
+   to (local expert, source rank), so each local expert's rows are contiguous;
+4. the local experts run on them: `experts_fn(rows, counts)` with one count per local expert (a grouped matmul
+   or the per-expert loop: the caller's);
+5. the inverse regroup, the inverse all-to-all, un-permute, and the weighted sum over each token's k experts.
+
+Backward runs the same all-to-alls in reverse (comms.py). ep = 1 (group None) runs steps 1, 4 and 5 only: the
+local dispatcher is this code with no collective. Volume per layer and direction: T * k * d elements leave each
+rank, (ep - 1) / ep of them to other ranks with uniform routing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megazoo.parallel.collectives import CommLedger
+from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
+from megazoo.parallel.topology import group_rank, group_size
+
+# rows [N, d] sorted by local expert, counts [n] int64 (one per local expert, summing to N) -> rows [N, d_out]
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_expert_split(num_experts: int, ep: int) -> int:
+    """Experts per ep rank, or a ValueError naming parallel.ep when ep does not divide the experts."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"parallel.ep = {ep!r} is invalid: it must be a positive integer")
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(f"parallel.ep = {ep} does not divide the model's {num_experts} routed experts; "
+                         f"valid: {divisors}")
+    return num_experts // ep
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _rank_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
+    """received [ep, n] row counts (source rank, local expert), laid out rank-major in the receive buffer ->
+    the permutation of the buffer's rows that makes it expert-major (local expert, then source rank)."""
+    lengths = received.t().reshape(-1)  # segments in expert-major order
+    starts = (torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)).view(received.shape).t().reshape(-1)
+    total = int(lengths.sum())
+    seg_starts_out = torch.cumsum(lengths, 0) - lengths
+    within = torch.arange(total, device=received.device) - torch.repeat_interleave(seg_starts_out, lengths)
+    return torch.repeat_interleave(starts, lengths) + within
+
+
+def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsFn, group=None,
+                  ledger: CommLedger | None = None) -> torch.Tensor:
+    """rows [N, d] sorted by global expert, counts [num_experts] (rows per expert) -> [N, d_out]: each row through
+    its expert, wherever that expert lives, in the same order (steps 2-5 above without the combine). This is the
+    experts callable of a dispatcher that sorts and combines itself (models/moe/dispatch.py). `ledger` counts the
+    rows' all-to-all bytes (comms.py)."""
+    ep = group_size(group)
+    num_experts = counts.numel()
+    n_local = check_expert_split(num_experts, ep)
+    if group is None:
+        return experts_fn(rows, counts)
+    received = exchange_counts(counts, group)  # [ep * n]: rows each rank sends to my experts
+    host = torch.cat([counts, received]).tolist()  # one device-to-host read for every split
+    send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+    recv = [sum(host[num_experts + r * n_local:num_experts + (r + 1) * n_local]) for r in range(ep)]
+    arrived = all_to_all_uneven(rows, recv, send, group, ledger)  # (source rank, local expert) order
+    received = received.view(ep, n_local)
+    regroup = _rank_major_to_expert_major(received)
+    computed = experts_fn(arrived.index_select(0, regroup), received.sum(0))
+    return all_to_all_uneven(computed.index_select(0, _inverse(regroup)), send, recv, group, ledger)
+
+
+def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts_fn: ExpertsFn,
+                     num_experts: int, group=None, ledger: CommLedger | None = None) -> torch.Tensor:
+    """x [T, d], weights [T, k], indices [T, k] (expert ids in [0, num_experts)) -> [T, d_out]: for each token
+    the sum over its k experts of weight x expert(token), the experts living on the ranks of `group` (None: all
+    local). Differentiable in x, weights and whatever `experts_fn` closes over."""
+    t, k = indices.shape
+    flat = indices.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, order // k)  # [T * k, d], sorted by expert
+    out = exchange_rows(rows, torch.bincount(flat, minlength=num_experts), experts_fn, group, ledger)
+    pairs = out.index_select(0, _inverse(order))  # back to pair order: [T * k, d_out]
+    return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
+
+
+def local_expert_range(num_experts: int, group=None) -> range:
+    """The global ids of the experts this rank of `group` holds: a contiguous block of num_experts / ep."""
+    n = check_expert_split(num_experts, group_size(group))
+    return range(group_rank(group) * n, (group_rank(group) + 1) * n)
+
+
+class ExpertDispatcher:
+    """The token dispatcher of an MoE layer whose experts are split over `group` (the Topology's ep group;
+    None: every expert local). `local_experts` is the range of global expert ids this rank holds; `comm` counts
+    its all-to-all bytes."""
+
+    def __init__(self, num_experts: int, group=None):
+        self.num_experts, self.group = num_experts, group
+        self.local_experts = local_expert_range(num_experts, group)
+        self.comm = CommLedger()
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 experts_fn: ExpertsFn) -> torch.Tensor:
+        return dispatch_combine(x, weights, indices, experts_fn, self.num_experts, self.group, self.comm)

@@ -1,0 +1,129 @@
+"""Expert parallelism in the real Trainer: a tiny MoE trained at ep 2 (and with ZeRO, tp) equals one process.
+
+The recipe: llama-tiny shrunk to 2 layers with 4 routed experts (top-2) in every layer, a shared expert, the
+load-balancing aux loss and the z-loss on, fp64, clipping active. The router's aux loss is a function of each
+micro-batch's statistics, so the one-process reference runs the same micro-batches as the dp ranks do (micro
+batch 2, accumulation over the dp ranks' share): losses, gradient norms and every full parameter after the steps
+(the experts gathered over the ep ranks) equal to 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_distributed
+from parity_helpers import assert_same_training, train_run
+from recipe_helpers import tiny_resolved
+
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.training.trainer import Trainer
+
+MOE = {"preset": "llama-tiny", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "d_ff": 48,
+       "vocab_size": 300, "n_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_shared_experts": 1,
+       "moe_shared_d_ff": 8, "moe_aux_loss_coef": 0.05, "moe_z_loss_coef": 0.01, "dropout": 0.0,
+       "attn_dropout": 0.0}
+STEPS = 4
+
+
+def _res(parallel: dict, micro_batch: int, grad_accum: int, zero: dict | None = None, model: dict | None = None):
+    return tiny_resolved(model={**MOE, **(model or {})}, parallel=parallel, zero=zero or {},
+                         train={"steps": STEPS, "micro_batch": micro_batch, "grad_accum": grad_accum,
+                                "eval_batches": 1})
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(micro_batch: int, model: dict | None = None):
+    """One process running the global batch of 8 as the layouts' micro-batches, one after the other."""
+    key = (micro_batch, tuple(sorted((model or {}).items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_run(_res({}, micro_batch, 8 // micro_batch, model=model), Topology.solo())
+    return _REFERENCES[key]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(2)
+
+
+def _on_ranks(parallel: dict, micro_batch: int, grad_accum: int, zero: dict | None = None,
+              model: dict | None = None):
+    res = _res(parallel, micro_batch, grad_accum, zero, model)
+    par = res.recipe.parallel
+
+    def work():
+        topo = Topology.of(par)
+        trainer = Trainer(res, topo)
+        result = trainer.fit()
+        moe = next(block.mlp for block in trainer.chunks[0].h.values() if hasattr(block.mlp, "dispatcher"))
+        return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
+                "params": trainer.full_state_dict(), "local_experts": moe.dispatcher.local_experts,
+                "ep_rank": topo.ep_rank}
+
+    results = run_distributed(work, res.world_size)
+    ep = par.ep
+    for got in results:  # each rank held only its ep rank's block of experts
+        n = MOE["n_experts"] // ep
+        assert got["local_experts"] == range(got["ep_rank"] * n, (got["ep_rank"] + 1) * n)
+    return results
+
+
+def test_reference_learns_and_routes(reference):
+    assert len(reference["losses"]) == STEPS and reference["losses"][-1] < reference["losses"][0]
+    assert any(".mlp.experts." in name for name in reference["params"])
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_ep2_equals_one_process(reference, zero):
+    for got in _on_ranks({"dp": 2, "ep": 2}, 2, 2, {"stage": zero}):
+        assert_same_training(got, reference)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_dp4_is_ep2_by_edp2(zero):
+    """dp 4 = ep 2 x expert-data-parallel 2: expert gradients reduce-scattered over the edp pair."""
+    for got in _on_ranks({"dp": 4, "ep": 2}, 1, 2, {"stage": zero}):
+        assert_same_training(got, _reference(1))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_ep2_with_tp2(reference, sp):
+    """Experts at expert-tp 1 (replicated over tp), attention and shared experts at tp 2."""
+    for got in _on_ranks({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": sp}, 2, 2):
+        assert_same_training(got, reference)
+
+
+NO_ROUTER_LOSSES = {"moe_aux_loss_coef": 0.0, "moe_z_loss_coef": 0.0}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_ep2_with_pp2(schedule):
+    """The all-to-all inside pipeline stages (zb_h1: the experts' weight gradients in the deferred W pass). The
+    router losses are off here: under pp the first stage's aux / z-losses do not reach the last stage's loss yet
+    (the same at ep 1: a model-side gap, not expert parallelism's)."""
+    for got in _on_ranks({"dp": 2, "pp": 2, "ep": 2, "schedule": schedule}, 2, 2, {"stage": 1},
+                         model=NO_ROUTER_LOSSES):
+        assert_same_training(got, _reference(2, NO_ROUTER_LOSSES))
+
+
+@pytest.mark.parametrize("parallel, micro_batch, grad_accum", [
+    ({"cp": 2, "ep": 2}, 2, 4),  # ep spans the two cp ranks of one sequence
+    ({"dp": 2, "cp": 2, "ep": 4}, 2, 2),  # ep spans dp x cp, expert-data-parallel 1
+    ({"dp": 2, "cp": 2, "ep": 2}, 2, 2),  # ep over cp, the experts' gradients reduced over dp
+])
+def test_ep_with_cp(parallel, micro_batch, grad_accum):
+    """Router losses off: under cp each rank's aux loss sees half of each sequence's tokens (the same at ep 1:
+    a model-side gap, not expert parallelism's)."""
+    for got in _on_ranks(parallel, micro_batch, grad_accum, {"stage": 1}, model=NO_ROUTER_LOSSES):
+        assert_same_training(got, _reference(2, NO_ROUTER_LOSSES))
+
+
+def test_ep2_with_activation_checkpointing(reference):
+    """The recomputed forward runs the dispatch's all-to-alls again inside backward, on every ep rank alike."""
+    res = tiny_resolved(model=MOE, parallel={"dp": 2, "ep": 2},
+                        train={"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "eval_batches": 1,
+                               "activation_checkpointing": True})
+    assert res.recipe.train.activation_checkpointing
+    for got in run_distributed(lambda: train_run(res, Topology.of(res.recipe.parallel)), 2):
+        assert_same_training(got, reference)
