@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -143,7 +142,7 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
     family, cfg, _ = read_hf_config(args.hf_dir)  # a model_type no family converts: refused here
     weights = HFWeights(args.hf_dir)  # headers only: a missing shard or an index naming a missing file is refused
     tokenizer = _hf_tokenizer_files(args.hf_dir) if family.name != "GPT-2" else []
-    largest = max(math.prod(weights.shape(n)) * 8 for n in weights.names())  # bytes at fp64, the widest dtype
+    largest = max(weights.nbytes(n) for n in weights.names())  # a rank file holds at most this much
     try:
         with staged_out_dir(args.out) as staging:
             record = None

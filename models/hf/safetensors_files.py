@@ -100,6 +100,12 @@ class HFWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._meta[name][0]
 
+    def nbytes(self, name: str) -> int:
+        shape, dtype = self._meta[name]
+        width = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
+        return math.prod(shape) * width.get(dtype.upper(), getattr(torch, dtype.removeprefix("torch."),
+                                                                    torch.float32).itemsize)
+
     def dtypes(self) -> set[str]:
         return {dtype for _, dtype in self._meta.values()}
 
