@@ -52,6 +52,17 @@ def merged_state(checkpoint: str | Path, base: str | Path | None = None):
         raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA (its recipe has no [lora] rank): "
                          "export it without --merge-lora / --peft-adapter")
     recorded = (common.get("recipe") or {}).get("checkpoint", {}).get("load")
+    hf_base = ((common.get("recipe") or {}).get("model") or {}).get("from_hf")
+    if not base and not recorded and hf_base:  # the run read its base straight from an HF folder
+        from megazoo.models.hf.families import read_hf_dir
+
+        if not Path(hf_base).is_dir():
+            raise ValueError(f"checkpoint {checkpoint}: the LoRA base its recipe recorded (model.from_hf = "
+                             f"{hf_base!r}, relative to the folder the run started in) is not at "
+                             f"{Path(hf_base).resolve()}; run from that folder or pass --lora-base CKPT")
+        cfg, adapters = _full_state(checkpoint)
+        _, base_state = read_hf_dir(hf_base)
+        return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters, hf_base
     if not base and not recorded:
         raise ValueError(f"checkpoint {checkpoint}: its recipe names no checkpoint.load (the LoRA base); pass "
                          "--lora-base CKPT")
@@ -88,6 +99,8 @@ def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str
 
     cfg, full, _, _, base_path = merged_state(checkpoint, base)
     family = family_of_config(cfg)
+    if dtype is None and (Path(base_path) / "config.json").is_file():  # an HF base: its files' dtype
+        dtype = next(iter(full.values())).dtype
     dtype = dtype or CheckpointReader(base_path).param_dtype()  # merged in the base's dtype
     files = write_hf_folder(staging, family, cfg, full.__getitem__, dtype, tokenizer=tokenizer,
                             max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD)

@@ -13,6 +13,7 @@ tensors, wrong shapes, a model_type no family converts, a dtype safetensors cann
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from megazoo.models.config import ModelConfig
 from megazoo.models.hf.family import Family
 from megazoo.models.hf.safetensors_files import DEFAULT_MAX_SHARD, HFWeights, write_shards
+from megazoo.parallel.tensor import ShardSpec, shard_of
 
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16}
@@ -124,3 +126,75 @@ class LazyState(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
+
+
+# --- a rank's own slices straight from the HF files (`model.from_hf`): no conversion, no whole tensor -------------
+
+def _local_rows(spec: ShardSpec, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Global row ranges of the tp-local tensor's rows [lo, hi) (a column-parallel shard holds a block of rows
+    per section; other layouts hold every row)."""
+    ranges = spec.ranges() if spec.dim == 0 else [(0, spec.global_shape[0])]
+    out, offset = [], 0
+    for a, b in ranges:
+        s, e = max(lo, offset), min(hi, offset + b - a)
+        if s < e:
+            out.append((a + s - offset, a + e - offset))
+        offset += b - a
+    return out
+
+
+def _global_block(weights: HFWeights, entry, a: int, b: int, cols: list[tuple[int, int]] | None,
+                  spec: ShardSpec) -> torch.Tensor:
+    """Rows [a, b) of our global tensor (only the column ranges `cols` of a row-parallel shard), read from the HF
+    tensors that make them; rows past the HF tensors (the padded vocabulary) are zeros."""
+    if entry.transpose:  # GPT-2's Conv1D: our rows are HF columns, our columns HF rows
+        hf_rows = cols or [(0, entry.hf_shapes[0][0])]
+        return torch.cat([weights.read_block(entry.hf[0], r, (a, b)) for r in hf_rows]).t()
+    out, offset = [], 0
+    for name, shape in zip(entry.hf, entry.hf_shapes):
+        s, e = max(a, offset), min(b, offset + shape[0])
+        if s < e:
+            rows = (s - offset, e - offset)
+            out.append(weights.read_block(name, rows) if cols is None else
+                       torch.cat([weights.read_block(name, rows, c) for c in cols], dim=1))
+        offset += shape[0]
+    if b > offset:
+        width = (sum(c1 - c0 for c0, c1 in cols),) if cols else tuple(spec.global_shape[1:])
+        out.append(torch.zeros((b - max(a, offset), *width), dtype=out[0].dtype if out else torch.float32))
+    return torch.cat(out)
+
+
+def read_local(weights: HFWeights, entry, spec: ShardSpec, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of the tp-local tensor `spec` cuts from our parameter `entry.ours` (1-D), reading
+    only the rows that hold them (at most one partial row either side: a ZeRO-3 range)."""
+    local = spec.local_shape
+    row = math.prod(local[1:])
+    lo, hi = start // row, -(-stop // row)
+    if entry.join_fn is not None or entry.split_fn is not None:  # a custom key map: the whole tensor, then cut
+        full = entry.join([weights.read(n) for n in entry.hf])
+        if full.shape[0] < spec.global_shape[0]:
+            full = torch.cat([full, full.new_zeros(spec.global_shape[0] - full.shape[0], *full.shape[1:])])
+        rows = shard_of(full, spec)[lo:hi]
+    else:
+        cols = spec.ranges() if spec.dim == 1 else None
+        rows = torch.cat([_global_block(weights, entry, a, b, cols, spec) for a, b in _local_rows(spec, lo, hi)])
+    return rows.reshape(-1)[start - lo * row: stop - lo * row]
+
+
+def fill_views_from_hf(weights: HFWeights, family: Family, cfg: ModelConfig, views, kinds=("param", "master")):
+    """Fill this rank's state views (parallel/checkpoint/views.py) of the given kinds straight from the HF files:
+    each view reads only its own elements. Returns how many views were filled."""
+    by_name = {e.ours: e for e in family.entries(cfg)}
+    _check_hf_names(weights, family, cfg)
+    last: tuple | None = None
+    filled = 0
+    for view in sorted((v for v in views if v.kind in kinds), key=lambda v: (v.name, v.start)):
+        if view.name not in by_name:
+            raise ValueError(f"{weights.dir}: model {cfg.name} has parameter {view.name}, which the "
+                             f"{family.name} key map does not name")
+        key = (view.name, view.spec, view.start, view.stop)
+        if last is None or last[0] != key:  # a master and its parameter share one read
+            last = (key, read_local(weights, by_name[view.name], view.spec, view.start, view.stop))
+        view.tensor.copy_(last[1].to(view.tensor.dtype))
+        filled += 1
+    return filled

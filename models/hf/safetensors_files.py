@@ -1,8 +1,8 @@
 """An HF folder's weights read and written one tensor at a time (safetensors files, sharded as transformers does).
 
 Reading (`HFWeights`): names, shapes and dtypes come from the files' headers (safetensors' `safe_open`, which
-maps the file and reads nothing else); `read(name)` copies one tensor out and `read_rows(name, lo, hi)` a range
-of its rows (`get_slice`), each through a handle opened for that read and closed after it, so the pages the read
+maps the file and reads nothing else); `read(name)` copies one tensor out and `read_block(name, rows, cols)` a
+block of it (`get_slice`), each through a handle opened for that read and closed after it, so the pages the read
 touched leave the process with the mapping: resident memory grows by the tensor read, never by the file.
 `bytes_read` counts the tensor bytes copied out (what a rank loading its own slices reads).
 A model.safetensors.index.json that names a missing file, or a folder without weights, is refused before any
@@ -122,14 +122,17 @@ class HFWeights:
         with safe_open(str(self.files[name]), framework="pt") as f:
             return self._count(f.get_tensor(name))
 
-    def read_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) of a tensor (dim 0), only those bytes read."""
+    def read_block(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows [rows) (and columns [cols) of a 2-D tensor) of a tensor, only those bytes read."""
+        (r0, r1), (c0, c1) = rows, cols or (None, None)
         if self._pickle is not None:
-            return self._count(self._pickle[name][lo:hi].clone())
+            full = self._pickle[name]
+            return self._count((full[r0:r1] if cols is None else full[r0:r1, c0:c1]).clone())
         from safetensors import safe_open
 
         with safe_open(str(self.files[name]), framework="pt") as f:
-            return self._count(f.get_slice(name)[lo:hi])
+            piece = f.get_slice(name)
+            return self._count(piece[r0:r1] if cols is None else piece[r0:r1, c0:c1])
 
 
 def shard_files(plan: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> list[list[int]]:
