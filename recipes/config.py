@@ -50,9 +50,9 @@ class ModelSection:
     d_model, n_positions, vocab_size, d_ff, dropout, ...; None keeps the preset's value)."""
 
     preset: str = "gpt2-tiny"
-    # true: take the architecture (layers, heads, widths, vocabulary, positions) from checkpoint.load's
-    # checkpoint instead of the preset; the overrides here may still set dropout and init
+    # true / an HF folder: the architecture from checkpoint.load / config.json (overrides: dropout, init only)
     from_checkpoint: bool = False
+    from_hf: str = ""  # its weights too at step 0, each rank reading only its slices (models/hf/converter.py)
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,10 @@ def model_config(recipe: Recipe) -> ModelConfig:
     try:
         preset = get_preset(section.preset)
         overrides = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-                     if f.name not in ("preset", "from_checkpoint") and getattr(section, f.name) is not None}
+                     if f.name not in ("preset", "from_checkpoint", "from_hf")
+                     and getattr(section, f.name) is not None}
+        if section.from_hf:
+            return _hf_model(recipe, overrides)
         if section.from_checkpoint:
             if not recipe.checkpoint.load:
                 raise RecipeError("model.from_checkpoint = true needs checkpoint.load: the checkpoint whose "
@@ -276,6 +279,22 @@ def model_config(recipe: Recipe) -> ModelConfig:
         raise
     except ValueError as err:
         raise RecipeError(str(err)) from None
+
+
+def _hf_model(recipe: Recipe, overrides: dict) -> ModelConfig:
+    """`model.from_hf = DIR`: the architecture of the HF folder's config.json (no weight is read here)."""
+    from megazoo.models.hf.families import read_hf_config
+
+    where = recipe.model.from_hf
+    if recipe.model.from_checkpoint or recipe.checkpoint.load:
+        raise RecipeError(f"model.from_hf = {where!r} names the starting weights, and so does "
+                          f"{'model.from_checkpoint' if recipe.model.from_checkpoint else 'checkpoint.load'}: "
+                          "give one of them")
+    try:
+        cfg = read_hf_config(where)[1]
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"model.from_hf = {where!r}: {err}") from None
+    return from_checkpoint(dataclasses.asdict(cfg), overrides, Path(where))
 
 
 def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig | None = None) -> Resolved:
@@ -378,8 +397,11 @@ def resolve_for_planning(recipe: Recipe) -> Resolved:
     and layout matter, so its corpus, tokenizer and checkpoint need not exist on this machine. The vocabulary is the
     tokenizer's where that is a file at hand, else the preset's (or model.vocab_size): planning stays offline, so a
     Hugging Face `hf:` tokenizer counts as not at hand. A checkpoint the model takes its architecture from
-    (model.from_checkpoint) must exist. The returned recipe reads synthetic data and loads no checkpoint."""
+    (model.from_checkpoint) must exist; an HF folder (model.from_hf) not at hand is stood in for by the preset the
+    recipe names. The returned recipe reads synthetic data and loads no checkpoint."""
     data = recipe.data
+    if recipe.model.from_hf and not Path(recipe.model.from_hf).exists():  # the preset stands for the HF folder
+        recipe = replace(recipe, model=replace(recipe.model, from_hf=""))
     at_hand = bool(data.tokenizer) and not data.tokenizer.startswith("hf:") and Path(data.tokenizer).exists()
     model = model_config(replace(recipe, data=replace(data, tokenizer=data.tokenizer if at_hand else "")))
     bare_data = replace(data, source="synthetic", paths=(), valid_paths=(), tokenizer="")

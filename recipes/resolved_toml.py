@@ -38,7 +38,7 @@ def resolved_table(res: Resolved) -> dict[str, dict]:
     model = dataclasses.asdict(res.model)
     model.pop("name")
     table["model"] = {"preset": res.recipe.model.preset, "from_checkpoint": res.recipe.model.from_checkpoint,
-                      **model}
+                      **({"from_hf": res.recipe.model.from_hf} if res.recipe.model.from_hf else {}), **model}
     table["train"].update(global_batch=res.global_batch, lr_decay_steps=res.lr_decay_steps)
     return table
 

@@ -48,6 +48,12 @@ def stand_in_overrides(path: Path, tmp_path: Path) -> list[str]:
                            rows=2)
         write_sft_dataset(rows, tmp_path / "sft", 300, template="chatml", seq_len=table.train.seq_len)
         overrides.append(f"sft.path={tmp_path / 'sft'}")
+    if table.model.from_hf:  # a stand-in HF folder: the resolver reads only its config.json
+        from megazoo.models.hf.families import family_of_config
+
+        cfg = model_config(load_recipe(path, [*overrides, "model.from_hf="]))
+        family_of_config(cfg).config_to_hf(cfg).save_pretrained(str(tmp_path / "hf"))
+        overrides.append(f"model.from_hf={tmp_path / 'hf'}")
     if table.checkpoint.load:  # a stand-in step directory: the resolver reads only its common.json's model
         step = tmp_path / "checkpoint" / "step_00000000"
         step.mkdir(parents=True)

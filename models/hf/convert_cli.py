@@ -132,21 +132,17 @@ def hf_model_type(hf_dir: str | Path) -> str:
 
 
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
-    from megazoo.parallel.checkpoint.consolidate import write_full_checkpoint
-    from megazoo.models.hf.llama import FAMILIES
+    from megazoo.models.hf.converter import megazoo_tensors
+    from megazoo.models.hf.families import read_hf_config
+    from megazoo.models.hf.safetensors_files import HFWeights
+    from megazoo.parallel.checkpoint.consolidate import CheckpointReader, write_streamed_checkpoint
 
     check_out_dir(args.out)  # checked before the (slow) read
     slices = _verify_data(args)
-    model_type = hf_model_type(args.hf_dir)
-    if model_type == "gpt2":
-        from megazoo.models.hf.gpt2 import read_hf_dir
-    elif model_type in FAMILIES:
-        from megazoo.models.hf.llama import read_hf_dir
-    else:
-        raise ValueError(f"{args.hf_dir}: HF model_type {model_type!r} cannot be converted; valid: gpt2, "
-                         f"{', '.join(FAMILIES)}")
-    cfg, full_state = read_hf_dir(args.hf_dir)
-    tokenizer = _hf_tokenizer_files(args.hf_dir) if model_type != "gpt2" else []
+    family, cfg, _ = read_hf_config(args.hf_dir)  # a model_type no family converts: refused here
+    weights = HFWeights(args.hf_dir)  # headers only: a missing shard or an index naming a missing file is refused
+    tokenizer = _hf_tokenizer_files(args.hf_dir) if family.name != "GPT-2" else []
+    largest = max(weights.nbytes(n) for n in weights.names())  # a rank file holds at most this much
     try:
         with staged_out_dir(args.out) as staging:
             record = None
@@ -159,16 +155,25 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
                     shutil.copyfile(file, staging / HF_TOKENIZER_DIR / file.name)
                 record = tokenizer_record(load_hf_tokenizer(str(staging / HF_TOKENIZER_DIR)))
                 record["source"] = str(Path(args.out).resolve() / HF_TOKENIZER_DIR)
-            write_full_checkpoint(full_state, dataclasses.asdict(cfg), staging, tokenizer=record)
-            if args.verify:  # the checkpoint as written, read back, against the HF source
-                _verified(*load_consolidated(staging), args.hf_dir, slices)
+            write_streamed_checkpoint(megazoo_tensors(weights, family, cfg), dataclasses.asdict(cfg), staging,
+                                      tokenizer=record, file_bytes=largest)
+            if args.verify:  # the checkpoint as written, read back tensor by tensor, against the HF source
+                reader = CheckpointReader(staging)
+                _verified(cfg, _lazy(reader), args.hf_dir, slices)
     except ConversionRefused as refused:
         print(f"megazoo: convert hf-to-megazoo: {refused}", file=sys.stderr)
         return 1
     what = "with its tokenizer" if tokenizer else "without a tokenizer (none in the HF directory)"
-    print(f"converted HF {model_type} {args.hf_dir} ({cfg.num_parameters():,} parameters) to megazoo checkpoint "
-          f"{args.out}, {what}")
+    print(f"converted HF {family.exports(cfg)} {args.hf_dir} ({cfg.num_parameters():,} parameters, "
+          f"{'/'.join(sorted(weights.dtypes()))}) to megazoo checkpoint {args.out}, {what}")
     return 0
+
+
+def _lazy(reader, dtype=None):
+    """The checkpoint's full state as a mapping read tensor by tensor (convert_verify builds its model from it)."""
+    from megazoo.models.hf.converter import LazyState
+
+    return LazyState(reader.read, reader.names(), dtype)
 
 
 class ConversionRefused(Exception):
@@ -235,14 +240,25 @@ def export_tokenizer(checkpoint: str | Path, spec: str | None):
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     from megazoo.models.hf.convert_lora import export_lora, lora_checkpoint
+    from megazoo.models.hf.converter import parse_dtype
+    from megazoo.models.hf.safetensors_files import parse_size
 
+    dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)  # bad values: refused first
     if args.merge_lora or args.peft_adapter:  # a LoRA run's checkpoint: models/hf/convert_lora.py
         if args.merge_lora and args.peft_adapter:
             raise ValueError("give --merge-lora (a merged HF model) or --peft-adapter (the adapter alone), not both")
         tokenizer = export_tokenizer(args.checkpoint, args.tokenizer) if args.merge_lora else None
-        with staged_out_dir(args.out) as staging:
-            cfg, what = export_lora(args.checkpoint, staging, merge=args.merge_lora, base=args.lora_base,
-                                    tokenizer=tokenizer)
+        slices = _verify_data(args) if args.merge_lora else None
+        try:
+            with staged_out_dir(args.out) as staging:
+                cfg, what, merged = export_lora(args.checkpoint, staging, merge=args.merge_lora, base=args.lora_base,
+                                                tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard)
+                if args.verify and merged is not None:  # the merged folder against the merged weights
+                    state, written = merged
+                    _verified(cfg, {k: v.to(written) for k, v in state.items()}, staging, slices)
+        except ConversionRefused as refused:
+            print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
+            return 1
         print(f"converted megazoo LoRA checkpoint {args.checkpoint} ({cfg.name}) to {what} {args.out}")
         return 0
     if lora_checkpoint(args.checkpoint)[1] is not None:
@@ -250,24 +266,28 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
                          "--merge-lora (merged HF model) or --peft-adapter (PEFT adapter folder)")
     tokenizer = export_tokenizer(args.checkpoint, args.tokenizer)  # bad --tokenizer: refused before the read
     slices = _verify_data(args)
-    cfg = load_consolidated_config(args.checkpoint)
-    if cfg.positions == "learned":  # the GPT-2 block
-        from megazoo.models.hf.gpt2 import export_hf_dir
-        family = "GPT-2"
-    else:
-        from megazoo.models.hf.llama import export_hf_dir, hf_family
-        family = hf_family(cfg)  # refuses a config no HF family computes, before the read
-    cfg, full_state = load_consolidated(args.checkpoint)
+    from megazoo.models.hf.convert_lora import chat_export
+    from megazoo.models.hf.converter import write_hf_folder
+    from megazoo.models.hf.families import family_of_config
+    from megazoo.parallel.checkpoint.consolidate import CheckpointReader
+
+    reader = CheckpointReader(args.checkpoint)  # every file's sha256 checked; no tensor read yet
+    cfg = _model_config(reader.common)
+    family = family_of_config(cfg)  # refuses a config no HF family computes, before the read
+    dtype = dtype or reader.param_dtype()
     try:
         with staged_out_dir(args.out) as staging:
-            export_hf_dir(full_state, cfg, staging, tokenizer=tokenizer)
-            if args.verify:  # the directory as transformers loads it, against the checkpoint's weights
-                _verified(cfg, full_state, staging, slices)
+            files = write_hf_folder(staging, family, cfg, reader.read, dtype, tokenizer=tokenizer,
+                                    max_shard_bytes=max_shard)
+            chat_export(staging, reader.common, tokenizer)
+            if args.verify:  # the directory as transformers loads it, against the checkpoint's weights in `dtype`
+                _verified(cfg, _lazy(reader, dtype), staging, slices)
     except ConversionRefused as refused:
         print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
         return 1
     what = "with its tokenizer" if tokenizer is not None else "without a tokenizer (none recorded or given)"
-    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF {family} directory {args.out}, {what}")
+    print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF {family.exports(cfg)} directory "
+          f"{args.out} ({len(files)} safetensors file(s), {str(dtype).removeprefix('torch.')}), {what}")
     return 0
 
 
@@ -319,6 +339,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                             "sentencepiece .model or hf:NAME); default: the one the checkpoint records; none: "
                             "no tokenizer. Its end-of-text id becomes the model's bos / eos / pad id")
     _verify_arguments(to_hf)
+    to_hf.add_argument("--dtype", default="auto", metavar="DTYPE", help="dtype of the written weights: auto (the "
+                       "checkpoint's parameter dtype: bf16 stays bf16), fp32, bf16 or fp16")
+    to_hf.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors file "
+                       "(transformers' convention: 5GB default, or MB, GiB, bytes); more files get an index")
     to_hf.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: fold the adapters into "
                        "the base weights (W += alpha/r B A) and write a plain HF model")
     to_hf.add_argument("--peft-adapter", action="store_true", help="a LoRA run's checkpoint: write the adapter "

@@ -2,11 +2,20 @@
 a plain HF model) or `--peft-adapter` (the adapter alone in PEFT's format, models/lora/peft_interop.py).
 
 A LoRA run's checkpoints hold only the adapters (recipes/training/lora_setup.py); the base is the checkpoint its
-recipe loaded (`checkpoint.load`, recorded in the checkpoint's common.json), or `--lora-base`.
+recipe loaded (`checkpoint.load`, recorded in the checkpoint's common.json), or `--lora-base`. The merged model is
+written in the base's parameter dtype (or --dtype), sharded like every export (converter.py: write_hf_folder).
+
+An SFT run's export (`chat_export`, for plain and merged exports alike) carries the chat template its dataset was
+rendered with (the SFT dataset's manifest records it; the recipe's sft.path names the dataset) as
+tokenizer_config.json's `chat_template`, so `apply_chat_template` works, and its end-of-turn marker as the stop:
+when the marker is one token of the tokenizer it becomes the eos token (tokenizer_config.json, config.json and
+generation_config.json, whose eos list keeps end-of-text too); when the tokenizer splits it into several tokens,
+generation_config.json's `stop_strings` holds it (transformers' generate stops there given the tokenizer).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from megazoo.models.config import ModelConfig
@@ -42,20 +51,38 @@ def merged_state(checkpoint: str | Path, base: str | Path | None = None):
     if lora is None:
         raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA (its recipe has no [lora] rank): "
                          "export it without --merge-lora / --peft-adapter")
-    base = base or (common.get("recipe") or {}).get("checkpoint", {}).get("load")
-    if not base:
+    recorded = (common.get("recipe") or {}).get("checkpoint", {}).get("load")
+    hf_base = ((common.get("recipe") or {}).get("model") or {}).get("from_hf")
+    if not base and not recorded and hf_base:  # the run read its base straight from an HF folder
+        from megazoo.models.hf.families import read_hf_dir
+
+        if not Path(hf_base).is_dir():
+            raise ValueError(f"checkpoint {checkpoint}: the LoRA base its recipe recorded (model.from_hf = "
+                             f"{hf_base!r}, relative to the folder the run started in) is not at "
+                             f"{Path(hf_base).resolve()}; run from that folder or pass --lora-base CKPT")
+        cfg, adapters = _full_state(checkpoint)
+        _, base_state = read_hf_dir(hf_base)
+        return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters, hf_base
+    if not base and not recorded:
         raise ValueError(f"checkpoint {checkpoint}: its recipe names no checkpoint.load (the LoRA base); pass "
                          "--lora-base CKPT")
+    if not base and not Path(recorded).exists():
+        raise ValueError(f"checkpoint {checkpoint}: the LoRA base its recipe recorded (checkpoint.load = "
+                         f"{recorded!r}, relative to the folder the run started in) is not at "
+                         f"{Path(recorded).resolve()}; "
+                         "run from that folder or pass --lora-base CKPT")
+    base = base or recorded
     cfg, adapters = _full_state(checkpoint)
     base_cfg, base_state = _full_state(base)
     if base_cfg.n_layer != cfg.n_layer or base_cfg.d_model != cfg.d_model:
         raise ValueError(f"LoRA base {base} is model {base_cfg.name}, the adapters' is {cfg.name}")
-    return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters
+    return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters, base
 
 
 def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str | Path | None,
-                tokenizer=None) -> tuple[ModelConfig, str]:
-    """Write the merged HF model (merge) or the PEFT adapter into `staging`; returns (cfg, what was written)."""
+                tokenizer=None, dtype=None, max_shard_bytes: int | None = None):
+    """Write the merged HF model (merge) or the PEFT adapter into `staging`; returns (cfg, what was written,
+    (merged full state, the dtype written) or None for an adapter)."""
     if not merge:
         from megazoo.models.lora.peft_interop import write_peft_adapter
 
@@ -64,13 +91,60 @@ def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str
             raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA: it has no adapter to export")
         cfg, adapters = _full_state(checkpoint)
         write_peft_adapter(staging, adapters, cfg, lora)
-        return cfg, "PEFT LoRA adapter"
-    cfg, full, _, _ = merged_state(checkpoint, base)
-    if cfg.positions == "learned":
-        from megazoo.models.hf.gpt2 import export_hf_dir
-        family = "GPT-2"
+        return cfg, "PEFT LoRA adapter", None
+    from megazoo.models.hf.converter import write_hf_folder
+    from megazoo.models.hf.families import family_of_config
+    from megazoo.models.hf.safetensors_files import DEFAULT_MAX_SHARD
+    from megazoo.parallel.checkpoint.consolidate import CheckpointReader
+
+    cfg, full, _, _, base_path = merged_state(checkpoint, base)
+    family = family_of_config(cfg)
+    if dtype is None and (Path(base_path) / "config.json").is_file():  # an HF base: its files' dtype
+        dtype = next(iter(full.values())).dtype
+    dtype = dtype or CheckpointReader(base_path).param_dtype()  # merged in the base's dtype
+    files = write_hf_folder(staging, family, cfg, full.__getitem__, dtype, tokenizer=tokenizer,
+                            max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD)
+    chat_export(staging, lora_checkpoint(checkpoint)[0], tokenizer)
+    return (cfg, f"HF {family.exports(cfg)} directory (LoRA merged, {str(dtype).removeprefix('torch.')}, "
+            f"{len(files)} safetensors file(s))", (full, dtype))
+
+
+def sft_template(common: dict) -> str | None:
+    """The chat template an SFT run's dataset was rendered with (its manifest's "template"), or None."""
+    from megazoo.data.sft.dataset import MANIFEST_SUFFIX
+
+    path = ((common.get("recipe") or {}).get("sft") or {}).get("path")
+    manifest = Path(str(path) + MANIFEST_SUFFIX) if path else None
+    if manifest is None or not manifest.is_file():
+        return None
+    return json.loads(manifest.read_text()).get("template")
+
+
+def chat_export(out_dir: Path, common: dict, tokenizer) -> str | None:
+    """An SFT run's chat template and end-of-turn stop written into the exported folder (module docstring);
+    returns the template's name, or None for a run that was not SFT (nothing written)."""
+    from megazoo.data.sft.chat_template import chat_encoder, end_of_turn, resolve_template
+    from megazoo.models.hf.tokenizer_export import jinja_template
+
+    name = sft_template(common)
+    if name is None or tokenizer is None:
+        return None
+    _, render = resolve_template(tokenizer, name)
+    marker = end_of_turn(render)
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    if name != "tokenizer":  # a tokenizer's own template is saved with it already
+        tok_config["chat_template"] = jinja_template(name)
+    ids = chat_encoder(tokenizer)(marker)  # as training read it: a special token's text is that token
+    generation_path, model_path = out_dir / "generation_config.json", out_dir / "config.json"
+    generation, model = json.loads(generation_path.read_text()), json.loads(model_path.read_text())
+    if len(ids) == 1:
+        eod = model.get("eos_token_id")
+        tok_config["eos_token"] = marker
+        model["eos_token_id"] = ids[0]
+        generation["eos_token_id"] = [ids[0]] + ([eod] if isinstance(eod, int) and eod != ids[0] else [])
     else:
-        from megazoo.models.hf.llama import export_hf_dir, hf_family
-        family = hf_family(cfg)
-    export_hf_dir(full, cfg, staging, tokenizer=tokenizer)
-    return cfg, f"HF {family} directory (LoRA merged)"
+        generation["stop_strings"] = [marker]
+    for path, data in ((config_path, tok_config), (generation_path, generation), (model_path, model)):
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return name

@@ -13,12 +13,12 @@ format of `models.weights.full_state_dict`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.hf.family import Entry, Family
 from megazoo.models.layout import VOCAB_PARAMETERS, parameter_layout
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import named_shards
@@ -58,6 +58,16 @@ def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -
     _check_names_and_shapes(full_state, cfg)
     return {HF_PREFIX + name: (tensor.t() if _is_conv1d_weight(name) else tensor).contiguous()
             for name, tensor in full_state.items()}
+
+
+def entries(cfg: ModelConfig) -> list[Entry]:
+    """GPT-2's key map (models/hf/families.py): `transformer.` + our name, the four Conv1D weights transposed."""
+    out = []
+    for p in parameter_layout(cfg, vocab=cfg.vocab_size):
+        transpose = _is_conv1d_weight(p.name)
+        out.append(Entry(p.name, (HF_PREFIX + p.name,), (tuple(reversed(p.shape)) if transpose else p.shape,),
+                         transpose=transpose))
+    return out
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -145,24 +155,12 @@ def gpt_from_full_state(cfg: ModelConfig, full_state: dict[str, torch.Tensor], t
 
 
 def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of an HF checkpoint directory: model.safetensors, its sharded index, or pytorch_model.bin."""
-    from safetensors.torch import load_file
+    """Tensors of an HF checkpoint directory: model.safetensors, its sharded index, or pytorch_model.bin (the whole
+    state: models/hf/converter.py streams instead)."""
+    from megazoo.models.hf.safetensors_files import HFWeights
 
-    hf_dir = Path(hf_dir)
-    single, index, pickle = (hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json",
-                             hf_dir / "pytorch_model.bin")
-    try:
-        if single.is_file():
-            return load_file(str(single))
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return {k: v for shard in shards for k, v in load_file(str(hf_dir / shard)).items()}
-        if pickle.is_file():
-            return torch.load(pickle, map_location="cpu", weights_only=True)
-    except Exception as error:  # safetensors/torch raise several types for truncated or corrupt files
-        raise ValueError(f"cannot read the weights of HF checkpoint {hf_dir}: {error}") from error
-    raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no model.safetensors, "
-                            "model.safetensors.index.json or pytorch_model.bin")
+    weights = HFWeights(hf_dir)
+    return {name: weights.read(name) for name in weights.names()}
 
 
 def read_hf_config(hf_dir: str | Path) -> ModelConfig:
@@ -195,36 +193,24 @@ def import_hf_dir(hf_dir: str | Path, topology: Topology, dtype: torch.dtype = t
 
 
 def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                  tokenizer_dir: str | Path | None = None, tokenizer=None) -> Path:
-    """Write an HF GPT-2 checkpoint (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads.
+                  tokenizer_dir: str | Path | None = None, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+    """Write an HF GPT-2 checkpoint (config.json, generation_config.json, safetensors) that GPT2LMHeadModel loads,
+    in `dtype` (default: the state's own), through the one converter (models/hf/converter.py: write_hf_folder).
 
     With `tokenizer` (a megazoo Tokenizer) or `tokenizer_dir` (a GPT-2 BPE directory), it is written as a Hugging
     Face tokenizer, so the directory is also a complete tokenizer for AutoTokenizer, and its end-of-text id is
     the model's bos / eos / pad id (config.json and generation_config.json: generate() stops there).
     """
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    from megazoo.models.hf.tokenizer_export import save_hf_tokenizer, special_ids
+    from megazoo.models.hf.converter import write_hf_folder
 
     if tokenizer is None and tokenizer_dir is not None:
         from megazoo.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
 
         tokenizer = GPT2BPETokenizer.from_dir(tokenizer_dir)
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
+    _check_names_and_shapes(full_state, cfg)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_state = megazoo_to_hf_state(full_state, cfg)
-    special = special_ids(tokenizer) if tokenizer is not None else None
-    config = config_to_hf(cfg, special)
-    config.save_pretrained(str(out_dir))
-    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
-    # HF's own format: tied lm_head omitted, "pt" metadata so from_pretrained treats it as a torch checkpoint.
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    if tokenizer is not None:
-        save_hf_tokenizer(tokenizer, out_dir, max_length=cfg.n_positions)
+    write_hf_folder(out_dir, FAMILY, cfg, full_state.__getitem__, dtype or next(iter(full_state.values())).dtype,
+                    tokenizer=tokenizer)
     if tokenizer_dir is not None:  # GPT-2's own files too, for tools that read vocab.json + merges.txt
         from megazoo.data.fileio import atomic_write_bytes
         from megazoo.data.tokenizers.gpt2_bpe import find_bpe_files
@@ -233,3 +219,10 @@ def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
         atomic_write_bytes(out_dir / "vocab.json", vocab.read_bytes())
         atomic_write_bytes(out_dir / "merges.txt", merges.read_bytes())
     return out_dir
+
+
+FAMILY = Family(
+    name="GPT-2", model_types=("gpt2",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    exports=lambda cfg: "gpt2" if cfg.positions == "learned" else None, entries=entries,
+    tied_head=lambda cfg: ("lm_head.weight", HF_PREFIX + "wte.weight"), ignored=DROPPED_SUFFIXES,
+    fp32_in_hf=False)  # GPT2LMHeadModel computes in the model's dtype throughout (LayerNorm, GELU, attention)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.hf.family import Entry, Family
 from megazoo.models.layout import parameter_layout
 
 # Our block module -> the HF modules whose rows it concatenates (under model.layers.<i>.).
@@ -65,6 +66,16 @@ def split_sizes(cfg: ModelConfig, name: str) -> list[int]:
     if ".mlp.c_fc." in name:
         return [cfg.d_ff] * 2
     return []
+
+
+def entries(cfg: ModelConfig) -> list[Entry]:
+    """The Llama families' key map (models/hf/families.py): the table in the module docstring."""
+    out = []
+    for p in parameter_layout(cfg, vocab=cfg.vocab_size):
+        sizes = split_sizes(cfg, p.name)
+        shapes = tuple((size, *p.shape[1:]) for size in sizes) if sizes else (p.shape,)
+        out.append(Entry(p.name, tuple(hf_names(p.name)), shapes))
+    return out
 
 
 def hf_to_megazoo_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -234,25 +245,23 @@ def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
 
 
 def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                  tokenizer=None) -> Path:
-    """Write an HF checkpoint (config.json, generation_config.json, model.safetensors) of `cfg`'s family that
-    AutoModelForCausalLM.from_pretrained loads; with `tokenizer` (a megazoo Tokenizer) also its HF tokenizer,
-    whose special ids become the model's bos / eos / pad."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
+                  tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+    """Write an HF checkpoint of `cfg`'s family (config.json, generation_config.json, safetensors in `dtype`,
+    default the state's own) that AutoModelForCausalLM.from_pretrained loads, through the one converter
+    (models/hf/converter.py); with `tokenizer` (a megazoo Tokenizer) also its HF tokenizer, whose special ids
+    become the model's bos / eos / pad."""
+    from megazoo.models.hf.converter import write_hf_folder
 
-    from megazoo.models.hf.tokenizer_export import save_hf_tokenizer, special_ids
+    megazoo_to_hf_state(full_state, cfg)  # names and shapes checked before anything is written
+    write_hf_folder(out_dir, FAMILY, cfg, full_state.__getitem__, dtype or next(iter(full_state.values())).dtype,
+                    tokenizer=tokenizer)
+    return Path(out_dir)
 
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_state = megazoo_to_hf_state(full_state, cfg)
-    config = config_to_hf(cfg, special_ids(tokenizer) if tokenizer is not None else None)
-    config.save_pretrained(str(out_dir))
-    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    if tokenizer is not None:
-        save_hf_tokenizer(tokenizer, out_dir, max_length=cfg.n_positions)
-    return out_dir
+
+FAMILY = Family(
+    name="Llama", model_types=tuple(FAMILIES), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    exports=lambda cfg: None if cfg.positions == "learned" else hf_family(cfg), entries=entries,
+    tied_head=lambda cfg: ("lm_head.weight", TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
+    ignored=_IGNORED_SUFFIXES,
+    # LlamaRMSNorm normalises in fp32 and the rotary embedding computes angles in fp32, even in an fp64 model
+    fp32_in_hf=True)

@@ -103,6 +103,25 @@ def save_hf_tokenizer(tokenizer, out_dir: str | Path, max_length: int) -> None:
     _name_a_class_every_transformers_loads(out_dir / "tokenizer_config.json")
 
 
+# The built-in chat templates (data/sft/chat_template.py: BUILTIN_TEMPLATES) in the Jinja transformers'
+# apply_chat_template renders: the same text for every conversation (tests/models/hf/test_sft_export.py).
+JINJA_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+               "{% endif %}"),
+    "llama3": ("{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+               "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+               "{% endif %}"),
+}
+
+
+def jinja_template(name: str) -> str:
+    if name not in JINJA_TEMPLATES:
+        raise ValueError(f"chat template {name!r} has no Jinja form for export; valid: {', '.join(JINJA_TEMPLATES)}")
+    return JINJA_TEMPLATES[name]
+
+
 # transformers 5 saves a fast tokenizer as "TokenizersBackend", a class transformers 4.x does not have (the
 # project declares transformers>=4.40); "PreTrainedTokenizerFast" is the same class in 5.x (an alias) and the
 # class 4.x writes, so both majors load the exported directory (tests/models/test_export_tokenizer.py, on both).

@@ -165,6 +165,20 @@ def load(trainer: TrainingRun, path: str | Path, *, load_optimizer: bool = True)
     return common["step"]
 
 
+def load_hf(trainer: TrainingRun, folder: str | Path, views=None) -> int:
+    """`model.from_hf`: this rank's parameter views (its tp / pp / ZeRO-3 slices) filled straight from the HF
+    safetensors files (models/hf/converter.py); returns the bytes this rank read."""
+    from megazoo.models.hf.converter import fill_views_from_hf
+    from megazoo.models.hf.families import family_of_config
+    from megazoo.models.hf.safetensors_files import HFWeights
+
+    weights = HFWeights(folder)
+    views = state_views(trainer) if views is None else views
+    fill_views_from_hf(weights, family_of_config(trainer.res.model), trainer.res.model, views)
+    trainer.zero.after_load()
+    return weights.bytes_read
+
+
 def batch_changes(res: Resolved, common: dict) -> list[str]:
     """What differs between the batch a checkpoint was trained with and this recipe's: 'key = old there, new
     here' for train.micro_batch, train.seq_len and the global batch (micro_batch x grad_accum x dp)."""
@@ -214,6 +228,12 @@ def restore(trainer: TrainingRun, report=print) -> int:
     if lora.enabled and ckpt.load:  # LoRA: checkpoint.load is the frozen base, read on every start (resume too)
         from megazoo.recipes.training.lora_setup import load_base
         report(f"megazoo: LoRA base weights from {load_base(trainer, ckpt.load)}")
+    elif lora.enabled and trainer.res.recipe.model.from_hf:  # the frozen base straight from the HF folder
+        from megazoo.parallel.zero.frozen import frozen_views
+        from megazoo.recipes.training.lora_setup import _named
+        folder = trainer.res.recipe.model.from_hf
+        read = load_hf(trainer, folder, frozen_views(trainer.zero, _named(trainer), write=False))
+        report(f"megazoo: LoRA base weights from the HF folder {folder} ({read:,} bytes read by this rank)")
     if ckpt.resume:
         root, problems = run_dir / "checkpoints", []
         path = latest_good_checkpoint(root, report=report, problems=problems)
@@ -236,6 +256,10 @@ def restore(trainer: TrainingRun, report=print) -> int:
             from megazoo.recipes.training.lora_setup import import_adapter
             import_adapter(trainer, lora.adapter)
             report(f"megazoo: LoRA adapters from the PEFT adapter {lora.adapter}")
+        return 0
+    if trainer.res.recipe.model.from_hf:
+        folder, read = trainer.res.recipe.model.from_hf, load_hf(trainer, trainer.res.recipe.model.from_hf)
+        report(f"megazoo: weights from the HF folder {folder} ({read:,} bytes read by this rank), at step 0")
         return 0
     if ckpt.load:
         path = Path(ckpt.load)

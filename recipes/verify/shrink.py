@@ -77,6 +77,10 @@ def _for_checking(recipe: Recipe) -> tuple[Recipe, list[str]]:
         model = replace(model, from_checkpoint=False)
         notes.append(f"model: preset {model.preset!r} (checkpoint.load = {ckpt.load!r} is not there to give the "
                      "architecture)")
+    if model.from_hf and not Path(model.from_hf).exists():
+        model = replace(model, from_hf="")
+        notes.append(f"model: preset {model.preset!r} (model.from_hf = {recipe.model.from_hf!r} is not there to "
+                     "give the architecture)")
     keep_load = model.from_checkpoint  # its architecture is read from it; its weights are never loaded
     ckpt = replace(ckpt, load=ckpt.load if keep_load else "", resume=False, every=0, at_end=False)
     return replace(recipe, data=data, model=model, checkpoint=ckpt, sft=sft,
@@ -136,8 +140,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         model_over["n_kv_head"] = 1 if cfg.n_kv_head == 1 else heads // 2  # split over tp <= 2 as in the recipe
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
-    model = replace(checkable.model, from_checkpoint=False, **model_over)
-    if checkable.model.from_checkpoint:  # the checkpoint's architecture options, on the shrunk sizes
+    model = replace(checkable.model, from_checkpoint=False, from_hf="", **model_over)
+    if checkable.model.from_checkpoint or checkable.model.from_hf:  # its architecture options, shrunk sizes
         model = replace(model, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                                   if f.name not in model_over and f.name != "name" and hasattr(model, f.name)})
     scratch, sft = "", checkable.sft

@@ -42,8 +42,8 @@ def test_70b_full_ft_is_tp8_zero1_on_64_and_fits_80gb(capsys):
     par = res.recipe.parallel
     assert (par.tp, par.dp, par.pp, res.recipe.zero.stage, res.world_size) == (8, 8, 1, 1, 64)
     assert res.model.name == "llama3.1-70b"
-    toml = tomllib.loads((FOLDER / "llama-70b-full-ft.toml").read_text())  # planning drops the checkpoint to load
-    assert toml["checkpoint"]["load"] == "runs/llama3.1-70b-hf"  # an HF checkpoint, converted (megazoo convert)
+    toml = tomllib.loads((FOLDER / "llama-70b-full-ft.toml").read_text())  # planning: the preset stands in for it
+    assert toml["model"]["from_hf"] == "models/Llama-3.1-70B"  # a downloaded HF folder, each rank reading its slices
     assert plan_cli.main(["--recipe", str(FOLDER / "llama-70b-full-ft.toml"), "--gpu-memory", "80"]) == 0
     assert "fits: yes" in capsys.readouterr().out
     # and not without ZeRO-1: 70.6B / 8 x 16 bytes of model states per rank alone exceed 80 GB

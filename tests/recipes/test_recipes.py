@@ -104,7 +104,8 @@ def test_model_section_overrides_every_model_field():
     from megazoo.recipes.config import ModelSection
     fields = {f.name: f.default for f in dataclasses.fields(ModelSection)}
     assert fields.pop("preset") == "gpt2-tiny"
-    assert fields.pop("from_checkpoint") is False  # the one key that is not a ModelConfig override
+    assert fields.pop("from_checkpoint") is False  # the two keys that are not ModelConfig overrides
+    assert fields.pop("from_hf") == ""
     assert set(fields) == set(model_fields()) - {"name"} and set(fields.values()) == {None}
     assert "d_ff" in _error(lambda: tiny_recipe(model={"d_fff": 64}))  # unknown keys still list the valid ones
     assert "model.d_ff" in _error(lambda: tiny_recipe(model={"d_ff": "wide"}))  # and types are still checked

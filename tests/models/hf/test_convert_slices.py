@@ -5,6 +5,8 @@ found is said in one line and the fixed sample alone is scored."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -26,14 +28,18 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def _zero_late_positions(convert, key):
-    """A broken conversion: the position table's rows past 64 come out zero (shapes unchanged); the fixed
-    sample (64 tokens) never reads them, the 128-token WikiText windows and LAMBADA passages do."""
-    def broken(state, cfg):
-        out = dict(convert(state, cfg))
-        out[key] = out[key].clone()
-        out[key][64:] = 0
-        return out
+def _zero_late_positions(entries):
+    """A broken key map (models/hf/families.py): the position table's rows past 64 come out zero (shapes
+    unchanged), both ways; the fixed sample (64 tokens) never reads them, the 128-token WikiText windows and
+    LAMBADA passages do."""
+    def zeroed(tensor):
+        tensor = tensor.clone()
+        tensor[64:] = 0
+        return tensor
+
+    def broken(cfg):
+        return [dataclasses.replace(e, join_fn=lambda ts: zeroed(ts[0]), split_fn=lambda t: [zeroed(t)])
+                if e.ours == "wpe.weight" else e for e in entries(cfg)]
     return broken
 
 
@@ -53,10 +59,7 @@ def test_conversion_broken_past_the_sample_is_caught_by_the_slices(hf_dir, tmp_p
     ckpt, out_dir = tmp_path / "ckpt", tmp_path / "out"
     if direction == "megazoo-to-hf":
         assert cli.main(["convert", "hf-to-megazoo", str(hf_dir), "--out", str(ckpt)]) == 0
-        monkeypatch.setattr(hf, "megazoo_to_hf_state", _zero_late_positions(hf.megazoo_to_hf_state,
-                                                                            "transformer.wpe.weight"))
-    else:
-        monkeypatch.setattr(hf, "hf_to_megazoo_state", _zero_late_positions(hf.hf_to_megazoo_state, "wpe.weight"))
+    monkeypatch.setattr(hf, "FAMILY", dataclasses.replace(hf.FAMILY, entries=_zero_late_positions(hf.entries)))
     source = [str(hf_dir)] if direction == "hf-to-megazoo" else [str(ckpt), "--tokenizer", "none"]
     code = cli.main(["convert", direction, *source, "--out", str(out_dir), "--verify", "--verify-data", str(data_dir),
                      *SMALL])

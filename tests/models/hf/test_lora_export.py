@@ -105,3 +105,42 @@ def test_lora_checkpoint_export_needs_a_lora_flag(run, capsys):
     assert cli.main(["convert", "megazoo-to-hf", str(root / "run" / "checkpoints"), "--out",
                      str(root / "plain")]) == 2
     assert "--merge-lora" in capsys.readouterr().err
+
+
+def test_merge_lora_verify_scores_the_merged_export(run, tmp_path, capsys):
+    """--merge-lora --verify runs the check (it used to return before it, exit 0 unverified)."""
+    root, _, _ = run
+    out_dir = tmp_path / "merged"
+    assert cli.main(["convert", "megazoo-to-hf", str(root / "run" / "checkpoints"), "--out", str(out_dir),
+                     "--merge-lora", "--verify", "--tokenizer", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "logits (max abs difference)" in out and "FAIL" not in out and (out_dir / "config.json").is_file()
+
+
+def test_merge_lora_verify_refuses_a_broken_export(run, tmp_path, capsys, monkeypatch):
+    from megazoo.models.hf import gpt2
+
+    root, _, _ = run
+    real = gpt2._is_conv1d_weight  # one square Conv1D weight written without its transpose
+    monkeypatch.setattr(gpt2, "_is_conv1d_weight", lambda name: real(name) and ".attn.c_proj." not in f".{name}")
+    out_dir = tmp_path / "merged"
+    assert cli.main(["convert", "megazoo-to-hf", str(root / "run" / "checkpoints"), "--out", str(out_dir),
+                     "--merge-lora", "--verify", "--tokenizer", "none"]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL" in captured.out and "refused, nothing written to --out" in captured.err
+    assert not out_dir.exists()
+
+
+def test_recorded_lora_base_missing_names_it_and_lora_base(run, tmp_path, capsys, monkeypatch):
+    """A LoRA run exported from another folder: the recorded base is named, and --lora-base suggested."""
+    root, _, _ = run
+    from megazoo.models.hf import convert_lora
+
+    common, _ = convert_lora.lora_checkpoint(root / "run" / "checkpoints")
+    recorded = {**common, "recipe": {**common["recipe"], "checkpoint": {"load": "runs/elsewhere/checkpoints"}}}
+    monkeypatch.setattr(convert_lora, "lora_checkpoint",
+                        lambda checkpoint: (recorded, convert_lora.lora_of_checkpoint(recorded)))
+    assert cli.main(["convert", "megazoo-to-hf", str(root / "run" / "checkpoints"), "--out", str(tmp_path / "m"),
+                     "--merge-lora", "--tokenizer", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.load = 'runs/elsewhere/checkpoints'" in err and "--lora-base" in err

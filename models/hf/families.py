@@ -1,0 +1,73 @@
+"""The registry of Hugging Face families megazoo converts (each declared in its own module: models/hf/family.py
+says what a family provides), and what needs it: an HF folder's family and config, a megazoo config's family.
+
+Adding a family: its module (e.g. models/hf/mixtral.py declaring `FAMILY`) and one line in `families()`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megazoo.models.config import ModelConfig
+from megazoo.models.hf import gpt2, llama
+from megazoo.models.hf.family import Family
+
+
+def families() -> tuple[Family, ...]:
+    """Every family, in the order a megazoo config is offered to them (the first whose `exports` claims it). Read
+    at call time, so a test may replace a module's FAMILY."""
+    return (gpt2.FAMILY, llama.FAMILY)
+
+
+def model_types() -> list[str]:
+    return [t for family in families() for t in family.model_types]
+
+
+def family_of_model_type(model_type: str, where: str = "HF directory") -> Family:
+    """The family that reads config.json's `model_type`; a clear error listing the valid ones otherwise."""
+    for family in families():
+        if model_type in family.model_types:
+            return family
+    raise ValueError(f"{where}: HF model_type {model_type!r} cannot be converted; valid: {', '.join(model_types())}")
+
+
+def family_of_config(cfg: ModelConfig) -> Family:
+    """The family that writes `cfg` (its `exports` names a model_type); raises what a near miss says."""
+    for family in families():
+        if family.exports(cfg) is not None:
+            return family
+    raise ValueError(f"model {cfg.name} (norm={cfg.norm!r}, positions={cfg.positions!r}, mlp={cfg.mlp!r}) is "
+                     f"not computed by any Hugging Face family megazoo writes ({', '.join(model_types())})")
+
+
+def read_hf_config(hf_dir: str | Path) -> tuple[Family, ModelConfig, object]:
+    """(family, ModelConfig, transformers config) of an HF folder's config.json (no weights read)."""
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    config = hf_dir / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
+    try:
+        model_type = str(json.loads(config.read_text())["model_type"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"cannot read model_type from HF config {config}: {error!r}") from error
+    family = family_of_model_type(model_type, str(hf_dir))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_dir))
+    except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
+        raise ValueError(f"cannot read HF config {config}: {error}") from error
+    return family, family.config_from_hf(hf_config, name=hf_dir.resolve().name), hf_config
+
+
+def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, full megazoo state) of an HF folder of any family (every tensor in memory: for evaluation
+    and tests; conversion streams)."""
+    family, cfg, _ = read_hf_config(hf_dir)
+    from megazoo.models.hf.converter import megazoo_tensors
+    from megazoo.models.hf.safetensors_files import HFWeights
+
+    return cfg, dict(megazoo_tensors(HFWeights(hf_dir), family, cfg))
