@@ -36,14 +36,11 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     checkpoint = step = None
     skipped: tuple[str, ...] = ()
     if args.hf is not None:
-        from megazoo.models.hf.gpt2 import read_hf_config
+        from megazoo.models.hf.families import read_hf_config, tokenizer_spec  # every family convert reads
 
         model_dir = Path(args.hf)
         cfg = read_hf_config(model_dir)
-        tokenizer_dir = args.tokenizer if args.tokenizer else model_dir
-        if not args.tokenizer and (model_dir / "tokenizer.json").is_file() and not any(
-                (model_dir / name).is_file() for name in ("vocab.json", "encoder.json")):
-            tokenizer_dir = f"hf:{model_dir.resolve()}"  # e.g. `megazoo convert megazoo-to-hf` of a trained BPE
+        tokenizer_dir = args.tokenizer if args.tokenizer else tokenizer_spec(model_dir)
         try:
             tokenizer = load_tokenizer(tokenizer_dir)  # GPT-2 BPE dir, tokenizer.json, sentencepiece .model, hf:NAME
         except FileNotFoundError as error:
@@ -73,7 +70,7 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
         raise ValueError("--backend transformers runs in one process: use --tp 1")
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
-    if tokenizer.vocab_size != cfg.vocab_size:
+    if tokenizer.vocab_size > cfg.vocab_size:  # a model may hold more ids than its tokenizer (padded, e.g. Qwen2)
         raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {model_dir}) does not match the tokenizer "
                          f"{tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
     if not Path(args.data).is_file():

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.hf.families import hf_model_type  # noqa: F401  (the one reader; re-exported here)
 
 if TYPE_CHECKING:  # torch and the checkpoint modules load when a conversion runs, not for `megazoo convert --help`
     import torch
@@ -120,31 +120,14 @@ def _model_config(common: dict) -> ModelConfig:
         raise CheckpointError(f"checkpoint model config is corrupt: {error!r}") from error
 
 
-def hf_model_type(hf_dir: str | Path) -> str:
-    """config.json's model_type ("gpt2", "llama", "qwen2", "mistral", ...), read without transformers."""
-    config = Path(hf_dir) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
-    try:
-        return str(json.loads(config.read_text())["model_type"])
-    except (ValueError, KeyError) as error:
-        raise ValueError(f"cannot read model_type from HF config {config}: {error!r}") from error
-
-
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
     from megazoo.parallel.checkpoint.consolidate import write_full_checkpoint
-    from megazoo.models.hf.llama import FAMILIES
+    from megazoo.models.hf.families import family_module, read_hf_dir
 
     check_out_dir(args.out)  # checked before the (slow) read
     slices = _verify_data(args)
+    family_module(args.hf_dir)  # a family megazoo does not read is refused before the read (models/hf/families.py)
     model_type = hf_model_type(args.hf_dir)
-    if model_type == "gpt2":
-        from megazoo.models.hf.gpt2 import read_hf_dir
-    elif model_type in FAMILIES:
-        from megazoo.models.hf.llama import read_hf_dir
-    else:
-        raise ValueError(f"{args.hf_dir}: HF model_type {model_type!r} cannot be converted; valid: gpt2, "
-                         f"{', '.join(FAMILIES)}")
     cfg, full_state = read_hf_dir(args.hf_dir)
     tokenizer = _hf_tokenizer_files(args.hf_dir) if model_type != "gpt2" else []
     try:
