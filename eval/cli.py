@@ -39,7 +39,10 @@ def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
     if args.hf is not None:
         return gpt_logits_fn(gpt_from_full_state(*read_hf_dir(args.hf), topo))
     # Each rank reads only its own shards of each parameter (no consolidated copy of the model).
-    return gpt_logits_fn(load_gpt(open_checkpoint(source.checkpoint, need_tokenizer=False), topo))
+    # A LoRA run's checkpoint: its adapters on the base it recorded (or --lora-base), as the run computed.
+    opened = open_checkpoint(source.checkpoint, need_tokenizer=False, need_base=True,
+                             lora_base=getattr(args, "lora_base", None))
+    return gpt_logits_fn(load_gpt(opened, topo))
 
 
 def evaluate(args: argparse.Namespace, topo) -> dict:
@@ -70,6 +73,8 @@ def evaluate(args: argparse.Namespace, topo) -> dict:
         result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
         if source.skipped:  # the latest did not verify: the JSON says so, beside the one evaluated
             result.update(checkpoints_skipped=list(source.skipped))
+        if source.lora_base is not None:
+            result.update(lora_base=str(source.lora_base))
     if lead:
         print(line, flush=True)
         if args.json:
@@ -85,7 +90,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
             "--data", str(args.data), "--batch-size", str(args.batch_size), "--backend", args.backend,
             "--tp", str(args.tp), "--protocol", getattr(args, "protocol", "megatron")]
     for flag, value in (("--tokenizer", args.tokenizer), ("--json", args.json), ("--limit", args.limit),
-                        ("--stride", getattr(args, "stride", None))):
+                        ("--stride", getattr(args, "stride", None)),
+                        ("--lora-base", getattr(args, "lora_base", None))):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -97,6 +103,9 @@ def _pin_checkpoint(args: argparse.Namespace) -> None:
     if source.checkpoint is not None:
         verify_before_workers(args, source.checkpoint)
         args.checkpoint = str(source.checkpoint)
+    if source.lora_base is not None:  # a LoRA run's base: every worker reads the one resolved here
+        verify_before_workers(args, source.lora_base)
+        args.lora_base = str(source.lora_base)
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -111,6 +120,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json + weights) of a family "
                        "megazoo convert reads: GPT-2, Llama, Qwen2, Mistral")
     parser.add_argument("--data", required=True, metavar="FILE", help="the evaluation data file")
+    parser.add_argument("--lora-base", default=None, metavar="CKPT", help="--checkpoint of a LoRA run: its base "
+                        "checkpoint (default: the checkpoint.load that run recorded)")
     parser.add_argument("--tokenizer", metavar="TOK", default=None,
                         help="GPT-2 BPE directory, tokenizer .json, sentencepiece .model or hf:NAME; default: the "
                              "tokenizer the checkpoint records (--checkpoint), the model directory's files (--hf)")

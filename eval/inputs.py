@@ -24,6 +24,7 @@ class ModelSource:
     checkpoint: Path | None = None  # --checkpoint: the step directory it resolved to (recorded in the JSON)
     step: int | None = None  # that checkpoint's training step
     skipped: tuple[str, ...] = ()  # newer checkpoints that did not verify (recorded in the JSON)
+    lora_base: Path | None = None  # a LoRA run's checkpoint: the base its adapters sit on (recorded in the JSON)
 
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
@@ -33,7 +34,7 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     protocol = getattr(args, "protocol", "megatron")
     if protocol not in PROTOCOLS:
         raise ValueError(f"--protocol {protocol!r} is invalid: use one of {', '.join(PROTOCOLS)}")
-    checkpoint = step = None
+    checkpoint = step = lora_base = None
     skipped: tuple[str, ...] = ()
     if args.hf is not None:
         from megazoo.models.hf.families import read_hf_config, tokenizer_spec  # every family convert reads
@@ -51,10 +52,11 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
 
         from megazoo.workers.tp_command import say
 
-        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
+        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say, need_base=True,
+                                 lora_base=getattr(args, "lora_base", None))
         model_dir, tokenizer_dir = opened.path, args.tokenizer or f"recorded in {opened.path}"
         cfg, tokenizer, checkpoint, step = opened.cfg, opened.tokenizer, opened.path, opened.step
-        skipped = opened.skipped
+        skipped, lora_base = opened.skipped, opened.base
     stride = getattr(args, "stride", None)
     if stride is not None and protocol == "lm-eval":
         raise ValueError(f"--stride {stride} applies to --protocol megatron only: lm-eval's WikiText protocol scores "
@@ -76,7 +78,9 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: file not found")
     check_data(args.task, args.data)
-    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step, skipped)
+    if args.hf is not None and getattr(args, "lora_base", None):
+        raise ValueError("--lora-base applies to --checkpoint of a LoRA run, not to --hf")
+    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step, skipped, lora_base)
 
 
 def _first_line_is_json_object(text: str) -> bool:

@@ -11,14 +11,12 @@ from pathlib import Path
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.lora.adapters import LoRAConfig, merge_lora
+from megazoo.models.lora.checkpoint import lora_base, lora_of_common
 
 
 def lora_of_checkpoint(common: dict) -> LoRAConfig | None:
     """The `[lora]` a checkpoint was trained with (its common.json's recipe), or None for full fine-tuning."""
-    table = (common.get("recipe") or {}).get("lora") or {}
-    if not table.get("rank"):
-        return None
-    return LoRAConfig(**{**table, "targets": tuple(table.get("targets", ()))})
+    return lora_of_common(common)
 
 
 def lora_checkpoint(checkpoint: str | Path) -> tuple[dict, LoRAConfig | None]:
@@ -38,14 +36,14 @@ def _full_state(checkpoint: str | Path) -> tuple[ModelConfig, dict]:
 
 def merged_state(checkpoint: str | Path, base: str | Path | None = None):
     """(cfg, full state with the adapters merged, LoRA settings, adapters' full state) of a LoRA checkpoint."""
+    from megazoo.parallel.checkpoint.consolidate import resolve_checkpoint
+
     common, lora = lora_checkpoint(checkpoint)
     if lora is None:
         raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA (its recipe has no [lora] rank): "
                          "export it without --merge-lora / --peft-adapter")
-    base = base or (common.get("recipe") or {}).get("checkpoint", {}).get("load")
-    if not base:
-        raise ValueError(f"checkpoint {checkpoint}: its recipe names no checkpoint.load (the LoRA base); pass "
-                         "--lora-base CKPT")
+    # --lora-base, else the recorded checkpoint.load resolved as the run resolved it (models/lora/checkpoint.py)
+    base = lora_base(common, resolve_checkpoint(checkpoint, report=lambda *_: None), base)
     cfg, adapters = _full_state(checkpoint)
     base_cfg, base_state = _full_state(base)
     if base_cfg.n_layer != cfg.n_layer or base_cfg.d_model != cfg.d_model:
