@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,11 @@ def test_generate_chat_from_another_folder_answers_as_the_run_did(run, monkeypat
     capsys.readouterr()
     assert cli_main(["generate", ckpts, "--prompt", PROMPT, "--max-new-tokens", "8", "--chat", *SAMPLING]) == 0
     assert capsys.readouterr().out == after + "\n"
+    # tp = 2 (torchrun): the workers get the base and the template resolved here, and print the same
+    tp2 = subprocess.run([sys.executable, "-m", "megazoo.recipes.cli", "generate", ckpts, "--prompt", PROMPT,
+                          "--max-new-tokens", "8", "--chat", *SAMPLING, "--tp", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert tp2.returncode == 0 and tp2.stdout == after + "\n", tp2.stderr
     # the template named instead of recorded: the same; the end-of-turn marker is never printed
     assert cli_main(["generate", ckpts, "--prompt", PROMPT, "--max-new-tokens", "40", "--chat", "chatml",
                      *SAMPLING]) == 0
