@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.hf.families import hf_model_type  # noqa: F401  (the one reader; re-exported here)
+from megazoo.models.hf.families import hf_model_type  # the one reader of an HF folder (no torch)
 
 if TYPE_CHECKING:  # torch and the checkpoint modules load when a conversion runs, not for `megazoo convert --help`
     import torch
