@@ -2,9 +2,10 @@
 and `megazoo eval harness ...` (lm-eval's own tasks, eval/harness.py).
 
 The model comes from a megazoo checkpoint of any layout (a training run's checkpoints/ folder, one step_N
-directory, or `megazoo convert`'s output) or a Hugging Face GPT-2 directory, and runs through our GPT (at
-tensor-parallel size --tp, every rank scoring the same batches, each holding only its own shards) or, for --hf
-with --backend transformers, through transformers' GPT2LMHeadModel itself, for cross-checks. The tokenizer is
+directory, or `megazoo convert`'s output) or a Hugging Face directory of any family `megazoo convert` reads
+(GPT-2, Llama, Qwen2, Mistral: models/hf/families.py), and runs through our GPT (at tensor-parallel size --tp,
+every rank scoring the same batches, each holding only its own shards) or, for --hf with --backend transformers,
+through the family's own transformers model (e.g. LlamaForCausalLM), for cross-checks. The tokenizer is
 --tokenizer, else the one the checkpoint records. --protocol megatron (default) is Megatron-LM's evaluation,
 the published rows' protocol (eval/wikitext103.py, eval/lambada.py); lm-eval is lm-evaluation-harness's
 (eval/lm_eval_protocol.py). Every input is checked before any process starts (eval/inputs.py); bad input ends
@@ -29,17 +30,19 @@ TASKS = ("wikitext103", "lambada")
 
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
     from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
-    from megazoo.models.hf.gpt2 import gpt_from_full_state, read_hf_dir
+    from megazoo.models.hf.families import load_hf_causal_lm, read_hf_dir
+    from megazoo.models.hf.gpt2 import gpt_from_full_state
     from megazoo.models.loading import load_gpt, open_checkpoint
 
-    if args.backend == "transformers":
-        from transformers import GPT2LMHeadModel
-
-        return hf_logits_fn(GPT2LMHeadModel.from_pretrained(args.hf).to(topo.device))
+    if args.backend == "transformers":  # the family's own *ForCausalLM (models/hf/families.py)
+        return hf_logits_fn(load_hf_causal_lm(args.hf, topo.device))
     if args.hf is not None:
         return gpt_logits_fn(gpt_from_full_state(*read_hf_dir(args.hf), topo))
     # Each rank reads only its own shards of each parameter (no consolidated copy of the model).
-    return gpt_logits_fn(load_gpt(open_checkpoint(source.checkpoint, need_tokenizer=False), topo))
+    # A LoRA run's checkpoint: its adapters on the base it recorded (or --lora-base), as the run computed.
+    opened = open_checkpoint(source.checkpoint, need_tokenizer=False, need_base=True,
+                             lora_base=getattr(args, "lora_base", None))
+    return gpt_logits_fn(load_gpt(opened, topo))
 
 
 def evaluate(args: argparse.Namespace, topo) -> dict:
@@ -70,6 +73,8 @@ def evaluate(args: argparse.Namespace, topo) -> dict:
         result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
         if source.skipped:  # the latest did not verify: the JSON says so, beside the one evaluated
             result.update(checkpoints_skipped=list(source.skipped))
+        if source.lora_base is not None:
+            result.update(lora_base=str(source.lora_base))
     if lead:
         print(line, flush=True)
         if args.json:
@@ -85,7 +90,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
             "--data", str(args.data), "--batch-size", str(args.batch_size), "--backend", args.backend,
             "--tp", str(args.tp), "--protocol", getattr(args, "protocol", "megatron")]
     for flag, value in (("--tokenizer", args.tokenizer), ("--json", args.json), ("--limit", args.limit),
-                        ("--stride", getattr(args, "stride", None))):
+                        ("--stride", getattr(args, "stride", None)),
+                        ("--lora-base", getattr(args, "lora_base", None))):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -97,6 +103,9 @@ def _pin_checkpoint(args: argparse.Namespace) -> None:
     if source.checkpoint is not None:
         verify_before_workers(args, source.checkpoint)
         args.checkpoint = str(source.checkpoint)
+    if source.lora_base is not None:  # a LoRA run's base: every worker reads the one resolved here
+        verify_before_workers(args, source.lora_base)
+        args.lora_base = str(source.lora_base)
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -108,8 +117,11 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--checkpoint", metavar="DIR",
                        help="megazoo checkpoint of any layout: a training run's checkpoints/ folder (its latest good "
                             "checkpoint), one step_N directory, or the output of megazoo convert hf-to-megazoo")
-    model.add_argument("--hf", metavar="DIR", help="Hugging Face GPT-2 directory (config.json + weights)")
+    model.add_argument("--hf", metavar="DIR", help="Hugging Face directory (config.json + weights) of a family "
+                       "megazoo convert reads: GPT-2, Llama, Qwen2, Mistral")
     parser.add_argument("--data", required=True, metavar="FILE", help="the evaluation data file")
+    parser.add_argument("--lora-base", default=None, metavar="CKPT", help="--checkpoint of a LoRA run: its base "
+                        "checkpoint (default: the checkpoint.load that run recorded)")
     parser.add_argument("--tokenizer", metavar="TOK", default=None,
                         help="GPT-2 BPE directory, tokenizer .json, sentencepiece .model or hf:NAME; default: the "
                              "tokenizer the checkpoint records (--checkpoint), the model directory's files (--hf)")

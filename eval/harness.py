@@ -71,7 +71,8 @@ def check(args: argparse.Namespace, with_tasks: bool = True):
         raise FileNotFoundError(f"--include-path {args.include_path}: directory not found")
     from megazoo.workers.tp_command import say
 
-    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
+    opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say, need_base=True,
+                             lora_base=args.lora_base)  # a LoRA run's: its adapters on the base it recorded
     if args.tp < 1 or opened.cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {opened.cfg.n_head}")
     return opened, tasks, task_manager(args.include_path, tasks) if with_tasks else None
@@ -153,7 +154,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
             "--batch-size", str(args.batch_size), "--bootstrap-iters", str(args.bootstrap_iters)]
     for flag, value in (("--tokenizer", args.tokenizer), ("--include-path", args.include_path),
                         ("--limit", args.limit), ("--json", args.json), ("--num-fewshot", args.num_fewshot),
-                        ("--gen-kwargs", args.gen_kwargs), ("--seed", args.seed), ("--output-path", args.output_path)):
+                        ("--gen-kwargs", args.gen_kwargs), ("--seed", args.seed), ("--output-path", args.output_path),
+                        ("--lora-base", args.lora_base)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--log-samples"] if args.log_samples else [])
@@ -164,6 +166,9 @@ def _pin_checkpoint(args: argparse.Namespace) -> None:
     opened, _, _ = check(args)
     verify_before_workers(args, opened.path)
     args.checkpoint = str(opened.path)
+    if opened.base is not None:  # a LoRA run's base: every worker reads the one resolved here
+        verify_before_workers(args, opened.base)
+        args.lora_base = str(opened.base)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -174,6 +179,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="CKPT",
                         help="a run's checkpoints/ folder (its latest good checkpoint) or one step_N directory")
     parser.add_argument("--tasks", required=True, metavar="T1,T2", help="lm-eval task names, comma-separated")
+    parser.add_argument("--lora-base", default=None, metavar="CKPT", help="--checkpoint of a LoRA run: its base "
+                        "checkpoint (default: the checkpoint.load that run recorded)")
     parser.add_argument("--tokenizer", default=None, metavar="TOK",
                         help="tokenizer spec (default: the one the checkpoint records)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")

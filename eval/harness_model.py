@@ -74,8 +74,9 @@ def serve(model) -> None:
 
 @register_model("megazoo")
 class MegazooLM(TemplateLM):
-    """lm-eval's view of a megazoo GPT. model_args: checkpoint (a checkpoints/ folder or step_N), tokenizer
-    (optional: the one the checkpoint records), batch_size, max_gen_toks, device."""
+    """lm-eval's view of a megazoo GPT. model_args: checkpoint (a checkpoints/ folder or step_N; a LoRA run's
+    too), tokenizer (optional: the one the checkpoint records), batch_size, max_gen_toks, device, lora_base
+    (optional: a LoRA run's base, else the one it recorded)."""
 
     def __init__(self, checkpoint: str | None = None, tokenizer: str | None = None, batch_size: int | str = 8,
                  max_gen_toks: int = 256, device: str | None = None, *, parts: tuple | None = None,
@@ -87,7 +88,8 @@ class MegazooLM(TemplateLM):
 
             if checkpoint is None:
                 raise ValueError("model_args needs checkpoint=PATH (a checkpoints/ folder or one step_N directory)")
-            opened = open_checkpoint(checkpoint, tokenizer, report=lambda message: None)
+            opened = open_checkpoint(checkpoint, tokenizer, report=lambda message: None, need_base=True,
+                                     lora_base=unused.pop("lora_base", None))  # a LoRA run's: on its base
             from megazoo.parallel import accelerator
 
             target = torch.device(device) if device else local_device(0)

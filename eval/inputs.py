@@ -24,6 +24,7 @@ class ModelSource:
     checkpoint: Path | None = None  # --checkpoint: the step directory it resolved to (recorded in the JSON)
     step: int | None = None  # that checkpoint's training step
     skipped: tuple[str, ...] = ()  # newer checkpoints that did not verify (recorded in the JSON)
+    lora_base: Path | None = None  # a LoRA run's checkpoint: the base its adapters sit on (recorded in the JSON)
 
 
 def check_inputs(args: argparse.Namespace) -> ModelSource:
@@ -33,17 +34,14 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     protocol = getattr(args, "protocol", "megatron")
     if protocol not in PROTOCOLS:
         raise ValueError(f"--protocol {protocol!r} is invalid: use one of {', '.join(PROTOCOLS)}")
-    checkpoint = step = None
+    checkpoint = step = lora_base = None
     skipped: tuple[str, ...] = ()
     if args.hf is not None:
-        from megazoo.models.hf.gpt2 import read_hf_config
+        from megazoo.models.hf.families import read_hf_config, tokenizer_spec  # every family convert reads
 
         model_dir = Path(args.hf)
-        cfg = read_hf_config(model_dir)
-        tokenizer_dir = args.tokenizer if args.tokenizer else model_dir
-        if not args.tokenizer and (model_dir / "tokenizer.json").is_file() and not any(
-                (model_dir / name).is_file() for name in ("vocab.json", "encoder.json")):
-            tokenizer_dir = f"hf:{model_dir.resolve()}"  # e.g. `megazoo convert megazoo-to-hf` of a trained BPE
+        cfg = read_hf_config(model_dir)[1]
+        tokenizer_dir = args.tokenizer if args.tokenizer else tokenizer_spec(model_dir)
         try:
             tokenizer = load_tokenizer(tokenizer_dir)  # GPT-2 BPE dir, tokenizer.json, sentencepiece .model, hf:NAME
         except FileNotFoundError as error:
@@ -54,10 +52,11 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
 
         from megazoo.workers.tp_command import say
 
-        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
+        opened = open_checkpoint(args.checkpoint, args.tokenizer, report=say, need_base=True,
+                                 lora_base=getattr(args, "lora_base", None))
         model_dir, tokenizer_dir = opened.path, args.tokenizer or f"recorded in {opened.path}"
         cfg, tokenizer, checkpoint, step = opened.cfg, opened.tokenizer, opened.path, opened.step
-        skipped = opened.skipped
+        skipped, lora_base = opened.skipped, opened.base
     stride = getattr(args, "stride", None)
     if stride is not None and protocol == "lm-eval":
         raise ValueError(f"--stride {stride} applies to --protocol megatron only: lm-eval's WikiText protocol scores "
@@ -73,13 +72,15 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
         raise ValueError("--backend transformers runs in one process: use --tp 1")
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
-    if tokenizer.vocab_size != cfg.vocab_size:
+    if tokenizer.vocab_size > cfg.vocab_size:  # a model may hold more ids than its tokenizer (padded, e.g. Qwen2)
         raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {model_dir}) does not match the tokenizer "
                          f"{tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: file not found")
     check_data(args.task, args.data)
-    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step, skipped)
+    if args.hf is not None and getattr(args, "lora_base", None):
+        raise ValueError("--lora-base applies to --checkpoint of a LoRA run, not to --hf")
+    return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step, skipped, lora_base)
 
 
 def _first_line_is_json_object(text: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from megazoo.models.config import ARCHITECTURE_FIELDS, ModelConfig, architecture_mismatches
@@ -18,13 +19,43 @@ from megazoo.recipes.config import RecipeError
 _MANIFEST, _COMMON, _LATEST = "manifest.json", "common.json", "latest"
 
 
+def _shipped_writer(load: str) -> str | None:
+    """The shipped recipe whose run writes `load` (its run.dir, or run.dir/checkpoints), if one does."""
+    import tomllib
+
+    from megazoo.recipes.catalog import shipped_recipes
+
+    wanted = os.path.normpath(load)
+    for name, file in shipped_recipes().items():
+        run_dir = tomllib.loads(file.read_text(encoding="utf-8")).get("run", {}).get("dir", "")
+        if run_dir and wanted in (os.path.normpath(run_dir), os.path.normpath(os.path.join(run_dir, "checkpoints"))):
+            return name
+    return None
+
+
+def missing_load(load: str) -> RecipeError:
+    """checkpoint.load names nothing: say where it was looked for and how to point at it. A relative one names a
+    run's output (a shipped recipe's `runs/...`), which lies in the folder that run was started from: megazoo
+    resolves run.dir and checkpoint.load against the folder `megazoo train` runs in, as that run did."""
+    message = f"checkpoint.load = {load!r} does not exist"
+    if not os.path.isabs(load):
+        message += (f" in the current folder {os.getcwd()} (run.dir and checkpoint.load are relative to the folder "
+                    "`megazoo train` runs in, as they were for the run that wrote it)")
+        writer = _shipped_writer(load)
+        if writer is not None:
+            message += (f"; it is the output of `megazoo train {writer}`: run that here first, or run this from the "
+                        "folder you ran it in")
+    example = load if os.path.isabs(load) else os.path.join("/path/to", load)
+    return RecipeError(f"{message}. Point at the checkpoint with --set checkpoint.load={example} (a step_N "
+                       "checkpoint directory or a run's checkpoints folder)")
+
+
 def checkpoint_step_dir(path: str | Path) -> Path:
     """The step directory `checkpoint.load` names: the path itself when it holds a manifest, else (a run's
     checkpoints folder) the one its `latest` pointer names, else its newest step_* directory."""
     path = Path(path)
     if not path.exists():
-        raise RecipeError(f"checkpoint.load = {str(path)!r} does not exist: give a step_N checkpoint directory or "
-                          "a run's checkpoints folder")
+        raise missing_load(str(path))
     if (path / _MANIFEST).is_file():
         return path
     candidates = sorted((p for p in path.glob("step_*") if (p / _COMMON).is_file()), reverse=True)

@@ -1,70 +1,155 @@
-"""`megazoo generate CKPT --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
-[--tp N] [--tokenizer TOK]`: continue a prompt with a trained model; the continuation goes to stdout.
+"""`megazoo generate (CKPT | --hf DIR) --prompt TEXT --max-new-tokens N [--chat [TEMPLATE]] [--temperature T]
+[--top-k K] [--top-p P] [--seed S] [--tp N] [--tokenizer TOK] [--lora-base CKPT]`: continue a prompt with a
+trained model, or answer it as a fine-tuned chat model; the text goes to stdout.
 
 CKPT is a run's `checkpoints/` folder (its latest good checkpoint) or one `step_N` directory; the tokenizer is
-the one the checkpoint records (models/loading.py), or --tokenizer. Decoding (models/generation/generate.py) uses a KV
-cache and stops early at the tokenizer's end-of-text id. Everything is checked in this process before any
-worker starts (exit 2 and one line naming the value); with --tp N > 1 the command relaunches itself under
-torchrun (`python -m megazoo.recipes.generate_cli`), every rank loads only its own shards and decodes in step,
-and rank 0 prints.
+the one the checkpoint records (models/loading.py), or --tokenizer. A LoRA run's checkpoint (adapters only) runs
+as the run trained it, the adapters on the base the run recorded (or --lora-base): no export with --merge-lora
+first. --hf DIR reads a Hugging Face folder of any family `megazoo convert` reads (models/hf/families.py).
+--chat answers the prompt as one user turn in the chat template the fine-tuning run trained with (recorded in its
+checkpoint; or name one: chatml, llama3, tokenizer) and stops at the template's end of turn, which is not printed.
+Decoding (models/generation/generate.py) uses a KV cache and stops early at the tokenizer's end-of-text id.
+Everything is checked in this process before any worker starts (exit 2 and one line naming the value); with
+--tp N > 1 the command relaunches itself under torchrun (`python -m megazoo.recipes.generate_cli`), every rank
+loads only its own shards and decodes in step, and rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
 
+RECORDED = "recorded"  # --chat without a name: the template the checkpoint's fine-tuning run trained with
 
 
-def _check(args: argparse.Namespace):
+@dataclass(frozen=True)
+class Source:
+    cfg: object  # models.config.ModelConfig
+    tokenizer: object
+    ckpt: object | None  # models.loading.OpenCheckpoint (CKPT), None for --hf
+    template: str | None  # --chat: the chat template's name (data/sft/chat_template.py), else None
+
+
+def _template(args: argparse.Namespace, ckpt) -> str | None:
+    if args.chat is None:
+        return None
+    if args.chat != RECORDED:
+        return args.chat
+    from megazoo.parallel.checkpoint.io import read_common
+
+    recorded = read_common(ckpt.path).get("chat_template") if ckpt is not None else None
+    if not recorded:
+        from megazoo.data.sft.chat_template import BUILTIN_TEMPLATES
+
+        where = f"checkpoint {ckpt.path}" if ckpt is not None else f"--hf {args.hf}"
+        raise ValueError(f"--chat: {where} records no chat template (it was not fine-tuned on an SFT dataset by "
+                         f"megazoo): name one, --chat {' | '.join((*BUILTIN_TEMPLATES, 'tokenizer'))}")
+    return recorded
+
+
+def _check(args: argparse.Namespace) -> Source:
     from megazoo.models.generation.generate import check_sampling
-    from megazoo.models.loading import open_checkpoint
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} is invalid: use 0 or more")
+    if (args.checkpoint is None) == (args.hf is None):
+        raise ValueError("give the model as CKPT (a megazoo checkpoint) or --hf DIR, one of the two")
     check_sampling(args.temperature, args.top_k, args.top_p)
     from megazoo.workers.tp_command import say
 
-    ckpt = open_checkpoint(args.checkpoint, args.tokenizer, report=say)
-    if args.tp < 1 or ckpt.cfg.n_head % args.tp:
-        raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {ckpt.cfg.n_head}")
-    if not ckpt.tokenizer.encode(args.prompt):
+    ckpt = None
+    if args.hf is not None:
+        from megazoo.data.tokenizers.loading import load_tokenizer
+        from megazoo.models.hf.families import read_hf_config, tokenizer_spec
+
+        cfg = read_hf_config(args.hf)[1]
+        tokenizer = load_tokenizer(args.tokenizer or tokenizer_spec(args.hf))
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {args.hf}) does not match the tokenizer "
+                             f"({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
+    else:
+        from megazoo.models.loading import open_checkpoint
+
+        ckpt = open_checkpoint(args.checkpoint, args.tokenizer, report=say, need_base=True,
+                               lora_base=args.lora_base)
+        cfg, tokenizer = ckpt.cfg, ckpt.tokenizer
+    if args.tp < 1 or cfg.n_head % args.tp:
+        raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
+    template = _template(args, ckpt)
+    if template is not None:
+        from megazoo.data.sft.chat_template import resolve_template
+
+        resolve_template(tokenizer, template)  # an unknown name, or "tokenizer" without one: refused here
+    if not tokenizer.encode(args.prompt):
         raise ValueError("--prompt encodes to no tokens: give some text")
-    return ckpt
+    return Source(cfg, tokenizer, ckpt, template)
 
 
 def continuation(args: argparse.Namespace, topo) -> str:
-    """Decode on this rank (collective under tp) and return the new text."""
+    """Decode on this rank (collective under tp) and return the new text (--chat: the answer alone)."""
     from megazoo.models.generation.generate import decode
-    from megazoo.models.loading import load_gpt
 
-    ckpt = _check(args)
-    tokenizer = ckpt.tokenizer
-    model = load_gpt(ckpt, topo)
-    prompt = tokenizer.encode(args.prompt)
-    eos = tokenizer.eod_id
+    source = _check(args)
+    tokenizer = source.tokenizer
+    if source.ckpt is not None:
+        from megazoo.models.loading import load_gpt
+
+        model = load_gpt(source.ckpt, topo)
+    else:
+        from megazoo.models.hf.families import read_hf_dir
+        from megazoo.models.hf.gpt2 import gpt_from_full_state
+
+        model = gpt_from_full_state(*read_hf_dir(args.hf), topo)
+    eos, marker = tokenizer.eod_id, None
+    if source.template is None:
+        prompt = tokenizer.encode(args.prompt)
+    else:  # one user turn, exactly as the fine-tuning run rendered its prompts; stop at its end of turn
+        from megazoo.data.sft.chat_template import chat_prompt, end_of_turn, resolve_template
+
+        prompt = chat_prompt(tokenizer, source.template, args.prompt)
+        marker = end_of_turn(resolve_template(tokenizer, source.template)[1])
     ids = decode(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, stop=lambda new: new[-1] == eos)
+                 top_p=args.top_p, seed=args.seed,
+                 stop=lambda new: new[-1] == eos or (marker is not None and marker in tokenizer.decode(new)))
     new = ids[len(prompt):]
     if new and new[-1] == eos:  # the end-of-text mark ends the text; it is not part of it
         new = new[:-1]
-    return tokenizer.decode(new)
+    text = tokenizer.decode(new)
+    if marker is not None:
+        from megazoo.data.sft.chat_template import cut_at_end_of_turn
+
+        text = cut_at_end_of_turn(text, marker)[0]
+    return text
 
 
 def _forwarded_argv(args: argparse.Namespace) -> list[str]:
-    argv = [str(args.checkpoint), "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
-            "--temperature", repr(args.temperature), "--top-k", str(args.top_k), "--top-p", repr(args.top_p),
-            "--seed", str(args.seed), "--tp", str(args.tp)]
-    return argv + (["--tokenizer", str(args.tokenizer)] if args.tokenizer else [])
+    argv = [str(args.checkpoint)] if args.checkpoint is not None else ["--hf", str(args.hf)]
+    argv += ["--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
+             "--temperature", repr(args.temperature), "--top-k", str(args.top_k), "--top-p", repr(args.top_p),
+             "--seed", str(args.seed), "--tp", str(args.tp)]
+    for flag, value in (("--tokenizer", args.tokenizer), ("--lora-base", args.lora_base), ("--chat", args.chat)):
+        if value:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _pin_checkpoint(args: argparse.Namespace) -> None:
-    """Check the input here; every worker then decodes the checkpoint resolved (and, under tp, verified) here."""
-    step_dir = _check(args).path
-    verify_before_workers(args, step_dir)
-    args.checkpoint = str(step_dir)
+    """Check the input here; every worker then decodes the checkpoint (and a LoRA run's base) resolved (and,
+    under tp, verified) here."""
+    source = _check(args)
+    if source.ckpt is None:
+        return
+    for step_dir in (source.ckpt.path, source.ckpt.base):
+        if step_dir is not None:
+            verify_before_workers(args, step_dir)
+    args.checkpoint = str(source.ckpt.path)
+    if source.ckpt.base is not None:
+        args.lora_base = str(source.ckpt.base)
+    if source.template is not None:
+        args.chat = source.template
 
 
 def _decode_and_print(args: argparse.Namespace, topo) -> None:
@@ -79,9 +164,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CKPT",
-                        help="a run's checkpoints/ folder (its latest good checkpoint) or one step_N directory")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("checkpoint", metavar="CKPT", nargs="?", default=None,
+                        help="a run's checkpoints/ folder (its latest good checkpoint) or one step_N directory; a "
+                             "LoRA run's too (its adapters on the base it recorded)")
+    parser.add_argument("--hf", metavar="DIR", default=None, help="instead of CKPT: a Hugging Face folder of a "
+                        "family megazoo convert reads (GPT-2, Llama, Qwen2, Mistral)")
+    parser.add_argument("--prompt", required=True, help="the text to continue (--chat: the user's turn)")
+    parser.add_argument("--chat", nargs="?", const=RECORDED, default=None, metavar="TEMPLATE",
+                        help="answer the prompt as a user turn in the chat template the fine-tuning run trained "
+                             "with (recorded in its checkpoint), or the one named (chatml, llama3, tokenizer); the "
+                             "answer stops at the template's end of turn")
+    parser.add_argument("--lora-base", default=None, metavar="CKPT",
+                        help="a LoRA run's base checkpoint (default: the checkpoint.load its run recorded)")
     parser.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
                         help="at most N new tokens (fewer when the model ends the text)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")

@@ -20,7 +20,8 @@ from megazoo.models.lora.config import check_lora
 from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
 from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
 from megazoo.parallel.pipeline.schedules import SCHEDULES
-from megazoo.recipes.checkpoint_model import check_against_checkpoint, checkpoint_model, from_checkpoint
+from megazoo.recipes.checkpoint_model import (check_against_checkpoint, checkpoint_model, from_checkpoint,
+                                              missing_load)
 from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.sft_check import check_sft
 
@@ -364,8 +365,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
     _positive("checkpoint.every", recipe.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", recipe.checkpoint.keep)
     if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
-        raise RecipeError(f"checkpoint.load = {recipe.checkpoint.load!r} does not exist: give a step_N checkpoint "
-                          "directory or a run's checkpoints folder")
+        raise missing_load(recipe.checkpoint.load)  # where it was looked for, and how to point at it
     if recipe.checkpoint.load:
         check_against_checkpoint(cfg, recipe.checkpoint.load)  # every mismatch at once, before any process
     ls = recipe.loss_scale

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -118,17 +117,6 @@ def _model_config(common: dict) -> ModelConfig:
         return ModelConfig(**common["model"])
     except (KeyError, TypeError) as error:
         raise CheckpointError(f"checkpoint model config is corrupt: {error!r}") from error
-
-
-def hf_model_type(hf_dir: str | Path) -> str:
-    """config.json's model_type ("gpt2", "llama", "qwen2", "mistral", ...), read without transformers."""
-    config = Path(hf_dir) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
-    try:
-        return str(json.loads(config.read_text())["model_type"])
-    except (ValueError, KeyError) as error:
-        raise ValueError(f"cannot read model_type from HF config {config}: {error!r}") from error
 
 
 def _hf_to_megazoo(args: argparse.Namespace) -> int:

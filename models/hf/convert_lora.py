@@ -20,14 +20,12 @@ from pathlib import Path
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.lora.adapters import LoRAConfig, merge_lora
+from megazoo.models.lora.checkpoint import lora_base, lora_of_common
 
 
 def lora_of_checkpoint(common: dict) -> LoRAConfig | None:
     """The `[lora]` a checkpoint was trained with (its common.json's recipe), or None for full fine-tuning."""
-    table = (common.get("recipe") or {}).get("lora") or {}
-    if not table.get("rank"):
-        return None
-    return LoRAConfig(**{**table, "targets": tuple(table.get("targets", ()))})
+    return lora_of_common(common)
 
 
 def lora_checkpoint(checkpoint: str | Path) -> tuple[dict, LoRAConfig | None]:
@@ -47,6 +45,8 @@ def _full_state(checkpoint: str | Path) -> tuple[ModelConfig, dict]:
 
 def merged_state(checkpoint: str | Path, base: str | Path | None = None):
     """(cfg, full state with the adapters merged, LoRA settings, adapters' full state) of a LoRA checkpoint."""
+    from megazoo.parallel.checkpoint.consolidate import resolve_checkpoint
+
     common, lora = lora_checkpoint(checkpoint)
     if lora is None:
         raise ValueError(f"checkpoint {checkpoint} was not trained with LoRA (its recipe has no [lora] rank): "
@@ -63,15 +63,8 @@ def merged_state(checkpoint: str | Path, base: str | Path | None = None):
         cfg, adapters = _full_state(checkpoint)
         _, base_state = read_hf_dir(hf_base)
         return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters, hf_base
-    if not base and not recorded:
-        raise ValueError(f"checkpoint {checkpoint}: its recipe names no checkpoint.load (the LoRA base); pass "
-                         "--lora-base CKPT")
-    if not base and not Path(recorded).exists():
-        raise ValueError(f"checkpoint {checkpoint}: the LoRA base its recipe recorded (checkpoint.load = "
-                         f"{recorded!r}, relative to the folder the run started in) is not at "
-                         f"{Path(recorded).resolve()}; "
-                         "run from that folder or pass --lora-base CKPT")
-    base = base or recorded
+    # --lora-base, else the recorded checkpoint.load resolved as the run resolved it (models/lora/checkpoint.py)
+    base = lora_base(common, resolve_checkpoint(checkpoint, report=lambda *_: None), base)
     cfg, adapters = _full_state(checkpoint)
     base_cfg, base_state = _full_state(base)
     if base_cfg.n_layer != cfg.n_layer or base_cfg.d_model != cfg.d_model:

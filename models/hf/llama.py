@@ -227,23 +227,6 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
     return getattr(transformers, config_class)(**fields)
 
 
-def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, full megazoo state) of an HF Llama / Qwen2 / Mistral checkpoint directory."""
-    from transformers import AutoConfig
-
-    from megazoo.models.hf.gpt2 import read_hf_state_dict
-
-    hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
-    try:
-        hf_config = AutoConfig.from_pretrained(str(hf_dir))
-    except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
-        raise ValueError(f"cannot read HF config {hf_dir / 'config.json'}: {error}") from error
-    cfg = config_from_hf(hf_config, name=hf_dir.resolve().name)
-    return cfg, hf_to_megazoo_state(read_hf_state_dict(hf_dir), cfg)
-
-
 def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
                   tokenizer=None, dtype: torch.dtype | None = None) -> Path:
     """Write an HF checkpoint of `cfg`'s family (config.json, generation_config.json, safetensors in `dtype`,

@@ -13,6 +13,7 @@ batch unless the recipe sets checkpoint.allow_batch_change = true (a weights-onl
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,7 +97,13 @@ def save(trainer: TrainingRun, step: int) -> Path:
     common = {"step": step, "optimizer_steps": optimizer_steps(trainer.zero.optimizer),
               "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
               "recipe": res.recipe.to_dict(), "model": dataclasses.asdict(res.model),
-              "global_batch": res.global_batch}  # plain data: written as common.json
+              "global_batch": res.global_batch,  # plain data: written as common.json
+              # the folder this run started in: relative paths of its recipe (checkpoint.load, a LoRA run's base)
+              # meant that folder, so readers elsewhere resolve them there (models/lora/checkpoint.py)
+              "workdir": os.getcwd()}
+    sft_manifest = getattr(getattr(getattr(trainer.data, "train", None), "examples", None), "manifest", None)
+    if isinstance(sft_manifest, dict) and sft_manifest.get("template"):  # `megazoo generate --chat` prompts in it
+        common["chat_template"] = sft_manifest["template"]
     tokenizer = getattr(trainer.data, "tokenizer", None)
     if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizers/store.py)
         common["tokenizer"] = tokenizer_record(tokenizer)

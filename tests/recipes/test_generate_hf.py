@@ -1,0 +1,49 @@
+"""`megazoo generate --hf DIR` reads every family `megazoo convert` reads (models/hf/families.py): on tiny random HF
+Llama, Qwen2 and Mistral folders its greedy text equals `megazoo generate` on the converted checkpoint and
+transformers' own greedy generate() on the folder, stopped at the tokenizer's end of text alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hf_helpers import save_family_dir
+
+from megazoo.data.tokenizers.loading import load_tokenizer
+from megazoo.recipes.cli import main as megazoo
+
+PROMPT = "def main():\n    return"
+NEW = 10
+
+
+def _transformers_text(hf_dir) -> str:
+    tokenizer = load_tokenizer(f"hf:{hf_dir}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    prompt = tokenizer.encode(PROMPT)
+    eos = tokenizer.eod_id
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos)[0, len(prompt):].tolist()
+    return tokenizer.decode(out[:out.index(eos)] if eos in out else out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_generate_hf_equals_the_converted_checkpoint_and_transformers(family, tmp_path, capsys):
+    hf, ckpt = save_family_dir(family, tmp_path / "hf"), tmp_path / "ckpt"
+    assert megazoo(["convert", "hf-to-megazoo", str(hf), "--out", str(ckpt)]) == 0
+    capsys.readouterr()
+    assert megazoo(["generate", "--hf", str(hf), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    ours = capsys.readouterr().out
+    assert megazoo(["generate", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    assert capsys.readouterr().out == ours
+    assert ours == _transformers_text(hf) + "\n" and ours.strip()
+
+
+def test_generate_needs_one_model(tmp_path, capsys):
+    hf = save_family_dir("qwen2", tmp_path / "hf")
+    assert megazoo(["generate", str(tmp_path), "--hf", str(hf), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    assert "give the model as CKPT (a megazoo checkpoint) or --hf DIR, one of the two" in capsys.readouterr().err
+    (hf / "config.json").write_text('{"model_type": "bert"}')
+    assert megazoo(["generate", "--hf", str(hf), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    assert "model_type 'bert' cannot be converted; valid: gpt2, llama, qwen2, mistral" in capsys.readouterr().err
