@@ -1,0 +1,140 @@
+"""The resolver's checks of the parallel layout: pipeline stages and schedules, the optimizer and its compressed
+communication, node sizes, and the checks whose code imports torch (run last, so every other mistake is reported
+without loading torch). Each raises RecipeError naming the field, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megazoo.models.config import ModelConfig
+from megazoo.models.layout import parameter_layout
+from megazoo.parallel.compressed.schedule import OPTIMIZERS, CompressionSettings, check_settings
+from megazoo.parallel.pipeline.partition import PARTITION_METHODS, virtual_stage_layers
+from megazoo.parallel.pipeline.schedules import SCHEDULES
+from megazoo.recipes.config import Recipe, RecipeError
+
+
+def _choice(where: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise RecipeError(f"{where} = {value!r} is invalid; valid: {', '.join(repr(v) for v in valid)}")
+
+
+def _positive(where: str, value, allow_zero: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise RecipeError(f"{where} = {value!r} is invalid: it must be a finite number "
+                          f"{'>= 0' if allow_zero else '> 0'}")
+
+
+def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
+    """Check the pipeline keys; return the blocks of each (virtual) stage."""
+    par, train = recipe.parallel, recipe.train
+    _choice("parallel.schedule", par.schedule, SCHEDULES)
+    _choice("parallel.partition", par.partition, PARTITION_METHODS)
+    _positive("parallel.virtual_stages", par.virtual_stages)
+    if par.schedule == "interleaved":
+        if par.virtual_stages < 2 or par.pp < 2:
+            raise RecipeError(f"parallel.schedule = 'interleaved' needs parallel.virtual_stages >= 2 and pp >= 2 "
+                              f"(got virtual_stages = {par.virtual_stages}, pp = {par.pp})")
+        if train.grad_accum % par.pp:
+            raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be a "
+                              f"multiple of parallel.pp = {par.pp} for the interleaved schedule; valid: "
+                              f"{', '.join(str(par.pp * k) for k in range(1, 4))}, ...")
+    elif par.schedule in ("zbv", "dualpipev"):
+        if par.virtual_stages != 2:  # an unset virtual_stages is already 2 (recipes/config.py)
+            raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} is invalid with parallel.schedule = "
+                              f"{par.schedule!r}: it runs two chunks per rank, in a V; valid: 2, or leave "
+                              "virtual_stages unset")
+        if par.pp < 2:
+            raise RecipeError(f"parallel.schedule = {par.schedule!r} needs parallel.pp >= 2 (got pp = {par.pp})")
+        if par.schedule == "dualpipev" and train.grad_accum < 2 * par.pp - 1:
+            raise RecipeError(f"train.grad_accum = {train.grad_accum} (the pipeline's micro-batches) must be at "
+                              f"least 2 x parallel.pp - 1 = {2 * par.pp - 1} for the dualpipev schedule")
+    elif par.virtual_stages != 1:
+        raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
+                          "'interleaved' (or 'zbv' / 'dualpipev' with 2); valid with gpipe/1f1b/zb_h1: 1")
+    # "parameters" balancing counts the embeddings on the first stage and the head (the tied embedding's copy or
+    # an untied lm_head) on the last, in units of one block's parameters (block 0's: every block has the same
+    # shapes).
+    numel = {p.name: p.numel for p in parameter_layout(cfg, vocab=cfg.vocab_size, layers=range(1))}
+    per_block = sum(n for name, n in numel.items() if name.startswith("h.0."))
+    embeddings = numel["wte.weight"] + numel.get("wpe.weight", 0)
+    head = numel.get("lm_head.weight", numel["wte.weight"])
+    try:
+        stages = virtual_stage_layers(cfg.n_layer, par.pp, virtual=par.virtual_stages, method=par.partition,
+                                      layers=par.layers or None, first_extra=embeddings / per_block,
+                                      last_extra=head / per_block)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    if par.pp > 1 and recipe.zero.stage == 3:
+        raise RecipeError("zero.stage = 3 with parallel.pp > 1 is not supported (each stage would gather and "
+                          "free its blocks around every micro-batch); valid with pp > 1: zero.stage = 0, 1, 2")
+    return stages
+
+
+def compression_of(recipe: Recipe) -> CompressionSettings | None:
+    """The recipe's [optimizer] as parallel/compressed's settings; None for plain AdamW."""
+    o = recipe.optimizer
+    if o.name == "adamw":
+        return None
+    return CompressionSettings(o.name, o.freeze_step, o.var_freeze_step, o.var_update_scaler, o.local_step_scaler,
+                               o.local_step_clipper, last_step=recipe.train.steps - 1)
+
+
+def _check_optimizer(recipe: Recipe) -> None:
+    """[optimizer]: a known name; a compressed one only where it composes (ZeRO stage 0 or 1, no offload, pp = cp = 1)."""
+    _choice("optimizer.name", recipe.optimizer.name, OPTIMIZERS)
+    settings, par = compression_of(recipe), recipe.parallel
+    if settings is None:
+        return
+    if getattr(par, "cp", 1) != 1:
+        raise RecipeError(f"optimizer.name = {settings.name!r} with parallel.cp = {par.cp} is not supported; "
+                          "valid: parallel.cp = 1")
+    try:
+        check_settings(settings, dp=par.dp, tp=par.tp, pp=par.pp, zero_stage=recipe.zero.stage,
+                       offload=recipe.zero.offload)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
+def _check_nodes(recipe: Recipe) -> None:
+    """parallel.node_size fits the layout (when given) and zero.shard_group / zero.hpz fit the stage."""
+    from megazoo.parallel.topology import check_node_size  # torch: see _check_with_torch
+    from megazoo.parallel.zero.groups import check_shard_choice
+    par, zero = recipe.parallel, recipe.zero
+    try:
+        check_node_size(par.node_size, par.dp, par.tp, par.pp, par.dp * par.tp * par.pp * par.cp, par.cp)
+        if zero.shard_group != "dp" or zero.hpz or zero.quantized_weights or zero.quantized_gradients != "none":
+            check_shard_choice(zero.shard_group, zero.hpz, zero.stage, par.cp, zero.quantized_weights,
+                               zero.quantized_gradients, zero.offload)
+        if zero.quantized_gradients != "none" and recipe.optimizer.name != "adamw":
+            raise ValueError(f"zero.quantized_gradients = {zero.quantized_gradients!r} with optimizer.name = "
+                             f"{recipe.optimizer.name!r} is not supported (it compresses its own gradient "
+                             "exchange); valid: optimizer.name = 'adamw' or zero.quantized_gradients = 'none'")
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
+def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
+    """The checks whose code sits in modules that import torch (the context layout, node sizes and ZeRO sharding,
+    the kernels), run last: every other mistake is reported without loading torch (seconds under load; a typo'd
+    key or `--set parallel.tp=3` answers at once, tests/recipes/test_cli.py)."""
+    from megazoo.parallel.context.layout import check_context_layout
+    from megazoo.parallel.expert.layout import check_expert_parallel
+    par = recipe.parallel
+    try:  # seq_len divisible by 2 x cp, local heads by cp for all_to_all (parallel/context/layout.py)
+        check_context_layout(par.cp, par.cp_attention, recipe.train.seq_len, cfg.n_head // par.tp, cfg.attn_dropout,
+                             cfg.attention, cfg.sliding_window)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    try:  # ep divides the experts and dp x cp; top-k fits; the ZeRO choice partitions experts (parallel/expert)
+        check_expert_parallel(par.ep, par.dp, par.cp, getattr(cfg, "n_experts", 0), getattr(cfg, "moe_top_k", 0),
+                              model=cfg.name, shard_group=recipe.zero.shard_group, hpz=recipe.zero.hpz,
+                              quantized_gradients=recipe.zero.quantized_gradients, optimizer=recipe.optimizer.name)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    _check_nodes(recipe)
+    try:
+        recipe.kernels.choice()
+    except ValueError as err:
+        raise RecipeError(f"[kernels]: {err}") from None
