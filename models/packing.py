@@ -70,6 +70,10 @@ class Segments:
             allowed = allowed & (distance < self.sliding_window)
         return (same & allowed)[:, None]
 
+    # Not traced by torch.compile (train.compile = "blocks"): the runs are Python integers that differ from one
+    # micro-batch to the next, and a compiled block would be specialised on them and recompiled for every new
+    # packing; kept out of the graph, the block compiles once and this runs eagerly (one fused kernel on CUDA).
+    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         """(b, h, s, hd) q, k, v (k, v with as many heads as q) -> (b, h, s, hd): causal attention inside runs."""
         b, h, s, hd = q.shape

@@ -6,6 +6,7 @@ parallel/zero/groups.py say, counted from the buckets the run laid out."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from harness import run_distributed
 from recipe_helpers import tiny_recipe, tiny_resolved
@@ -23,6 +24,7 @@ LAYOUTS = {  # name -> (zero section, train section) at dp 4 on 2 nodes of 2
     # stages 2-3 with gradient accumulation: the owned chunk crosses nodes once per step, not per micro-batch
     "hsdp2": ({"stage": 2, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
     "hsdp3a": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 1, "grad_accum": 2}),
+    "hsdp2-offload": ({"stage": 2, "shard_group": "node", "offload": "cpu"}, {"micro_batch": 1, "grad_accum": 2}),
     "hsdp3": ({"stage": 3, "shard_group": "node"}, {"micro_batch": 2}),
     # hpZ with activation checkpointing: the recomputed forward in backward gathers from the secondaries
     "hpz3": ({"stage": 3, "hpz": True}, {"micro_batch": 1, "grad_accum": 2, "activation_checkpointing": True}),
@@ -131,7 +133,7 @@ def _expected_links(name: str, numel: dict[str, int]) -> dict[str, float]:
     chunk_allreduce = 2 * (p / 2) * across * b
     if name == "hsdp1":  # one reduce-scatter (last micro-batch), one all-gather, inside the node
         return {"intra": 2 * p * node * b + norm(node), "inter": chunk_allreduce}
-    if name == "hsdp2":  # a reduce-scatter per micro-batch (2), one all-gather, inside the node
+    if name.startswith("hsdp2"):  # a reduce-scatter per micro-batch (2), one all-gather, inside the node
         return {"intra": 3 * p * node * b + norm(node), "inter": chunk_allreduce}
     a = 2 if name == "hsdp3a" else 1
     return {"intra": a * ((2 * blocks + root) + p) * node * b + norm(node), "inter": chunk_allreduce}
@@ -148,7 +150,7 @@ def test_bytes_per_link_class_follow_the_formula(runs, name):
     assert hpz["inter"] / 2 < flat["inter"] and 3 * hsdp["inter"] <= flat["inter"]  # per micro-batch, both save
 
 
-@pytest.mark.parametrize("name", ["hsdp2", "hsdp3a"])
+@pytest.mark.parametrize("name", ["hsdp2", "hsdp3a", "hsdp2-offload"])
 def test_hsdp_crosses_nodes_once_per_step_under_gradient_accumulation(runs, name):
     """2 micro-batches per step: the inter-node bytes are one all-reduce of the owned chunks, as with one
     micro-batch (hsdp3), and there is one inter-node all-reduce per bucket, not one per bucket and micro-batch."""
@@ -259,3 +261,31 @@ def test_launch_refuses_a_node_size_other_than_the_processes_per_node():
     assert launch_layout(tiny_recipe(parallel={"dp": 4, "node_size": 2}), 1, 4) == 4  # "nodes" simulated on one
     with pytest.raises(RecipeError, match=r"parallel.node_size = 4 but each node starts --nproc-per-node 2"):
         launch_layout(tiny_recipe(parallel={"dp": 4, "node_size": 4}), 2, 2)
+
+
+def _owned_gradients_when_the_last_backward_is_flagged_or_not():
+    """dp 4 on 2 nodes, HSDP stage 2, 2 micro-batches: the owned gradients and cross-node bytes are the same
+    whether the last backward is flagged (cross during it) or not (cross in finish_gradients' drain)."""
+    from megazoo.parallel.zero.api import ZeroEngine
+    topo = Topology.build(4, node_size=2)
+    out = {}
+    for flagged in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).double()
+        engine = ZeroEngine(model, topo, stage=2, shard_group="node", bucket_elements=64)
+        engine.comm.reset()
+        for micro in range(2):
+            x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * topo.rank + micro))
+            engine.zero.begin_micro_batch(last=flagged and micro == 1)
+            model(x).square().mean().backward()
+        engine.zero.finish_gradients()  # unflagged: every chunk crosses here, once
+        out[flagged] = ([g.clone() for g in engine.zero.owned_grads], dict(engine.comm.link_bytes))
+    return out
+
+
+def test_hsdp_crosses_once_at_the_end_when_no_backward_is_flagged_last():
+    for rank in run_distributed(_owned_gradients_when_the_last_backward_is_flagged_or_not, 4):
+        (flagged, links), (unflagged, links_unflagged) = rank[True], rank[False]
+        assert links["inter"] == links_unflagged["inter"] > 0
+        for a, b in zip(flagged, unflagged):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-15)
