@@ -7,7 +7,8 @@ the one the checkpoint records (models/loading.py), or --tokenizer. A LoRA run's
 as the run trained it, the adapters on the base the run recorded (or --lora-base): no export with --merge-lora
 first. --hf DIR reads a Hugging Face folder of any family `megazoo convert` reads (models/hf/families.py).
 --chat answers the prompt as one user turn in the chat template the fine-tuning run trained with (recorded in its
-checkpoint; or name one: chatml, llama3, tokenizer) and stops at the template's end of turn, which is not printed.
+checkpoint), else the tokenizer's own (an HF folder's), or the one named (chatml, llama3, tokenizer), and stops at
+the template's end of turn, which is not printed.
 Decoding (models/generation/generate.py) uses a KV cache and stops early at the tokenizer's end-of-text id.
 Everything is checked in this process before any worker starts (exit 2 and one line naming the value); with
 --tp N > 1 the command relaunches itself under torchrun (`python -m megazoo.recipes.generate_cli`), every rank
@@ -33,21 +34,24 @@ class Source:
     template: str | None  # --chat: the chat template's name (data/sft/chat_template.py), else None
 
 
-def _template(args: argparse.Namespace, ckpt) -> str | None:
+def _template(args: argparse.Namespace, ckpt, tokenizer) -> str | None:
+    """--chat's template: the one named, else the one the fine-tuning run recorded, else the tokenizer's own
+    (an HF folder's, or a converted checkpoint's, tokenizer_config.json chat_template)."""
     if args.chat is None:
         return None
     if args.chat != RECORDED:
         return args.chat
+    from megazoo.data.sft.chat_template import BUILTIN_TEMPLATES, has_own_template
     from megazoo.parallel.checkpoint.io import read_common
 
     recorded = read_common(ckpt.path).get("chat_template") if ckpt is not None else None
-    if not recorded:
-        from megazoo.data.sft.chat_template import BUILTIN_TEMPLATES
-
-        where = f"checkpoint {ckpt.path}" if ckpt is not None else f"--hf {args.hf}"
-        raise ValueError(f"--chat: {where} records no chat template (it was not fine-tuned on an SFT dataset by "
-                         f"megazoo): name one, --chat {' | '.join((*BUILTIN_TEMPLATES, 'tokenizer'))}")
-    return recorded
+    if recorded:
+        return recorded
+    if has_own_template(tokenizer):
+        return "tokenizer"
+    where = f"checkpoint {ckpt.path}" if ckpt is not None else f"--hf {args.hf}"
+    raise ValueError(f"--chat: {where} records no chat template (it was not fine-tuned on an SFT dataset by megazoo) "
+                     f"and its tokenizer has none: name one, --chat {' | '.join(BUILTIN_TEMPLATES)}")
 
 
 def _check(args: argparse.Namespace) -> Source:
@@ -78,7 +82,7 @@ def _check(args: argparse.Namespace) -> Source:
         cfg, tokenizer = ckpt.cfg, ckpt.tokenizer
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
-    template = _template(args, ckpt)
+    template = _template(args, ckpt, tokenizer)
     if template is not None:
         from megazoo.data.sft.chat_template import resolve_template
 

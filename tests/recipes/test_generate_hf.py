@@ -47,3 +47,25 @@ def test_generate_needs_one_model(tmp_path, capsys):
     (hf / "config.json").write_text('{"model_type": "bert"}')
     assert megazoo(["generate", "--hf", str(hf), "--prompt", "x", "--max-new-tokens", "1"]) == 2
     assert "model_type 'bert' cannot be converted; valid: gpt2, llama, qwen2, mistral" in capsys.readouterr().err
+
+
+CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_generate_chat_takes_the_folders_own_template(tmp_path, capsys):
+    """A bare --chat on a folder whose tokenizer carries a chat template renders with it: the same text as the
+    built-in ChatML the template spells out; without one, --chat says how to name one."""
+    hf = save_family_dir("llama", tmp_path / "hf")
+    common = ["generate", "--hf", str(hf), "--prompt", "def main", "--max-new-tokens", str(NEW)]
+    assert megazoo([*common, "--chat"]) == 2
+    assert "its tokenizer has none: name one, --chat chatml | llama3" in capsys.readouterr().err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf))
+    tokenizer.chat_template = CHATML_JINJA
+    tokenizer.save_pretrained(str(hf))
+    assert megazoo([*common, "--chat"]) == 0
+    own = capsys.readouterr().out
+    assert megazoo([*common, "--chat", "chatml"]) == 0
+    assert capsys.readouterr().out == own and own.strip()
+    assert megazoo([*common]) == 0  # the plain continuation of the same words is another text
+    assert capsys.readouterr().out != own
