@@ -74,9 +74,9 @@ class MoE(nn.Module):
         rows = x.reshape(-1, shape[-1])  # (T, d)
         logits = self.router(rows)  # (T, E) fp32
         cfg = self.cfg
-        weights, indices, probs = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob)
+        weights, indices, _ = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob)
         done = self.dispatcher(rows, weights, indices, self.experts)
-        stats = RouterStats.of(logits, probs, done.counts, done.dropped)
+        stats = RouterStats.of(logits, done.counts, done.dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
             group = self.sequence_parallel.group  # the sums: all-reduce forward, identity backward
             stats = stats.reduced(self.topo.tp, lambda t: reduce_from_tp_region(t.detach(), group),

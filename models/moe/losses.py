@@ -32,7 +32,10 @@ class RouterStats:
     dropped: torch.Tensor  # () int64: assignments dropped by the capacity factor
 
     @staticmethod
-    def of(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+    def of(logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+        """From the router's logits (T, E): the probabilities in the logits' dtype (fp64 in an fp64 run, as
+        transformers' aux loss takes them; the routing itself scores in fp32)."""
+        probs = torch.softmax(logits, dim=-1)
         return RouterStats(counts=counts, prob_sum=probs.sum(0), rows=probs.shape[0],
                            z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(), dropped=dropped)
 
