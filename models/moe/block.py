@@ -26,7 +26,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.mlp import SwiGLU
 from megazoo.models.moe.dispatch import TokenDispatcher, make_dispatcher
 from megazoo.models.moe.experts import ExpertComputation
-from megazoo.models.moe.losses import RouterStats
+from megazoo.models.moe.losses import AuxLossScaler, RouterStats, layer_losses
 from megazoo.models.moe.router import Router, route
 from megazoo.parallel.tensor import SequenceParallel, reduce_from_tp_region
 from megazoo.parallel.tensor.sequence import plain
@@ -83,6 +83,10 @@ class MoE(nn.Module):
                                   lambda t: reduce_from_tp_region(t, group))
         self.stats = stats
         out = done.out.view(shape)
+        if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
+            n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
+            out = AuxLossScaler.apply(out, layer_losses(stats, cfg.n_experts, cfg.moe_aux_loss_coef,
+                                                        cfg.moe_z_loss_coef, n_moe))
         if cfg.moe_shared_experts:
             shared = self.shared(x)
             if cfg.moe_shared_gate:

@@ -165,3 +165,32 @@ def test_layer_selection_and_the_tp_check_of_shared_experts():
     shared = CFG.replace(moe_shared_experts=1, moe_shared_d_ff=6)
     with pytest.raises(ValueError, match="parallel.tp = 4 does not divide the shared experts' width"):
         GPT(shared, Topology(tp=4, tp_rank=0), device="meta")
+
+
+def test_layer_scope_injects_each_layers_own_loss_in_backward():
+    """moe_aux_loss_scope = "layer": the value the decoder returns is the cross-entropy alone, and the gradients are
+    those of cross-entropy + the mean over MoE layers of each layer's weighted aux and z-losses."""
+    from megazoo.models.moe.losses import layer_losses
+
+    layered = CFG.replace(moe_aux_loss_scope="layer", moe_aux_loss_coef=0.3, moe_z_loss_coef=0.05)
+    loss, grads, model = _model_loss(layered)
+    plain, ref_grads, ref_model = _model_loss(CFG)  # the same weights, no loss added by the decoder
+    assert abs(loss.item() - plain.item()) < 1e-6
+    ref_model.zero_grad()
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=_gen(1))
+    total = ref_model.loss(ref_model(ids), ids)
+    total = total + sum(layer_losses(s, 4, 0.3, 0.05, 2) for s in ref_model.moe_stats())
+    total.backward()
+    for name, param in ref_model.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-7), name
+    assert not torch.allclose(grads["h.0.mlp.router.weight"], ref_grads["h.0.mlp.router.weight"])
+
+
+def test_pipeline_stages_need_the_layer_scope():
+    from megazoo.models.layout import check_parallel_compat
+
+    pooled = CFG.replace(moe_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match="parallel.pp = 2 with model.moe_aux_loss_scope = 'model'"):
+        check_parallel_compat(pooled, 1, 2)
+    check_parallel_compat(pooled.replace(moe_aux_loss_scope="layer"), 1, 2)
+    check_parallel_compat(CFG, 1, 2)  # no auxiliary loss: nothing to pool

@@ -23,14 +23,18 @@ MOE = {"preset": "qwen3-moe-tiny", "n_layer": 3, "vocab_size": 300, "moe_shared_
        "moe_shared_gate": True, "moe_aux_loss_coef": 0.05, "moe_z_loss_coef": 0.01}
 
 
+LAYER = dict(MOE, moe_aux_loss_scope="layer")  # pipeline stages: each layer's own auxiliary losses
+
+
 @functools.cache
-def reference(micro_batch: int, grad_accum: int):
-    return train_run(tiny_resolved(model=MOE, train={"micro_batch": micro_batch, "grad_accum": grad_accum}),
+def reference(micro_batch: int, grad_accum: int, scope: str = "model"):
+    model = MOE if scope == "model" else LAYER
+    return train_run(tiny_resolved(model=model, train={"micro_batch": micro_batch, "grad_accum": grad_accum}),
                      Topology.solo())
 
 
-def _run(parallel: dict, train: dict, zero: dict | None = None):
-    res = tiny_resolved(model=MOE, parallel=parallel, train=train, zero=zero or {})
+def _run(parallel: dict, train: dict, zero: dict | None = None, model: dict = MOE):
+    res = tiny_resolved(model=model, parallel=parallel, train=train, zero=zero or {})
     par = res.recipe.parallel
 
     def work():
@@ -58,3 +62,9 @@ def test_reference_learns_and_holds_the_moe_parameters():
 def test_layout_equals_one_process(parallel, train, zero, ref):
     for got in _run(parallel, train, zero):
         assert_same_training(got, reference(*ref))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_pipeline_with_layer_scope_equals_one_process(schedule):
+    for got in _run({"pp": 2, "schedule": schedule}, {"micro_batch": 2, "grad_accum": 4}, model=LAYER):
+        assert_same_training(got, reference(2, 4, "layer"))
