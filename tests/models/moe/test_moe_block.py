@@ -194,3 +194,16 @@ def test_pipeline_stages_need_the_layer_scope():
         check_parallel_compat(pooled, 1, 2)
     check_parallel_compat(pooled.replace(moe_aux_loss_scope="layer"), 1, 2)
     check_parallel_compat(CFG, 1, 2)  # no auxiliary loss: nothing to pool
+
+
+def test_bf16_autocast_and_bf16_weights_run_the_grouped_path_close_to_fp32():
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=_gen(1))
+    fp32, _, model = _model_loss(CFG)
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = model.loss(model(ids), ids)
+    autocast.backward()
+    assert model.h["0"].mlp.experts.c_fc.weight.grad.dtype == torch.float32
+    bf16, grads, _ = _model_loss(CFG, dtype=torch.bfloat16)
+    assert abs(autocast.item() - fp32.item()) < 2e-2 and abs(bf16.item() - fp32.item()) < 5e-2
+    assert all(torch.isfinite(g).all() for g in grads.values())
