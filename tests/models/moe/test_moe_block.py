@@ -207,3 +207,18 @@ def test_bf16_autocast_and_bf16_weights_run_the_grouped_path_close_to_fp32():
     bf16, grads, _ = _model_loss(CFG, dtype=torch.bfloat16)
     assert abs(autocast.item() - fp32.item()) < 2e-2 and abs(bf16.item() - fp32.item()) < 5e-2
     assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_lora_on_attention_of_an_moe_model_and_experts_refused():
+    from megazoo.models.lora.adapters import attach_lora
+    from megazoo.models.lora.config import LoRAConfig, check_lora
+
+    with pytest.raises(ValueError, match=r"lora.targets \['gate', 'down'\] on model moe-test, which has 4 experts"):
+        check_lora(LoRAConfig(rank=4, targets=("q", "gate", "down")), CFG)
+    model = GPT(CFG, Topology.solo())
+    init_weights(model, 0)
+    attach_lora(model, LoRAConfig(rank=4, targets=("q", "k", "v", "o")))
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=_gen(1))
+    model.loss(model(ids), ids).backward()
+    adapters = [n for n, p in model.named_parameters() if "lora" in n and p.grad is not None]
+    assert len(adapters) == 2 * 4 * CFG.n_layer

@@ -58,7 +58,9 @@ def test_reference_learns_and_holds_the_moe_parameters():
     ({"tp": 2, "sequence_parallel": True}, {"micro_batch": 8}, None, (8, 1)),
     ({"tp": 2}, {"micro_batch": 8, "activation_checkpointing": True}, None, (8, 1)),
     ({"dp": 2}, {"micro_batch": 4}, {"stage": 1}, (4, 2)),
-], ids=["tp2", "tp2-sequence-parallel", "tp2-activation-checkpointing", "dp2-zero1"])
+    ({"dp": 2, "tp": 2}, {"micro_batch": 4}, {"stage": 2}, (4, 2)),
+    ({"dp": 2}, {"micro_batch": 4}, {"stage": 3}, (4, 2)),
+], ids=["tp2", "tp2-sequence-parallel", "tp2-activation-checkpointing", "dp2-zero1", "dp2-tp2-zero2", "dp2-zero3"])
 def test_layout_equals_one_process(parallel, train, zero, ref):
     for got in _run(parallel, train, zero):
         assert_same_training(got, reference(*ref))
@@ -68,3 +70,27 @@ def test_layout_equals_one_process(parallel, train, zero, ref):
 def test_pipeline_with_layer_scope_equals_one_process(schedule):
     for got in _run({"pp": 2, "schedule": schedule}, {"micro_batch": 2, "grad_accum": 4}, model=LAYER):
         assert_same_training(got, reference(2, 4, "layer"))
+
+
+def _continue_at(parallel: dict, source: str, run_dir: str):
+    res = tiny_resolved(model=MOE, parallel=parallel, train={"micro_batch": 8}, run={"dir": run_dir})
+    trainer = Trainer(res, Topology.of(res.recipe.parallel))
+    start = trainer.load_checkpoint(source)
+    result = trainer.fit(start_step=start)
+    return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
+            "params": trainer.full_state_dict()}
+
+
+def test_checkpoint_of_one_process_continues_at_tp2(tmp_path):
+    """The stacked experts, router and gate go through the sharded checkpoint: saved after 5 steps in one process,
+    continued at tp 2 with sequence parallelism exactly as the uninterrupted reference."""
+    res = tiny_resolved(model=MOE, train={"micro_batch": 8}, run={"dir": str(tmp_path / "solo")})
+    trainer = Trainer(res, Topology.solo())
+    for step in range(5):
+        trainer.train_step(step)
+    trainer.save_checkpoint(5)
+    source = str(tmp_path / "solo" / "checkpoints" / "step_00000005")
+    ref = reference(8, 1)
+    ref = {"losses": ref["losses"][5:], "norms": ref["norms"][5:], "val": ref["val"], "params": ref["params"]}
+    for got in run_distributed(_continue_at, 2, {"tp": 2, "sequence_parallel": True}, source, str(tmp_path / "tp2")):
+        assert_same_training(got, ref)
