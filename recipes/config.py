@@ -256,6 +256,8 @@ def _check_type(value, annotation, where: str):
     if value is None and type(None) in options:
         return None
     for kind in options:
+        if typing.get_origin(kind) is tuple and isinstance(value, (list, tuple)):  # an optional array override
+            return _check_type(value, kind, where)
         if kind is bool and isinstance(value, bool):
             return value
         if kind is int and isinstance(value, int) and not isinstance(value, bool):

@@ -94,3 +94,15 @@ def test_checkpoint_of_one_process_continues_at_tp2(tmp_path):
     ref = {"losses": ref["losses"][5:], "norms": ref["norms"][5:], "val": ref["val"], "params": ref["params"]}
     for got in run_distributed(_continue_at, 2, {"tp": 2, "sequence_parallel": True}, source, str(tmp_path / "tp2")):
         assert_same_training(got, ref)
+
+
+def test_recipe_sets_the_moe_fields():
+    """[model] overrides every MoE field, the dense-layer list as a TOML array; bad values are refused by name."""
+    from megazoo.recipes.config import RecipeError
+
+    res = tiny_resolved(model=dict(MOE, moe_dense_layers=[0, 2], n_layer=4))
+    assert res.model.moe_dense_layers == (0, 2) and [i for i in range(4) if res.model.moe_layer(i)] == [1, 3]
+    with pytest.raises(RecipeError, match=r"model.moe_dense_layers\[0\] = 'x' has the wrong type"):
+        tiny_resolved(model=dict(MOE, moe_dense_layers=["x"]))
+    with pytest.raises(RecipeError, match="model.moe_top_k = 9 is larger than model.n_experts = 8"):
+        tiny_resolved(model=dict(MOE, moe_top_k=9))
