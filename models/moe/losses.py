@@ -5,13 +5,21 @@ Mixtral, Qwen2-MoE and Qwen3-MoE): over the N routed rows of all MoE layers toge
 
     aux = E * sum_e (C_e / N) * (P_e / N),    C_e = top-k assignments to expert e, P_e = sum of its probabilities
 
-pooled over the layers before the product (transformers' choice; a per-layer mean would differ). C_e is a count (no
+pooled over the layers before the product (transformers' choice; a per-layer mean would differ). Data
+parallelism (dp x cp ranks, each its own tokens, gradients averaged): C_e and N count every rank's tokens (an
+all-reduce, no gradient) while P_e stays this rank's, over its own rows; the ranks' mean of E sum_e (C_e / N)
+(P_e,r / N_r) is then the whole batch's aux loss, and so is their mean gradient (as Megatron's global aux loss),
+which keeps every data-parallel layout computing one process's function. C_e is a count (no
 gradient); the gradient reaches the router through P_e. Each layer records (C, P, rows) in a RouterStats, so the
 pooled loss needs no logits kept and a layout that splits the tokens (sequence parallelism) sums the statistics.
 
 Router z-loss (ST-MoE, Zoph et al. 2022): mean over rows of logsumexp(logits)^2, pooled over layers the same way
 (sum of squares over all layers' rows / N). Both are added to the training loss with their coefficients
 (ModelConfig.moe_aux_loss_coef, moe_z_loss_coef) by the decoder's `loss`.
+
+moe_aux_loss_scope = "layer" (pipeline stages, which see only their own layers): each layer's own losses, averaged
+over the model's MoE layers, enter backward through `AuxLossScaler` on the layer's output (identity forward; in
+backward the loss term gets gradient 1), so no stage needs another's statistics, as Megatron's MoEAuxLossAutoScaler.
 """
 
 from __future__ import annotations
@@ -27,12 +35,19 @@ class RouterStats:
 
     counts: torch.Tensor  # (E,) int64: top-k assignments routed to each expert
     prob_sum: torch.Tensor  # (E,) router dtype: sum over rows of the softmax probabilities (with gradient)
-    rows: int  # the rows (tokens) routed
+    rows: int  # the rows (tokens) `counts` counts
     z_sum: torch.Tensor  # () sum over rows of logsumexp(logits)^2 (with gradient)
     dropped: torch.Tensor  # () int64: assignments dropped by the capacity factor
+    local_rows: int = 0  # the rows prob_sum and z_sum sum over (0: rows)
+
+    def __post_init__(self):
+        self.local_rows = self.local_rows or self.rows
 
     @staticmethod
-    def of(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+    def of(logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+        """From the router's logits (T, E): the probabilities in the logits' dtype (fp64 in an fp64 run, as
+        transformers' aux loss takes them; the routing itself scores in fp32)."""
+        probs = torch.softmax(logits, dim=-1)
         return RouterStats(counts=counts, prob_sum=probs.sum(0), rows=probs.shape[0],
                            z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(), dropped=dropped)
 
@@ -44,15 +59,45 @@ class RouterStats:
         return RouterStats(reduce_counts(self.counts), reduce_sums(self.prob_sum), self.rows * ranks,
                            reduce_sums(self.z_sum), reduce_counts(self.dropped))
 
+    def counted_over(self, ranks: int, reduce_counts) -> "RouterStats":
+        """The counts of `ranks` data-parallel ranks (dp x cp, each its own tokens, gradients averaged over them),
+        the probabilities this rank's own: then the ranks' mean loss, and their mean gradient, are those of the
+        whole batch's aux loss (module docstring), so every data-parallel layout trains one process's function."""
+        return RouterStats(reduce_counts(self.counts), self.prob_sum, self.rows * ranks, self.z_sum,
+                           reduce_counts(self.dropped), self.local_rows)
+
 
 def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
     """transformers' aux_loss over the given layers (pooled: module docstring)."""
-    rows = sum(s.rows for s in stats)
+    rows, local = sum(s.rows for s in stats), sum(s.local_rows for s in stats)
     counts = sum(s.counts for s in stats).to(stats[0].prob_sum.dtype)
     probs = sum(s.prob_sum for s in stats)
-    return n_experts * (counts / rows * (probs / rows)).sum()
+    return n_experts * (counts / rows * (probs / local)).sum()
 
 
 def z_loss(stats: list[RouterStats]) -> torch.Tensor:
     """Router z-loss, mean over every layer's rows of logsumexp(logits)^2."""
-    return sum(s.z_sum for s in stats) / sum(s.rows for s in stats)
+    return sum(s.z_sum for s in stats) / sum(s.local_rows for s in stats)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """y = x in forward; backward passes dy to x and gradient 1 to `loss` (a scalar already weighted by its
+    coefficient), so the loss is minimised without being added to the value the trainer backpropagates."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def layer_losses(stats: RouterStats, n_experts: int, aux_coef: float, z_coef: float, n_moe_layers: int) -> torch.Tensor:
+    """One layer's weighted share of the "layer"-scope losses: (aux_coef x its load balancing + z_coef x its
+    z-loss) / the model's MoE layers."""
+    loss = aux_coef * load_balancing_loss([stats], n_experts)
+    if z_coef:
+        loss = loss + z_coef * z_loss([stats])
+    return loss / n_moe_layers
