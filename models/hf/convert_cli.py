@@ -245,6 +245,20 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_run(checkpoint: str | Path, out: str | Path, *, lora: bool) -> None:
+    """`checkpoint.export_hf`: a finished run's last checkpoint as an HF folder, as `megazoo convert megazoo-to-hf
+    --verify` writes it (a LoRA run's merged); a failure raises CheckpointError naming the command to retry."""
+    from megazoo.parallel.checkpoint.io import CheckpointError
+
+    args = argparse.Namespace(checkpoint=str(checkpoint), out=str(out), dtype="auto", max_shard_size="5GB",
+                              merge_lora=lora, peft_adapter=False, lora_base=None, tokenizer=None, verify=True,
+                              verify_data=None, verify_tokens=1024, verify_lambada=20)
+    if _run(_megazoo_to_hf)(args) != 0:
+        raise CheckpointError(f"checkpoint.export_hf = {out}: the HF export of {checkpoint} failed (above); the "
+                              f"checkpoint is intact: megazoo convert megazoo-to-hf {checkpoint} --out {out} "
+                              f"--verify{' --merge-lora' if lora else ''}")
+
+
 VERIFY_HELP = ("after converting, run a fixed sample through megazoo and through transformers (fp64) and compare "
                "logits and loss, and score a WikiText and a LAMBADA slice both ways (when the data is found); exit 1 "
                "and write nothing beyond the tolerance (models/hf/convert_verify.py, convert_slices.py)")
