@@ -116,7 +116,7 @@ def test_refused_registration_pins_a_copy(monkeypatch):
 
 LIBRARY = ("data", "eval", "kernels", "models", "parallel", "recipes", "workers")
 # The real runtime, and the fake-CUDA dry run's answers to torch's own questions (autocast asks torch.cuda).
-OWNERS = {REPO / "parallel" / "accelerator.py", REPO / "parallel" / "fake_cuda_stubs.py"}
+OWNERS = {REPO / "parallel" / "accelerator.py", REPO / "parallel" / "simulation" / "fake_cuda_stubs.py"}
 
 
 def _torch_cuda_uses(path: Path) -> list[int]:

@@ -62,7 +62,7 @@ def test_the_tokenizer_loader_sits_above_the_tokenizers():
                    for m in ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])}
         assert "megazoo.data.tokenizers.loading" not in imports, name
     assert {"megazoo.data.tokenizers.gpt2_bpe", "megazoo.data.tokenizers.sentencepiece_tokenizer", "megazoo.data.tokenizers.tokenizer"} <= \
-        _top_level_imports(REPO / "data" / "tokenizer_loading.py")
+        _top_level_imports(REPO / "data" / "tokenizers" / "loading.py")
     # No re-export of the loader, not even a lazy one: nothing below the loader reaches it by any path.
     import megazoo.data.tokenizers.tokenizer as tokenizer
 
