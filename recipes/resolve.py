@@ -288,7 +288,8 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
     try:  # ep divides the experts and dp x cp; top-k fits; the ZeRO choice partitions experts (parallel/expert)
         check_expert_parallel(par.ep, par.dp, par.cp, getattr(cfg, "n_experts", 0), getattr(cfg, "moe_top_k", 0),
                               model=cfg.name, shard_group=recipe.zero.shard_group, hpz=recipe.zero.hpz,
-                              quantized_gradients=recipe.zero.quantized_gradients, optimizer=recipe.optimizer.name)
+                              quantized_gradients=recipe.zero.quantized_gradients, optimizer=recipe.optimizer.name,
+                              lora=recipe.lora.enabled, zero_stage=recipe.zero.stage)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     if par.sequence_parallel and par.tp < 2:

@@ -29,6 +29,8 @@ def test_valid_layouts_pass():
     ((2, 2, 1, 4, 2), {"hpz": True}, r"zero.hpz = True with parallel.ep = 2 is not supported"),
     ((2, 2, 1, 4, 2), {"quantized_gradients": "int8"}, r"zero.quantized_gradients = 'int8' with parallel.ep = 2"),
     ((2, 2, 1, 4, 2), {"optimizer": "onebit_adam"}, r"optimizer.name = 'onebit_adam' with parallel.ep = 2"),
+    ((2, 2, 1, 4, 2), {"lora": True, "zero_stage": 3}, r"lora \(frozen experts\) with parallel.ep = 2 and "
+                                                        r"zero.stage = 3 is not supported.*valid: zero.stage 0, 1 or 2"),
 ])
 def test_refusals_name_field_value_and_valid(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
