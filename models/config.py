@@ -84,6 +84,10 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True
     moe_aux_loss_coef: float = 0.0  # load balancing (Switch / HF's router_aux_loss_coef), added in training
     moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE), added in training
+    # "model": pooled over all MoE layers, as transformers' aux_loss (the decoder's loss adds it; a pipeline stage
+    # does not see the others' layers, so pp > 1 needs "layer"); "layer": each layer's own loss, averaged over the
+    # MoE layers, its gradient injected in that layer's backward (as Megatron's MoEAuxLossAutoScaler)
+    moe_aux_loss_scope: str = "model"
     moe_capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(factor x tokens x k / E) at most
     moe_experts_impl: str = "grouped"  # "grouped": one grouped matmul (torch._grouped_mm) | "loop": per expert
 
@@ -216,6 +220,7 @@ MLPS = ("gelu", "swiglu")
 ROPE_SCALINGS = ("none", "llama3")
 MOE_ROUTERS = ("softmax", "sigmoid_bias")
 MOE_EXPERT_IMPLS = ("grouped", "loop")
+MOE_AUX_SCOPES = ("model", "layer")
 
 
 def check_moe(cfg: ModelConfig) -> None:
@@ -249,6 +254,9 @@ def check_moe(cfg: ModelConfig) -> None:
     if cfg.moe_router == "sigmoid_bias":
         raise ValueError("model.moe_router = 'sigmoid_bias' (DeepSeek-V3's scoring) is reserved and not built yet; "
                          "valid now: 'softmax'")
+    if cfg.moe_aux_loss_scope not in MOE_AUX_SCOPES:
+        raise ValueError(f"model.moe_aux_loss_scope = {cfg.moe_aux_loss_scope!r} is invalid; valid: "
+                         f"{', '.join(repr(v) for v in MOE_AUX_SCOPES)}")
     if cfg.moe_experts_impl not in MOE_EXPERT_IMPLS:
         raise ValueError(f"model.moe_experts_impl = {cfg.moe_experts_impl!r} is invalid; valid: "
                          f"{', '.join(repr(v) for v in MOE_EXPERT_IMPLS)}")

@@ -4,6 +4,11 @@ MFU as PaLM defines it: the FLOPs the model needs (not counting activation recom
 the hardware's peak. Per token of training: 6 x the parameters that take part in matmuls (forward 2, backward
 4) plus 12 x layers x sequence x hidden for the attention scores and their weighted sum (q k^T and p v, full
 square, the usual convention). The hardware's peak is recipes/gpus.py's peak_flops.
+
+Mixture of experts: only the parameters a token uses count (the MFU convention of Megatron-core and torchtitan
+for MoE): the router, the k routed experts it is sent to, the shared experts and their gate; the other E - k
+experts' weights do no work for it. Dropped tokens (a capacity factor) are not subtracted: the count is the
+model's, not the run's.
 """
 
 from __future__ import annotations
@@ -11,20 +16,35 @@ from __future__ import annotations
 from megazoo.models.config import ModelConfig
 
 
-def block_matmul_params(cfg: ModelConfig) -> int:
-    """Weights one block multiplies by: Q and the output projection (d x n_head hd each), K and V (d x n_kv_head hd
-    each: grouped-query attention's are smaller), and the MLP's 2 (GELU) or 3 (SwiGLU: gate, up, down)
-    d x d_ff matrices. GPT-2: 4 d^2 + 2 d d_ff."""
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """Q and the output projection (d x n_head hd each), K and V (d x n_kv_head hd each: grouped-query
+    attention's are smaller)."""
     d, hd = cfg.d_model, cfg.head_dim
+    return 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd
+
+
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """Weights one dense block multiplies by: the attention's and the MLP's 2 (GELU) or 3 (SwiGLU: gate, up,
+    down) d x d_ff matrices. GPT-2: 4 d^2 + 2 d d_ff."""
     mlp_matrices = 3 if cfg.mlp == "swiglu" else 2
-    return 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + mlp_matrices * d * cfg.d_ff
+    return attention_matmul_params(cfg) + mlp_matrices * cfg.d_model * cfg.d_ff
+
+
+def layer_matmul_params(cfg: ModelConfig, index: int) -> int:
+    """Weights block `index` multiplies one token by: block_matmul_params for a dense block; for an MoE block the
+    attention's, the router's E x d, moe_top_k experts' 3 d moe_d_ff, the shared experts' 3 d width and their
+    gate's d."""
+    if not cfg.moe_layer(index):
+        return block_matmul_params(cfg)
+    d = cfg.d_model
+    shared = 3 * d * cfg.moe_shared_experts * cfg.moe_shared_d_ff + (d if cfg.moe_shared_gate else 0)
+    return attention_matmul_params(cfg) + cfg.n_experts * d + cfg.moe_top_k * 3 * d * cfg.moe_d_ff + shared
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, vocab: int | None = None) -> float:
-    """Training FLOPs per token: 6 x matmul parameters (blocks + the output head, tied or not) + 12 x L x s' x
-    n_head hd, with s' the keys a query sees: the sequence, or at most the sliding window."""
+    """Training FLOPs per token: 6 x matmul parameters a token uses (blocks + the output head, tied or not) + 12 x
+    L x s' x n_head hd, with s' the keys a query sees: the sequence, or at most the sliding window."""
     d, vocab = cfg.d_model, vocab or cfg.vocab_size
-    matmul_params = cfg.n_layer * block_matmul_params(cfg) + vocab * d
+    matmul_params = sum(layer_matmul_params(cfg, i) for i in range(cfg.n_layer)) + vocab * d
     keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
     return 6.0 * matmul_params + 12.0 * cfg.n_layer * keys * cfg.n_head * cfg.head_dim
-

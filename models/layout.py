@@ -45,6 +45,9 @@ class ModelConfig(Protocol):
     moe_shared_experts: int
     moe_shared_d_ff: int
     moe_shared_gate: bool
+    moe_aux_loss_coef: float
+    moe_z_loss_coef: float
+    moe_aux_loss_scope: str
 
     def padded_vocab(self, tp: int = 1) -> int: ...
 
@@ -199,6 +202,11 @@ def check_parallel_compat(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
                          f"heads of {cfg.name} (model.n_kv_head = {cfg.n_kv_head}): a rank's query heads must share "
                          f"whole key/value heads (split when tp divides them, replicated when tp is a multiple); "
                          f"valid tp: {valid_tp}")
+    if pp > 1 and cfg.n_experts and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef) \
+            and cfg.moe_aux_loss_scope == "model":
+        raise ValueError(f"parallel.pp = {pp} with model.moe_aux_loss_scope = 'model': the auxiliary losses pooled "
+                         f"over all MoE layers need every layer on one stage; valid: parallel.pp = 1, or "
+                         f"model.moe_aux_loss_scope = 'layer' (each layer's own loss, as Megatron)")
     if pp > cfg.n_layer:
         raise ValueError(f"parallel.pp = {pp} is larger than the number of blocks of {cfg.name} "
                          f"(model.n_layer = {cfg.n_layer} blocks); valid pp: 1..{cfg.n_layer}")

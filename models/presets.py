@@ -1,18 +1,18 @@
 """The preset registry: every model family's frozen ModelConfigs by name (models/gpt2, models/turing_nlg,
-models/llama each hold their PRESETS). It sits above models/config.py and the families, which import only the config,
+models/llama, models/mixtral, models/qwen3 each hold their PRESETS). It sits above models/config.py and the families, which import only the config,
 so nothing imports back.
 """
 
 from __future__ import annotations
 
-from megazoo.models import gpt2, llama, turing_nlg
+from megazoo.models import gpt2, llama, mixtral, qwen3, turing_nlg
 from megazoo.models.config import ModelConfig
 
 
 def presets() -> dict[str, ModelConfig]:
     """Every registered preset, by name."""
     registry: dict[str, ModelConfig] = {}
-    for family in (gpt2.PRESETS, turing_nlg.PRESETS, llama.PRESETS):
+    for family in (gpt2.PRESETS, turing_nlg.PRESETS, llama.PRESETS, mixtral.PRESETS, qwen3.PRESETS):
         for cfg in family:
             assert cfg.name not in registry, f"preset {cfg.name} registered twice"
             registry[cfg.name] = cfg

@@ -173,7 +173,8 @@ class GPT(nn.Module):
         per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
         count = all_reduce_count((targets != -100).sum(), self.topo.cp_group)
         loss = per_token.sum() * self.topo.cp / count.clamp(min=1)
-        if self.training and self.moe_stats():  # MoE: the router's auxiliary losses of the last forward
+        if self.training and self.cfg.moe_aux_loss_scope == "model" and self.moe_stats():  # MoE: the router's
+            # auxiliary losses of the last forward ("layer" scope: each MoE block injects its own in backward)
             loss = loss + self.moe_aux_losses()
         return loss
 

@@ -105,10 +105,12 @@ def _restarts(text: str) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from megazoo.models.presets import presets
-    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'vocab':>8}{'parameters':>18}")
+    print(f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>6}{'positions':>10}{'vocab':>8}{'parameters':>18}"
+          f"{'active (MoE)':>18}")
     for name, cfg in presets().items():
+        active = f"{cfg.num_active_parameters():>18,}" if cfg.n_experts else ""  # the weights one token uses
         print(f"{name:<16}{cfg.n_layer:>7}{cfg.d_model:>8}{cfg.n_head:>6}{cfg.n_positions:>10}{cfg.vocab_size:>8,}"
-              f"{cfg.num_parameters():>18,}")
+              f"{cfg.num_parameters():>18,}{active}")
     print("\nparameters at each preset's own vocabulary (the embedding is vocab x hidden); a recipe that sets "
           "another one\n(model.vocab_size, or a tokenizer trained on its corpus, as the demo's) trains a different "
           "count, which\n`megazoo train` prints with the vocabulary it assumes")

@@ -134,6 +134,7 @@ def hf_model_type(hf_dir: str | Path) -> str:
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
     from megazoo.parallel.checkpoint.consolidate import write_full_checkpoint
     from megazoo.models.hf.llama import FAMILIES
+    from megazoo.models.hf.moe_families import FAMILIES as MOE_FAMILIES
 
     check_out_dir(args.out)  # checked before the (slow) read
     slices = _verify_data(args)
@@ -142,9 +143,11 @@ def _hf_to_megazoo(args: argparse.Namespace) -> int:
         from megazoo.models.hf.gpt2 import read_hf_dir
     elif model_type in FAMILIES:
         from megazoo.models.hf.llama import read_hf_dir
+    elif model_type in MOE_FAMILIES:  # Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3
+        from megazoo.models.hf.moe_families import read_hf_dir
     else:
         raise ValueError(f"{args.hf_dir}: HF model_type {model_type!r} cannot be converted; valid: gpt2, "
-                         f"{', '.join(FAMILIES)}")
+                         f"{', '.join(FAMILIES)}, {', '.join(MOE_FAMILIES)}")
     cfg, full_state = read_hf_dir(args.hf_dir)
     tokenizer = _hf_tokenizer_files(args.hf_dir) if model_type != "gpt2" else []
     try:
@@ -254,6 +257,9 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
     if cfg.positions == "learned":  # the GPT-2 block
         from megazoo.models.hf.gpt2 import export_hf_dir
         family = "GPT-2"
+    elif cfg.n_experts or cfg.qk_norm:  # Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3
+        from megazoo.models.hf.moe_families import export_hf_dir, hf_family
+        family = hf_family(cfg)
     else:
         from megazoo.models.hf.llama import export_hf_dir, hf_family
         family = hf_family(cfg)  # refuses a config no HF family computes, before the read

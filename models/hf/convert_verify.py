@@ -10,6 +10,8 @@ permuted heads, a dropped bias) moves logits by orders of magnitude more than th
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,7 +74,12 @@ def megazoo_logits_fn(cfg: ModelConfig, full_state: dict[str, torch.Tensor]):
 def hf_dir_logits_fn(hf_dir: str | Path):
     from transformers import AutoModelForCausalLM  # GPT2LMHeadModel, or the Llama family's class config.json names
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float64, attn_implementation="eager")
+    # MoE families: transformers' default grouped-matmul experts refuse fp64 on CPU; its per-expert loop takes it
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    experts = {"experts_implementation": "eager"} if config.get("num_local_experts") or config.get("num_experts") \
+        else {}
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float64, attn_implementation="eager",
+                                                 **experts)
     return torch.no_grad()(lambda ids: model.eval()(ids).logits)
 
 

@@ -116,6 +116,9 @@ def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -
 
 def hf_family(cfg: ModelConfig) -> str:
     """The HF family that computes `cfg`'s function: "qwen2", "mistral" or "llama" (see the module docstring)."""
+    if cfg.n_experts or cfg.qk_norm:
+        raise ValueError(f"model {cfg.name} has experts or q/k norms: its HF family is Mixtral / Qwen2-MoE / "
+                         "Qwen3-MoE / Qwen3 (models/hf/moe_families.py)")
     if cfg.norm != "rmsnorm" or cfg.positions != "rotary" or cfg.mlp != "swiglu":
         raise ValueError(f"model {cfg.name} is not Llama-style (norm={cfg.norm!r}, positions={cfg.positions!r}, "
                          f"mlp={cfg.mlp!r}): export it as GPT-2 or set rmsnorm / rotary / swiglu")

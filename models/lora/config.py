@@ -50,6 +50,10 @@ def check_lora(lora: LoRAConfig, cfg: ModelConfig, tp: int = 1) -> None:
     if bad or not lora.targets or len(set(lora.targets)) != len(lora.targets):
         raise ValueError(f"lora.targets = {list(lora.targets)} is invalid for model {cfg.name}: give each at most once"
                          f", from {list(valid)}")
+    mlp_targets = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if cfg.n_experts and mlp_targets:  # the MoE layers' MLP is the stacked experts, which take no adapters
+        raise ValueError(f"lora.targets {mlp_targets} on model {cfg.name}, which has {cfg.n_experts} experts: LoRA on "
+                         f"the experts is not supported; valid targets: {[t for t in valid if t not in mlp_targets]}")
     if "qkv" in lora.targets and {"q", "k", "v"} & set(lora.targets):
         raise ValueError(f"lora.targets = {list(lora.targets)}: 'qkv' already covers q, k and v; give 'qkv' or "
                          "some of q, k, v")

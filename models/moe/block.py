@@ -26,7 +26,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.mlp import SwiGLU
 from megazoo.models.moe.dispatch import TokenDispatcher, make_dispatcher
 from megazoo.models.moe.experts import ExpertComputation
-from megazoo.models.moe.losses import RouterStats
+from megazoo.models.moe.losses import AuxLossScaler, RouterStats, layer_losses
 from megazoo.models.moe.router import Router, route
 from megazoo.parallel.tensor import SequenceParallel, ShardSpec, reduce_from_tp_region
 from megazoo.parallel.tensor.sequence import plain
@@ -80,15 +80,19 @@ class MoE(nn.Module):
         rows = x.reshape(-1, shape[-1])  # (T, d)
         logits = self.router(rows)  # (T, E) fp32
         cfg = self.cfg
-        weights, indices, probs = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob)
+        weights, indices, _ = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob)
         done = self.dispatcher(rows, weights, indices, self.experts)
-        stats = RouterStats.of(logits, probs, done.counts, done.dropped)
+        stats = RouterStats.of(logits, done.counts, done.dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
             group = self.sequence_parallel.group  # the sums: all-reduce forward, identity backward
             stats = stats.reduced(self.topo.tp, lambda t: reduce_from_tp_region(t.detach(), group),
                                   lambda t: reduce_from_tp_region(t, group))
         self.stats = stats
         out = done.out.view(shape)
+        if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
+            n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
+            out = AuxLossScaler.apply(out, layer_losses(stats, cfg.n_experts, cfg.moe_aux_loss_coef,
+                                                        cfg.moe_z_loss_coef, n_moe))
         if cfg.moe_shared_experts:
             shared = self.shared(x)
             if cfg.moe_shared_gate:

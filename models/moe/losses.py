@@ -12,6 +12,10 @@ pooled loss needs no logits kept and a layout that splits the tokens (sequence p
 Router z-loss (ST-MoE, Zoph et al. 2022): mean over rows of logsumexp(logits)^2, pooled over layers the same way
 (sum of squares over all layers' rows / N). Both are added to the training loss with their coefficients
 (ModelConfig.moe_aux_loss_coef, moe_z_loss_coef) by the decoder's `loss`.
+
+moe_aux_loss_scope = "layer" (pipeline stages, which see only their own layers): each layer's own losses, averaged
+over the model's MoE layers, enter backward through `AuxLossScaler` on the layer's output (identity forward; in
+backward the loss term gets gradient 1), so no stage needs another's statistics, as Megatron's MoEAuxLossAutoScaler.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ class RouterStats:
     dropped: torch.Tensor  # () int64: assignments dropped by the capacity factor
 
     @staticmethod
-    def of(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+    def of(logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
+        """From the router's logits (T, E): the probabilities in the logits' dtype (fp64 in an fp64 run, as
+        transformers' aux loss takes them; the routing itself scores in fp32)."""
+        probs = torch.softmax(logits, dim=-1)
         return RouterStats(counts=counts, prob_sum=probs.sum(0), rows=probs.shape[0],
                            z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(), dropped=dropped)
 
@@ -56,3 +63,26 @@ def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tenso
 def z_loss(stats: list[RouterStats]) -> torch.Tensor:
     """Router z-loss, mean over every layer's rows of logsumexp(logits)^2."""
     return sum(s.z_sum for s in stats) / sum(s.rows for s in stats)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """y = x in forward; backward passes dy to x and gradient 1 to `loss` (a scalar already weighted by its
+    coefficient), so the loss is minimised without being added to the value the trainer backpropagates."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def layer_losses(stats: RouterStats, n_experts: int, aux_coef: float, z_coef: float, n_moe_layers: int) -> torch.Tensor:
+    """One layer's weighted share of the "layer"-scope losses: (aux_coef x its load balancing + z_coef x its
+    z-loss) / the model's MoE layers."""
+    loss = aux_coef * load_balancing_loss([stats], n_experts)
+    if z_coef:
+        loss = loss + z_coef * z_loss([stats])
+    return loss / n_moe_layers

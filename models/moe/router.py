@@ -1,10 +1,11 @@
 """The router: which experts each token goes to, and with what weight.
 
-logits = x W_r^T computed in fp32 (fp64 when the run is fp64): at bf16 the softmax over many experts loses the
-small differences that decide the top-k, so every peer (Megatron's moe_router_dtype, transformers' float softmax)
-routes in fp32. Scoring "softmax" (Mixtral, Qwen2-MoE, Qwen3-MoE): probabilities over all experts, the top-k of
-them, renormalised to sum 1 when norm_topk_prob (Mixtral always; Qwen3-MoE by config) or kept as they are
-(Qwen2-MoE). torch.topk picks the experts; equal probabilities keep torch.topk's order on every rank and layout,
+logits = x W_r^T computed in fp32 (fp64 when the run is fp64), and the scores from them in fp32: at bf16 the
+softmax over many experts loses the small differences that decide the top-k, so every peer (Megatron's
+moe_router_dtype, transformers' float softmax) routes in fp32. transformers scores in fp32 even in an fp64 model,
+and so do we, so an fp64 export check matches it to 1e-10. Scoring "softmax" (Mixtral, Qwen2-MoE, Qwen3-MoE):
+probabilities over all experts, the top-k of them, renormalised to sum 1 when norm_topk_prob (Mixtral always;
+Qwen3-MoE by config) or kept as they are (Qwen2-MoE). torch.topk picks the experts; equal probabilities keep torch.topk's order on every rank and layout,
 since every layout scores the same token with the same fp32 arithmetic.
 
 W_r is replicated over tp; under sequence parallelism each tp rank routes its own positions, so the weight passes
@@ -27,10 +28,10 @@ def router_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
           norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights (T, k), indices (T, k) int64, probs (T, E)) from router logits (T, E) in the router's dtype."""
+    """(weights (T, k) fp32, indices (T, k) int64, probs (T, E) fp32) from router logits (T, E)."""
     if scoring != "softmax":
         raise ValueError(f"model.moe_router = {scoring!r} is not built; valid: 'softmax'")
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)
     weights, indices = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         raise FitUsageError(str(err)) from None
     where = f"{cfg.name}" + (f" on {gpu.name}" if gpu else f" on a {capacity:g} GB GPU")
     print(f"Memory plan: {where} (GB = 1e9 bytes, per device)")
+    if cfg.n_experts:  # FLOPs (models/flops.py) count the active ones
+        print(f"  model: {cfg.num_parameters():,} parameters, {cfg.num_active_parameters():,} active per token "
+              f"({cfg.moe_top_k} of {cfg.n_experts} experts)")
     for line in mem.lines():
         print(line)
     print(f"  largest micro-batch that fits this layout: {best}" + (" (none: not even 1)" if not best else ""))

@@ -65,6 +65,9 @@ def test_presets_lists_exact_counts():
     # which vocabulary each count assumes: the demo trains gpt2-tiny at its own 8,192-token BPE, not GPT-2's 50,257
     assert "   vocab " in out.stdout.splitlines()[0] and "50,257" in out.stdout
     assert "parameters at each preset's own vocabulary" in out.stdout
+    # MoE presets: total and active (the weights one token uses), equal to transformers' (tests/models/moe/)
+    assert "active (MoE)" in out.stdout.splitlines()[0]
+    assert "30,532,122,624     3,353,032,704" in out.stdout and "46,702,792,704    12,879,925,248" in out.stdout
 
 
 def test_version():

@@ -119,9 +119,9 @@ def test_aux_loss_pools_layers_as_transformers_and_z_loss_is_its_formula():
     logits = [torch.randn(10, 4, generator=g) for _ in range(3)]
     stats = []
     for layer in logits:
-        _, indices, probs = route(layer, 2)
+        _, indices, _ = route(layer, 2)
         counts = torch.bincount(indices.reshape(-1), minlength=4)
-        stats.append(RouterStats.of(layer, probs, counts, torch.zeros((), dtype=torch.int64)))
+        stats.append(RouterStats.of(layer, counts, torch.zeros((), dtype=torch.int64)))
     theirs = load_balancing_loss_func(tuple(logits), 4, 2)
     assert abs(load_balancing_loss(stats, 4).item() - theirs.item()) < 1e-6
     every = torch.cat(logits)
@@ -165,3 +165,60 @@ def test_layer_selection_and_the_tp_check_of_shared_experts():
     shared = CFG.replace(moe_shared_experts=1, moe_shared_d_ff=6)
     with pytest.raises(ValueError, match="parallel.tp = 4 does not divide the shared experts' width"):
         GPT(shared, Topology(tp=4, tp_rank=0), device="meta")
+
+
+def test_layer_scope_injects_each_layers_own_loss_in_backward():
+    """moe_aux_loss_scope = "layer": the value the decoder returns is the cross-entropy alone, and the gradients are
+    those of cross-entropy + the mean over MoE layers of each layer's weighted aux and z-losses."""
+    from megazoo.models.moe.losses import layer_losses
+
+    layered = CFG.replace(moe_aux_loss_scope="layer", moe_aux_loss_coef=0.3, moe_z_loss_coef=0.05)
+    loss, grads, model = _model_loss(layered)
+    plain, ref_grads, ref_model = _model_loss(CFG)  # the same weights, no loss added by the decoder
+    assert abs(loss.item() - plain.item()) < 1e-6
+    ref_model.zero_grad()
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=_gen(1))
+    total = ref_model.loss(ref_model(ids), ids)
+    total = total + sum(layer_losses(s, 4, 0.3, 0.05, 2) for s in ref_model.moe_stats())
+    total.backward()
+    for name, param in ref_model.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-7), name
+    assert not torch.allclose(grads["h.0.mlp.router.weight"], ref_grads["h.0.mlp.router.weight"])
+
+
+def test_pipeline_stages_need_the_layer_scope():
+    from megazoo.models.layout import check_parallel_compat
+
+    pooled = CFG.replace(moe_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match="parallel.pp = 2 with model.moe_aux_loss_scope = 'model'"):
+        check_parallel_compat(pooled, 1, 2)
+    check_parallel_compat(pooled.replace(moe_aux_loss_scope="layer"), 1, 2)
+    check_parallel_compat(CFG, 1, 2)  # no auxiliary loss: nothing to pool
+
+
+def test_bf16_autocast_and_bf16_weights_run_the_grouped_path_close_to_fp32():
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=_gen(1))
+    fp32, _, model = _model_loss(CFG)
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = model.loss(model(ids), ids)
+    autocast.backward()
+    assert model.h["0"].mlp.experts.c_fc.weight.grad.dtype == torch.float32
+    bf16, grads, _ = _model_loss(CFG, dtype=torch.bfloat16)
+    assert abs(autocast.item() - fp32.item()) < 2e-2 and abs(bf16.item() - fp32.item()) < 5e-2
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_lora_on_attention_of_an_moe_model_and_experts_refused():
+    from megazoo.models.lora.adapters import attach_lora
+    from megazoo.models.lora.config import LoRAConfig, check_lora
+
+    with pytest.raises(ValueError, match=r"lora.targets \['gate', 'down'\] on model moe-test, which has 4 experts"):
+        check_lora(LoRAConfig(rank=4, targets=("q", "gate", "down")), CFG)
+    model = GPT(CFG, Topology.solo())
+    init_weights(model, 0)
+    attach_lora(model, LoRAConfig(rank=4, targets=("q", "k", "v", "o")))
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=_gen(1))
+    model.loss(model(ids), ids).backward()
+    adapters = [n for n, p in model.named_parameters() if "lora" in n and p.grad is not None]
+    assert len(adapters) == 2 * 4 * CFG.n_layer

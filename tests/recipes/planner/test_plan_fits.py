@@ -82,3 +82,11 @@ def test_search_ranks_fitting_layouts_by_the_cost_model(capsys):
 def test_existing_planner_output_is_unchanged(capsys):
     code, out, _ = run_cli(capsys, "--params", "7.5e9", "--dp", "64", "--paper")
     assert code == 0 and "| 3 (P_os+g+p) | 0.234 | 0.234 | 1.41 | 1.88 |" in out and "fits:" not in out
+
+
+def test_moe_plan_names_total_and_active_parameters(capsys):
+    """An MoE preset's plan says how many parameters it holds and how many a token uses (FLOPs count those)."""
+    code, out, _ = run_cli(capsys, "--model", "qwen3-30b-a3b", "--gpu-memory", "80")
+    assert "model: 30,532,122,624 parameters, 3,353,032,704 active per token (8 of 128 experts)" in out
+    code, out, _ = run_cli(capsys, "--model", "gpt2-1.5b", "--gpu-memory", "80")
+    assert "active per token" not in out
