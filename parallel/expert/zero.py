@@ -44,11 +44,12 @@ def expert_topology(topo: Topology) -> Topology:
         dp_intra_group=topo.edp_group, dp_inter_group=None, ep=1, ep_group=None, edp_group=None)
 
 
-class _JointLedger:
-    """Both halves' CommLedgers as one (what the Trainer resets and sums per step)."""
+class JointLedger:
+    """Both halves' CommLedgers as one (what the Trainer resets and sums per step), and any others a caller adds
+    (the MoE layers' dispatchers: their all-to-all bytes count in the step's traffic)."""
 
     def __init__(self, *ledgers: CommLedger):
-        self.ledgers = ledgers
+        self.ledgers = list(ledgers)
 
     def reset(self) -> None:
         for ledger in self.ledgers:
@@ -98,7 +99,7 @@ class ExpertSplitZero:
         self.dense, self.experts, self.topo = dense, experts, topo
         self.halves = (dense, experts)
         self.optimizer = _JointOptimizer(dense.optimizer, experts.optimizer)
-        self.comm = _JointLedger(dense.comm, experts.comm)
+        self.comm = JointLedger(dense.comm, experts.comm)
         if hasattr(dense, "stage"):
             self.stage = dense.stage
 

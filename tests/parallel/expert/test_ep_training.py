@@ -59,13 +59,14 @@ def _on_ranks(parallel: dict, micro_batch: int, grad_accum: int, zero: dict | No
         moe = next(block.mlp for block in trainer.chunks[0].h.values() if hasattr(block.mlp, "dispatcher"))
         return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
                 "params": trainer.full_state_dict(), "local_experts": moe.dispatcher.local_experts,
-                "ep_rank": topo.ep_rank}
+                "ep_rank": topo.ep_rank, "all_to_all": trainer.zero.comm.bytes.get("all_to_all", 0)}
 
     results = run_distributed(work, res.world_size)
     ep = par.ep
     for got in results:  # each rank held only its ep rank's block of experts
         n = MOE["n_experts"] // ep
         assert got["local_experts"] == range(got["ep_rank"] * n, (got["ep_rank"] + 1) * n)
+        assert got.pop("all_to_all") > 0  # the last step's all-to-alls count in the step's traffic
     return results
 
 
