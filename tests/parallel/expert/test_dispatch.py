@@ -154,7 +154,7 @@ def test_fake_tensors_route_uniformly_and_count_the_formula():
 
     from megazoo.parallel.simulation.fake_world import fake_process_group, fake_tensors
 
-X
+    ep, t = 4, 10  # 20 (token, expert) rows: 5 per rank, 15 of them leave it, in each of the 4 all-to-alls
     with fake_process_group(1, ep), fake_tensors():
         dispatcher = ExpertDispatcher(2 * ep, dist.group.WORLD)
         w1, w2 = (torch.empty(2, *shape, dtype=torch.float64, requires_grad=True) for shape in ((D, F), (F, D)))
