@@ -247,12 +247,12 @@ class Recipe:
 
 def _check_type(value, annotation, where: str):
     """Return value converted to the annotated type, or raise a RecipeError naming the key."""
-    if typing.get_origin(annotation) is tuple:  # tuple[X, ...]: a TOML array of X
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if typing.get_origin(options[0]) is tuple and value is not None:  # tuple[X, ...] (| None): a TOML array of X
         if not isinstance(value, (list, tuple)):
             raise RecipeError(f"recipe key {where} = {value!r} has the wrong type: expected an array")
-        inner = typing.get_args(annotation)[0]
+        inner = typing.get_args(options[0])[0]
         return tuple(_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if value is None and type(None) in options:
         return None
     for kind in options:

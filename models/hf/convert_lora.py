@@ -69,6 +69,9 @@ def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str
     if cfg.positions == "learned":
         from megazoo.models.hf.gpt2 import export_hf_dir
         family = "GPT-2"
+    elif cfg.n_experts or cfg.qk_norm:  # Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3
+        from megazoo.models.hf.moe_families import export_hf_dir, hf_family
+        family = hf_family(cfg)
     else:
         from megazoo.models.hf.llama import export_hf_dir, hf_family
         family = hf_family(cfg)

@@ -87,6 +87,10 @@ class MoE(nn.Module):
             group = self.sequence_parallel.group  # the sums: all-reduce forward, identity backward
             stats = stats.reduced(self.topo.tp, lambda t: reduce_from_tp_region(t.detach(), group),
                                   lambda t: reduce_from_tp_region(t, group))
+        if self.topo.grad_size > 1 and self.training:  # data-parallel ranks: the whole batch's expert counts
+            # (losses.py); in training only, where every rank runs the same forwards (eval may split unevenly)
+            group = self.topo.grad_group
+            stats = stats.counted_over(self.topo.grad_size, lambda t: reduce_from_tp_region(t.detach(), group))
         self.stats = stats
         out = done.out.view(shape)
         if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):

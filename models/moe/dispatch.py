@@ -50,7 +50,9 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     """(order (T k,), counts (E,)): order lists the flattened assignments expert by expert (stable: token order
     inside an expert); assignment a is token a // k's choice a % k."""
     flat = indices.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=n_experts)
+    # a scatter-add, not bincount: its (E,) shape does not depend on the values (fake tensors, the dry run)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
 
 
 def within_capacity(sorted_experts: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:

@@ -5,7 +5,11 @@ Mixtral, Qwen2-MoE and Qwen3-MoE): over the N routed rows of all MoE layers toge
 
     aux = E * sum_e (C_e / N) * (P_e / N),    C_e = top-k assignments to expert e, P_e = sum of its probabilities
 
-pooled over the layers before the product (transformers' choice; a per-layer mean would differ). C_e is a count (no
+pooled over the layers before the product (transformers' choice; a per-layer mean would differ). Data
+parallelism (dp x cp ranks, each its own tokens, gradients averaged): C_e and N count every rank's tokens (an
+all-reduce, no gradient) while P_e stays this rank's, over its own rows; the ranks' mean of E sum_e (C_e / N)
+(P_e,r / N_r) is then the whole batch's aux loss, and so is their mean gradient (as Megatron's global aux loss),
+which keeps every data-parallel layout computing one process's function. C_e is a count (no
 gradient); the gradient reaches the router through P_e. Each layer records (C, P, rows) in a RouterStats, so the
 pooled loss needs no logits kept and a layout that splits the tokens (sequence parallelism) sums the statistics.
 
@@ -31,9 +35,13 @@ class RouterStats:
 
     counts: torch.Tensor  # (E,) int64: top-k assignments routed to each expert
     prob_sum: torch.Tensor  # (E,) router dtype: sum over rows of the softmax probabilities (with gradient)
-    rows: int  # the rows (tokens) routed
+    rows: int  # the rows (tokens) `counts` counts
     z_sum: torch.Tensor  # () sum over rows of logsumexp(logits)^2 (with gradient)
     dropped: torch.Tensor  # () int64: assignments dropped by the capacity factor
+    local_rows: int = 0  # the rows prob_sum and z_sum sum over (0: rows)
+
+    def __post_init__(self):
+        self.local_rows = self.local_rows or self.rows
 
     @staticmethod
     def of(logits: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> "RouterStats":
@@ -51,18 +59,25 @@ class RouterStats:
         return RouterStats(reduce_counts(self.counts), reduce_sums(self.prob_sum), self.rows * ranks,
                            reduce_sums(self.z_sum), reduce_counts(self.dropped))
 
+    def counted_over(self, ranks: int, reduce_counts) -> "RouterStats":
+        """The counts of `ranks` data-parallel ranks (dp x cp, each its own tokens, gradients averaged over them),
+        the probabilities this rank's own: then the ranks' mean loss, and their mean gradient, are those of the
+        whole batch's aux loss (module docstring), so every data-parallel layout trains one process's function."""
+        return RouterStats(reduce_counts(self.counts), self.prob_sum, self.rows * ranks, self.z_sum,
+                           reduce_counts(self.dropped), self.local_rows)
+
 
 def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
     """transformers' aux_loss over the given layers (pooled: module docstring)."""
-    rows = sum(s.rows for s in stats)
+    rows, local = sum(s.rows for s in stats), sum(s.local_rows for s in stats)
     counts = sum(s.counts for s in stats).to(stats[0].prob_sum.dtype)
     probs = sum(s.prob_sum for s in stats)
-    return n_experts * (counts / rows * (probs / rows)).sum()
+    return n_experts * (counts / rows * (probs / local)).sum()
 
 
 def z_loss(stats: list[RouterStats]) -> torch.Tensor:
     """Router z-loss, mean over every layer's rows of logsumexp(logits)^2."""
-    return sum(s.z_sum for s in stats) / sum(s.rows for s in stats)
+    return sum(s.z_sum for s in stats) / sum(s.local_rows for s in stats)
 
 
 class AuxLossScaler(torch.autograd.Function):

@@ -109,6 +109,18 @@ def _grad_accum(recipe: Recipe, pp: int) -> int:
     return ga
 
 
+def moe_experts(cfg, n_layer: int, d_model: int) -> dict:
+    """The MoE fields of the shrunk model: 4 experts (top-2 at most), widths at the preset's ratios."""
+    width = lambda f: max(2, 2 * round(d_model * f / cfg.d_model / 2))  # noqa: E731 (even: tp <= 2)
+    fields = dict(n_experts=min(cfg.n_experts, 4), moe_top_k=min(cfg.moe_top_k, 2), moe_d_ff=width(cfg.moe_d_ff),
+                  moe_shared_d_ff=width(cfg.moe_shared_d_ff), moe_every=min(cfg.moe_every, n_layer),
+                  moe_first_dense=min(cfg.moe_first_dense, n_layer - 1),
+                  moe_dense_layers=tuple(i for i in cfg.moe_dense_layers if i < n_layer))
+    if not any(cfg.replace(n_layer=n_layer, **fields).moe_layer(i) for i in range(n_layer)):
+        fields.update(moe_first_dense=0, moe_dense_layers=())
+    return fields
+
+
 def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu") -> VerifyPlan:
     """The layout and reference runs for `recipe`; raises RecipeError (before any process) when the recipe is
     invalid at its own size or `steps` is not positive. `precision` "own": both runs in the recipe's precision
@@ -141,6 +153,9 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         model_over["n_kv_head"] = 1 if cfg.n_kv_head == 1 else heads // 2  # split over tp <= 2 as in the recipe
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
+    model_over["head_dim"] = head_dim  # Qwen3's heads wider than d_model / n_head shrink like the others
+    if cfg.n_experts:  # a few small experts, routed as the recipe's; its dense-layer pattern where it still fits
+        model_over.update(moe_experts(cfg, n_layer, d_model))
     model = replace(checkable.model, from_checkpoint=False, **model_over)
     if checkable.model.from_checkpoint:  # the checkpoint's architecture options, on the shrunk sizes
         model = replace(model, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)

@@ -3,8 +3,9 @@ warmup and clipping, the training loss including the load-balancing and z-losses
 (router, stacked experts, the shared expert and its gate, Qwen3's q/k norms) equal to one process within 1e-10.
 
 The model: qwen3-moe-tiny shrunk to 3 layers (MoE, dense, MoE: mlp_only_layers = [1]), 8 experts, top-2, heads of
-32 (not d_model / n_head), with a gated shared expert added and a z-loss. Data parallelism: each rank's aux loss is
-its own micro-batch's (as Megatron's), so the reference runs the same micro-batches one after the other (grad_accum).
+32 (not d_model / n_head), with a gated shared expert added and a z-loss. Data parallelism: the expert counts of the
+aux loss are the whole batch's (all-reduced over dp x cp), so dp 2 x micro-batch 4 equals one process's micro-batch
+8 (as Megatron's global aux loss); accumulation steps do not pool (each is its own micro-batch's aux loss).
 Expert parallelism is parallel/expert/'s (its own tests)."""
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def test_reference_learns_and_holds_the_moe_parameters():
     ({"tp": 2}, {"micro_batch": 8}, None, (8, 1)),
     ({"tp": 2, "sequence_parallel": True}, {"micro_batch": 8}, None, (8, 1)),
     ({"tp": 2}, {"micro_batch": 8, "activation_checkpointing": True}, None, (8, 1)),
-    ({"dp": 2}, {"micro_batch": 4}, {"stage": 1}, (4, 2)),
-    ({"dp": 2, "tp": 2}, {"micro_batch": 4}, {"stage": 2}, (4, 2)),
-    ({"dp": 2}, {"micro_batch": 4}, {"stage": 3}, (4, 2)),
-], ids=["tp2", "tp2-sequence-parallel", "tp2-activation-checkpointing", "dp2-zero1", "dp2-tp2-zero2", "dp2-zero3"])
+    ({"dp": 2}, {"micro_batch": 4}, {"stage": 1}, (8, 1)),
+    ({"dp": 2, "tp": 2}, {"micro_batch": 4}, {"stage": 2}, (8, 1)),
+    ({"dp": 2}, {"micro_batch": 4}, {"stage": 3}, (8, 1)),
+    ({"cp": 2, "cp_attention": "ring"}, {"micro_batch": 8}, None, (8, 1)),
+], ids=["tp2", "tp2-sequence-parallel", "tp2-activation-checkpointing", "dp2-zero1", "dp2-tp2-zero2", "dp2-zero3",
+        "cp2-ring"])
 def test_layout_equals_one_process(parallel, train, zero, ref):
     for got in _run(parallel, train, zero):
         assert_same_training(got, reference(*ref))
@@ -94,3 +97,15 @@ def test_checkpoint_of_one_process_continues_at_tp2(tmp_path):
     ref = {"losses": ref["losses"][5:], "norms": ref["norms"][5:], "val": ref["val"], "params": ref["params"]}
     for got in run_distributed(_continue_at, 2, {"tp": 2, "sequence_parallel": True}, source, str(tmp_path / "tp2")):
         assert_same_training(got, ref)
+
+
+def test_recipe_sets_the_moe_fields():
+    """[model] overrides every MoE field, the dense-layer list as a TOML array; bad values are refused by name."""
+    from megazoo.recipes.config import RecipeError
+
+    res = tiny_resolved(model=dict(MOE, moe_dense_layers=[0, 2], n_layer=4))
+    assert res.model.moe_dense_layers == (0, 2) and [i for i in range(4) if res.model.moe_layer(i)] == [1, 3]
+    with pytest.raises(RecipeError, match=r"model.moe_dense_layers\[0\] = 'x' has the wrong type"):
+        tiny_resolved(model=dict(MOE, moe_dense_layers=["x"]))
+    with pytest.raises(RecipeError, match="model.moe_top_k = 9 is larger than model.n_experts = 8"):
+        tiny_resolved(model=dict(MOE, moe_top_k=9))
