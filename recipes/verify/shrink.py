@@ -174,7 +174,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         # both runs start from the same initial weights without them
         checkpoint=replace(checkable.checkpoint, load=""),
         parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0),
-                         node_size=_shrunk_node_size(par.node_size, deg), ep=_shrunk_ep(par.ep, deg, cfg.n_experts)),
+                         node_size=_shrunk_node_size(par.node_size, deg),
+                         ep=_shrunk_ep(par.ep, deg, model.n_experts or 0)),
         train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
                       seq_len=seq, lr=LR, min_lr=MIN_LR, warmup_steps=1, lr_decay_steps=None,
                       precision=run_precision, eval_every=0, eval_batches=1),
@@ -187,15 +188,11 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     # fp64: one process holding the global micro-batch; own precision: the layout's dp ranks, plain data
     # parallelism (the same micro-batches, so the same rounding of each sample's forward and backward)
     ref_dp, ref_micro = (deg["dp"], MICRO_BATCH) if own else (1, MICRO_BATCH * deg["dp"])
-    ref_ga = ga
-    if cfg.n_experts and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef) and not own:
-        # the router losses are per micro-batch: one process runs the dp ranks' micro-batches one after another
-        ref_micro, ref_ga = MICRO_BATCH, ga * deg["dp"]
     reference = replace(
         layout,
         parallel=replace(layout.parallel, dp=ref_dp, tp=1, pp=1, cp=1, schedule="1f1b", virtual_stages=1,
                          partition="uniform", sequence_parallel=False, node_size=0, ep=1),
-        train=replace(layout.train, micro_batch=ref_micro, grad_accum=ref_ga, activation_checkpointing=False),
+        train=replace(layout.train, micro_batch=ref_micro, activation_checkpointing=False),
         zero=replace(layout.zero, stage=0, offload="none"),
         optimizer=replace(layout.optimizer, name="adamw"),
     )
