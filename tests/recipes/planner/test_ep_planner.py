@@ -63,3 +63,35 @@ def test_ep_shrinks_per_rank_states():
     one, two = (device_memory(cfg, Layout(dp=4, zero=1, precision="fp32", ep=ep), 80) for ep in (1, 2))
     assert two.psi < one.psi and two.model_states < one.model_states
     assert "experts over ep=2" in two.layout.describe()
+
+
+def test_search_tries_ep_and_costs_its_all_to_alls():
+    """`plan --search` lays an MoE model out at every ep dividing dp and the experts (flat ZeRO only, as resolve
+    demands); each ep > 1 candidate's all-to-all term is the formula's bytes over the link its ep ranks use."""
+    from megazoo.models.presets import presets
+    from megazoo.parallel.expert import all_to_all_bytes
+    from megazoo.recipes.gpus import GPUS
+    from dataclasses import replace
+
+    from megazoo.recipes.planner.cost_model import CostModel, search, step_time
+
+    cfg = presets()["mixtral-8x7b"]
+    cm = CostModel.for_gpu(GPUS["a100-80gb"])
+    found = search(cfg, 64, 80, cm, global_batch=64, seq_len=4096, max_pp=4, zero_stages=(1,))
+    eps = {c.layout.ep for c in found}
+    assert max(eps) > 1 and eps <= {1, 2, 4, 8}, eps
+    best = found[0].layout  # Mixtral 8x7B at ZeRO-1 on 64 A100s fits only with its experts split
+    assert best.ep > 1 and not device_memory(cfg, replace(best, ep=1), 80).fits
+    for c in found:
+        lay = c.layout
+        assert lay.dp % lay.ep == 0 and cfg.n_experts % lay.ep == 0
+        assert lay.ep == 1 or lay.sharding == "flat"
+        if lay.ep > 1:
+            layers = -(-cfg.n_layer // lay.pp)
+            bw = cm.intra_node_bw if lay.tp * lay.ep <= cm.per_node else cm.inter_node_bw
+            per_layer = all_to_all_bytes(lay.seq_len * lay.micro_batch, 2, cfg.d_model, lay.ep, 2,
+                                         6 if lay.checkpointing else 4)
+            assert c.time.ep_comm == layers * lay.grad_accum * per_layer / bw
+        else:
+            assert c.time.ep_comm == 0
+        assert c.time == step_time(cfg, lay, c.memory.psi, cm)
