@@ -44,3 +44,13 @@ def test_resolver_refuses_before_any_process():
         tiny_resolved(parallel={"ep": 0})
     with pytest.raises(RecipeError, match=r"unknown key|epp"):
         tiny_resolved(parallel={"epp": 2})
+    moe = {"preset": "llama-tiny", "n_layer": 2, "d_model": 32, "d_ff": 48, "vocab_size": 300, "n_experts": 4,
+           "moe_top_k": 2, "moe_d_ff": 16}
+    with pytest.raises(RecipeError, match=r"parallel.ep = 3 does not divide the 4 routed experts of llama-tiny "
+                                          r"\(model.n_experts\); valid: \[1\]"):
+        tiny_resolved(model=moe, parallel={"dp": 3, "ep": 3}, train={"micro_batch": 1})
+    with pytest.raises(RecipeError, match=r"parallel.ep = 4 does not divide parallel.dp x parallel.cp = 2 x 1"):
+        tiny_resolved(model=moe, parallel={"dp": 2, "ep": 4})
+    with pytest.raises(RecipeError, match=r"lora \(frozen experts\) with parallel.ep = 2 and zero.stage = 3"):
+        tiny_resolved(model=moe, parallel={"dp": 2, "ep": 2}, zero={"stage": 3}, lora={"rank": 4})
+    assert tiny_resolved(model=moe, parallel={"dp": 2, "ep": 2}).recipe.parallel.ep == 2
