@@ -89,10 +89,10 @@ def test_dp4_is_ep2_by_edp2(reference, zero):
         assert_same_training(got, reference)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_ep2_with_tp2(reference, sp):
+@pytest.mark.parametrize("sp, zero", [(False, 0), (True, 0), (True, 3)])
+def test_ep2_with_tp2(reference, sp, zero):
     """Experts at expert-tp 1 (replicated over tp), attention and shared experts at tp 2."""
-    for got in _on_ranks({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": sp}, 4, 1):
+    for got in _on_ranks({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": sp}, 4, 1, {"stage": zero}):
         assert_same_training(got, reference)
 
 
