@@ -130,7 +130,8 @@ def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
     try:  # ep divides the experts and dp x cp; top-k fits; the ZeRO choice partitions experts (parallel/expert)
         check_expert_parallel(par.ep, par.dp, par.cp, getattr(cfg, "n_experts", 0), getattr(cfg, "moe_top_k", 0),
                               model=cfg.name, shard_group=recipe.zero.shard_group, hpz=recipe.zero.hpz,
-                              quantized_gradients=recipe.zero.quantized_gradients, optimizer=recipe.optimizer.name)
+                              quantized_gradients=recipe.zero.quantized_gradients, optimizer=recipe.optimizer.name,
+                              lora=recipe.lora.enabled, zero_stage=recipe.zero.stage)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     _check_nodes(recipe)

@@ -75,7 +75,7 @@ def to_megazoo(family: str, cfg: ModelConfig, name: str, shape: tuple[int, ...],
     if fused is not None and fused in hf_state:
         return hf_state[fused], [fused]
     names = hf_names(family, cfg, name)
-    if family == "mixtral" and not names[0] in hf_state and ".block_sparse_moe." in names[0]:
+    if family == "mixtral" and names[0] not in hf_state and ".block_sparse_moe." in names[0]:
         names = [n.replace(".block_sparse_moe.", ".mlp.") for n in names]  # transformers 5's router name
     if any(n not in hf_state for n in names):
         return None, [n for n in names if n not in hf_state]

@@ -11,5 +11,5 @@ from megazoo.parallel.expert.comms import all_to_all_bytes, all_to_all_uneven, e
 from megazoo.parallel.expert.dispatch import (ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine,
                                              exchange_rows, local_expert_range)
 
-__all__ = ["CommLedger", "ExpertDispatcher", "ExpertsFn", "all_to_all_bytes", "all_to_all_uneven", "check_expert_split", "dispatch_combine",
-           "exchange_counts", "exchange_rows", "local_expert_range"]
+__all__ = ["CommLedger", "ExpertDispatcher", "ExpertsFn", "all_to_all_bytes", "all_to_all_uneven", "check_expert_split",
+           "dispatch_combine", "exchange_counts", "exchange_rows", "local_expert_range"]

@@ -1,9 +1,9 @@
 """The communication of expert parallelism, over the ep group of the Topology.
 
-| function              | forward                                               | backward                              |
-|-----------------------|-------------------------------------------------------|---------------------------------------|
-| exchange_counts       | all-to-all of per-expert token counts (equal splits)  | none (counts have no gradient)        |
-| all_to_all_uneven     | all-to-all with uneven splits: rows to each ep rank   | the same all-to-all, splits swapped   |
+| function          | forward                                              | backward                            |
+|-------------------|------------------------------------------------------|-------------------------------------|
+| exchange_counts   | all-to-all of per-expert token counts (equal splits) | none (counts have no gradient)      |
+| all_to_all_uneven | all-to-all with uneven splits: rows to each ep rank  | the same all-to-all, splits swapped |
 
 `all_to_all_uneven` moves rows (tokens) of a [N, ...] tensor: the first in_splits[0] rows go to ep rank 0, the
 next in_splits[1] to rank 1, ...; what arrives from rank j lands in rank order, out_splits[j] rows each. The

@@ -16,7 +16,8 @@ The num_experts experts are split over the ep ranks in contiguous blocks: ep ran
 
 Backward runs the same all-to-alls in reverse (comms.py). ep = 1 (group None) runs steps 1, 4 and 5 only: the
 local dispatcher is this code with no collective. Volume per layer and direction: T * k * d elements leave each
-rank, (ep - 1) / ep of them to other ranks with uniform routing.
+rank, (ep - 1) / ep of them to other ranks with uniform routing. On the dry run's fake tensors (no values to
+route by) the splits are the uniform ones, so the counted bytes equal comms.all_to_all_bytes exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from megazoo.parallel.collectives import CommLedger
 from megazoo.parallel.expert.comms import all_to_all_uneven, exchange_counts
+from megazoo.parallel.simulation.fake_world import has_values
 from megazoo.parallel.topology import group_rank, group_size
 
 # rows [N, d] sorted by local expert, counts [n] int64 (one per local expert, summing to N) -> rows [N, d_out]
@@ -73,6 +75,11 @@ def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsF
     if group is None:
         return experts_fn(rows, counts)
     received = exchange_counts(counts, group)  # [ep * n]: rows each rank sends to my experts
+    if not has_values(rows):  # the dry run's fake tensors: no routing to read, so uniform routing (the planner's)
+        even = [rows.shape[0] // ep + (r < rows.shape[0] % ep) for r in range(ep)]
+        arrived = all_to_all_uneven(rows, even, even, group, ledger)
+        computed = experts_fn(arrived, received.view(ep, n_local).sum(0))
+        return all_to_all_uneven(computed, even, even, group, ledger)
     host = torch.cat([counts, received]).tolist()  # one device-to-host read for every split
     send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
     recv = [sum(host[num_experts + r * n_local:num_experts + (r + 1) * n_local]) for r in range(ep)]
@@ -92,7 +99,9 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tens
     flat = indices.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // k)  # [T * k, d], sorted by expert
-    out = exchange_rows(rows, torch.bincount(flat, minlength=num_experts), experts_fn, group, ledger)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)  # bincount, with a static shape
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    out = exchange_rows(rows, counts, experts_fn, group, ledger)
     pairs = out.index_select(0, _inverse(order))  # back to pair order: [T * k, d_out]
     return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
 

@@ -14,7 +14,7 @@ def _divisors(n: int) -> list[int]:
 
 def check_expert_parallel(ep: int, dp: int, cp: int, n_experts: int, top_k: int, *, model: str = "the model",
                           shard_group: str = "dp", hpz: bool = False, quantized_gradients: str = "none",
-                          optimizer: str = "adamw") -> None:
+                          optimizer: str = "adamw", lora: bool = False, zero_stage: int = 0) -> None:
     """A ValueError naming the field when parallel.ep (with this model and ZeRO choice) cannot run."""
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"parallel.ep = {ep!r} is invalid: it must be a positive integer")
@@ -39,6 +39,10 @@ def check_expert_parallel(ep: int, dp: int, cp: int, n_experts: int, top_k: int,
         raise ValueError(f"{field} = {value!r} with parallel.ep = {ep} is not supported (the expert weights' "
                          "partition is the expert-data-parallel group); valid: flat ZeRO (zero.shard_group = 'dp', "
                          "no hpZ / qgZ) or parallel.ep = 1")
+    if lora and zero_stage == 3:
+        raise ValueError(f"lora (frozen experts) with parallel.ep = {ep} and zero.stage = 3 is not supported: stage 3 "
+                         "would partition the frozen experts over ranks that hold different ones; valid: zero.stage "
+                         "0, 1 or 2, or parallel.ep = 1")
     if optimizer != "adamw":
         raise ValueError(f"optimizer.name = {optimizer!r} with parallel.ep = {ep} is not supported; valid: "
                          "optimizer.name = 'adamw' or parallel.ep = 1")

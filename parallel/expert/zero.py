@@ -44,11 +44,12 @@ def expert_topology(topo: Topology) -> Topology:
         dp_intra_group=topo.edp_group, dp_inter_group=None, ep=1, ep_group=None, edp_group=None)
 
 
-class _JointLedger:
-    """Both halves' CommLedgers as one (what the Trainer resets and sums per step)."""
+class JointLedger:
+    """Both halves' CommLedgers as one (what the Trainer resets and sums per step), and any others a caller adds
+    (the MoE layers' dispatchers: their all-to-all bytes count in the step's traffic)."""
 
     def __init__(self, *ledgers: CommLedger):
-        self.ledgers = ledgers
+        self.ledgers = list(ledgers)
 
     def reset(self) -> None:
         for ledger in self.ledgers:
@@ -98,7 +99,7 @@ class ExpertSplitZero:
         self.dense, self.experts, self.topo = dense, experts, topo
         self.halves = (dense, experts)
         self.optimizer = _JointOptimizer(dense.optimizer, experts.optimizer)
-        self.comm = _JointLedger(dense.comm, experts.comm)
+        self.comm = JointLedger(dense.comm, experts.comm)
         if hasattr(dense, "stage"):
             self.stage = dense.stage
 
@@ -155,7 +156,7 @@ class ExpertSplitZero:
 
 
 def build_expert_split(build: Callable, stage: int, model: nn.Module, named: list, topo: Topology,
-                       is_expert: Callable[[str], bool], **kwargs) -> ExpertSplitZero:
+                       is_expert: Callable[[str], bool], **kwargs):
     """`build` (build.py's build_zero) twice: the dense parameters over grad_group and the ones `is_expert`
     names over edp_group (their gradient mean taken over all dp x cp ranks). `kwargs` go to both, except the
     tied parameters (never experts) to the dense half only."""
@@ -163,6 +164,10 @@ def build_expert_split(build: Callable, stage: int, model: nn.Module, named: lis
     expert_named = [entry for entry in named if is_expert(entry[0])]
     if not expert_named:
         raise ValueError("parallel.ep > 1 but the model has no expert parameters to split over the ep ranks")
+    if not any(p.requires_grad for _, p, _ in expert_named):  # frozen experts (LoRA): nothing to reduce or step
+        if stage == 3:  # stage 3 would partition them over dp x cp, whose ranks hold different experts
+            raise ValueError("frozen experts (LoRA) with parallel.ep > 1 need zero.stage 0, 1 or 2 (got 3)")
+        return build(stage, model, named, topo, **kwargs)  # held whole on their ep rank, in no bucket
     dense = build(stage, model, dense_named, topo, **kwargs)
     kwargs.pop("tied", None)
     experts = build(stage, model, expert_named, expert_topology(topo), **kwargs)

@@ -13,6 +13,10 @@ overlapped (an upper bound on what overlap would give; the ranking, not the abso
     dp        recipes/planner/zero.py's communication volume of the stage's Psi (stage 2 / 3: per micro-batch),
               over the inter-node bandwidth when the job spans nodes, else intra-node; HSDP and hpZ layouts
               (recipes/planner/links.py) split it into intra-node and inter-node bytes, each at its bandwidth
+    ep        per MoE layer and micro-batch 4 all-to-alls (6 with recomputation) of s b k h activations, (ep-1)/ep
+              of them leaving the rank (uniform routing: parallel/expert's all_to_all_bytes), intra-node while
+              the ep ranks (tp apart) fit in a node; the dp term still counts this rank's experts over all dp
+              ranks (they reduce over the (dp x cp) / ep holding them: an overestimate of ep's saving, not of ep)
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from megazoo.recipes.planner.fit import PRECISION_BYTES, DeviceMemory, Layout, d
 from megazoo.recipes.gpus import GPU
 from megazoo.recipes.planner.links import link_volume
 from megazoo.models.flops import model_flops_per_token
+from megazoo.parallel.expert.comms import all_to_all_bytes
 
 
 @dataclass(frozen=True)
@@ -57,10 +62,11 @@ class StepTime:
     tp_comm: float
     pp_comm: float
     dp_comm: float
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.ep_comm
 
 
 def step_time(cfg: ModelConfig, layout: Layout, psi: int, cm: CostModel) -> StepTime:
@@ -88,7 +94,13 @@ def step_time(cfg: ModelConfig, layout: Layout, psi: int, cm: CostModel) -> Step
     else:
         dp_comm = link_volume(psi, layout.dp, layout.dp_per_node, layout.zero, layout.sharding,
                               grad_accum=m).seconds(state.params, cm.intra_node_bw, cm.inter_node_bw)
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm)
+    ep_comm = 0.0
+    if layout.ep > 1 and cfg.n_experts:
+        moe_layers = -(-sum(cfg.moe_layer(i) for i in range(cfg.n_layer)) // layout.pp)  # the fullest stage's
+        bw = cm.intra_node_bw if layout.tp * layout.ep <= cm.per_node else cm.inter_node_bw
+        per_layer = all_to_all_bytes(s * b, cfg.moe_top_k, h, layout.ep, elem, 6 if layout.checkpointing else 4)
+        ep_comm = moe_layers * m * per_layer / bw
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, ep_comm)
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,7 @@ class Candidate:
 def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, global_batch: int, seq_len: int,
            precision: str = "fp16", flash_attention: bool = True, max_pp: int | None = None,
            zero_stages=(0, 1, 2, 3), paper: bool = False) -> list[Candidate]:
-    """Every (dp, tp, pp, zero, checkpointing) on `gpus` GPUs with the largest micro-batch that fits (a divisor
+    """Every (dp, tp, pp, zero, ep, checkpointing) on `gpus` GPUs with the largest micro-batch that fits (a divisor
     of global_batch / dp), ranked by estimated step time (fastest first). `paper`: model states by the ZeRO
     paper's formulas instead of megazoo's optimizers' bytes (recipes/planner/fit.py state_memory)."""
     if gpus < 1 or global_batch < 1:
@@ -119,13 +131,19 @@ def search(cfg: ModelConfig, gpus: int, capacity_gb: float, cm: CostModel, *, gl
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
-            for zero, sharding in _zero_choices(zero_stages, dp, tp, cm.per_node):
+            eps = [e for e in divisors(dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
+            for (zero, sharding), ep in ((z, e) for z in _zero_choices(zero_stages, dp, tp, cm.per_node) for e in eps):
                 if (zero == 3 and pp > 1) or (zero and dp == 1):  # megazoo: no stage 3 with pp; dp 1: nothing to split
+                    continue
+                if ep > 1 and sharding != "flat":  # resolve refuses HSDP / hpZ with expert parallelism
                     continue
                 for ckpt in (False, True):
                     base = Layout(dp, tp, pp, zero, 1, per_rank, seq_len, ckpt, precision=precision,
-                                  flash_attention=flash_attention, sharding=sharding, node_size=cm.per_node)
-                    mb = _best_micro_batch(cfg, base, capacity_gb, per_rank, paper)
+                                  flash_attention=flash_attention, sharding=sharding, node_size=cm.per_node, ep=ep)
+                    try:
+                        mb = _best_micro_batch(cfg, base, capacity_gb, per_rank, paper)
+                    except PlanError:  # a layout the model refuses (an MoE's pooled aux loss at pp > 1)
+                        continue
                     if not mb:
                         continue
                     lay = replace(base, micro_batch=mb, grad_accum=per_rank // mb)

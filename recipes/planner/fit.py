@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.layout import EXPERT_PARAMETERS
 from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfig, ModelStateMemory, PlanError,
                                            StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
 from megazoo.models.lora.config import LoRAConfig
@@ -65,6 +66,7 @@ class Layout:
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
     packed: bool = False  # SFT rows packing several examples (activations.ActivationSpec.packed)
+    ep: int = 1  # expert parallelism: routed experts split over ep of the dp x cp ranks (expert_split_states)
 
     @property
     def dp_per_node(self) -> int:
@@ -85,6 +87,7 @@ class Layout:
                                                                         else "") + (
             ", sequence parallel" if self.sequence_parallel else "")
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        cp += f" (experts over ep={self.ep})" if self.ep > 1 else ""
         return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}{cp} = {self.gpus} GPUs, ZeRO-{self.zero}, micro-batch "
                 f"{self.micro_batch} x grad_accum {self.grad_accum} x dp = batch {self.global_batch}, seq "
                 f"{self.seq_len}, {self.precision}{extras}")
@@ -157,6 +160,17 @@ def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelState
     return mem
 
 
+def expert_split_states(dense: int, experts: int, layout: Layout, *, paper: bool = False) -> ModelStateMemory:
+    """Model states under expert parallelism (parallel/expert/zero.py): the `dense` parameters partitioned over
+    dp x cp as without experts, this rank's `experts` (its stage's routed-expert parameters / ep) over their
+    expert-data-parallel group of (dp x cp) / ep ranks."""
+    d = state_memory(dense, layout, paper=paper)
+    e = state_memory(experts, replace(layout, dp=layout.dp * layout.cp // layout.ep, cp=1), paper=paper)
+    return replace(d, psi=dense + experts, params_bytes=d.params_bytes + e.params_bytes,
+                   grads_bytes=d.grads_bytes + e.grads_bytes, optimizer_bytes=d.optimizer_bytes + e.optimizer_bytes,
+                   host_grads_bytes=d.host_grads_bytes + e.host_grads_bytes)
+
+
 def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
                     flash_attention: bool | None = None) -> ActivationSpec:
     """How `layout` stores activations. ZeRO-0 keeps fp32 parameters and runs bf16/fp16 as torch autocast
@@ -191,17 +205,21 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
     buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
-        trained = st.numel  # what has gradients: with LoRA only the adapters (the base is frozen, st.numel)
+        experts = sum(t.numel for t in st.tensors if t.name.endswith(EXPERT_PARAMETERS)) if layout.ep > 1 else 0
+        local = st.numel - experts + experts // layout.ep  # expert parallelism: this rank's share of the experts
+        trained = local  # what has gradients: with LoRA only the adapters (the base is frozen, st.numel)
         if layout.lora is not None:
             trained = stage_adapters(cfg, layout.lora, layout.tp, len(st.layers))
-            states = lora_state_memory(st.numel, trained, layout.dp * layout.cp, layout.zero,
+            states = lora_state_memory(local, trained, layout.dp * layout.cp, layout.zero,
                                        MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
+        elif experts:
+            states = expert_split_states(st.numel - experts, experts // layout.ep, layout, paper=paper)
         else:
             states = state_memory(st.numel, layout, paper=paper)
-        buf = buffer_memory(st.numel if layout.zero == 3 else trained, layout.zero, buffers_cfg,
+        buf = buffer_memory(local if layout.zero == 3 else trained, layout.zero, buffers_cfg,
                             element_bytes=state.params,
                             persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
-        row = DeviceMemory(layout, st.pp_rank, st.numel, states.device_bytes, act.peak_bytes, buf, capacity_gb * GB,
+        row = DeviceMemory(layout, st.pp_rank, local, states.device_bytes, act.peak_bytes, buf, capacity_gb * GB,
                            act, states, paper)
         if best is None or row.total > best.total:
             best = row
@@ -240,7 +258,8 @@ def recipe_layout(resolved) -> Layout:
                   cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
-                  quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing)
+                  quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing,
+                  ep=par.ep)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

@@ -158,15 +158,19 @@ def _run_search(args, capacity: float, gpu) -> int:
     if gpu is None:
         print(f"  (compute and bandwidths of {base.name}: name a GPU with --gpu, or set --mfu/--intra-bw/--inter-bw)")
     print("")
-    print("| rank | dp | tp | pp | zero | sharding | micro-batch | grad_accum | checkpointing | memory GB | step s | "
-          "compute s | bubble s | tp comm s | pp comm s | dp comm s |")
-    print("|---:|---:|---:|---:|---:|:---|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|")
+    moe = any(c.layout.ep > 1 for c in found)  # expert parallelism: its degree and all-to-all time
+    print("| rank | dp | tp | pp | " + ("ep | " if moe else "") + "zero | sharding | micro-batch | grad_accum | "
+          "checkpointing | memory GB | step s | compute s | bubble s | tp comm s | pp comm s | dp comm s |"
+          + (" ep comm s |" if moe else ""))
+    print("|---:|---:|---:|---:|" + ("---:|" if moe else "") + "---:|:---|---:|---:|:---|---:|---:|---:|---:|---:|"
+          "---:|---:|" + ("---:|" if moe else ""))
     for i, c in enumerate(found[:args.top], 1):
         lay, t = c.layout, c.time
-        print(f"| {i} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.zero} | {lay.sharding} | {lay.micro_batch} | "
-              f"{lay.grad_accum} | "
+        print(f"| {i} | {lay.dp} | {lay.tp} | {lay.pp} | " + (f"{lay.ep} | " if moe else "")
+              + f"{lay.zero} | {lay.sharding} | {lay.micro_batch} | {lay.grad_accum} | "
               f"{'yes' if lay.checkpointing else 'no'} | {c.memory.total / GB:.1f} | {t.total:.2f} | "
-              f"{t.compute:.2f} | {t.bubble:.2f} | {t.tp_comm:.2f} | {t.pp_comm:.2f} | {t.dp_comm:.2f} |")
+              f"{t.compute:.2f} | {t.bubble:.2f} | {t.tp_comm:.2f} | {t.pp_comm:.2f} | {t.dp_comm:.2f} |"
+              + (f" {t.ep_comm:.2f} |" if moe else ""))
     return EXIT_FITS if found else EXIT_DOES_NOT_FIT
 
 

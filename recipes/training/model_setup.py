@@ -17,7 +17,7 @@ from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.moe.dispatch import expert_parameter_names
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
-from megazoo.parallel.expert.zero import build_expert_split
+from megazoo.parallel.expert.zero import JointLedger, build_expert_split
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor import named_shards
@@ -164,7 +164,7 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     if topo.ep > 1:  # expert weights over their expert-data-parallel group, dense ones over dp x cp
         experts = {name for chunk in chunks for name in expert_parameter_names(chunk)}
         build, split = build_expert_split, {"build": build_zero, "is_expert": experts.__contains__}
-    return build(
+    zero = build(
         stage=zero.stage, model=model, named=named, topo=topo, **split, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,
         units=list(model.h.values()), tied=tied, group_of=chunk_of.get, adamw=kernels["adamw"].fn,
@@ -173,3 +173,7 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         quantized_weights=zero.quantized_weights,  # ZeRO++ qwZ (parallel/zero/quantized.py)
         quantized_gradients=zero.quantized_gradients,  # ZeRO++ qgZ (parallel/zero/qgz.py)
         init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
+    if topo.ep > 1 and isinstance(zero.comm, JointLedger):  # the step's traffic includes the MoE all-to-alls
+        zero.comm.ledgers += [m.dispatcher.comm for chunk in chunks for m in chunk.modules()
+                              if hasattr(getattr(m, "dispatcher", None), "comm")]
+    return zero

@@ -99,6 +99,11 @@ def _shrunk_node_size(node_size: int, deg: dict[str, int]) -> int:
     return 0 if not node_size else world // 2 if world >= 4 and world % 2 == 0 else world
 
 
+def _shrunk_ep(ep: int, deg: dict[str, int], n_experts: int) -> int:
+    """The largest expert-parallel degree up to the recipe's that divides the shrunk dp x cp and the experts."""
+    return max(e for e in range(1, ep + 1) if (deg["dp"] * deg["cp"]) % e == 0 and (n_experts or 1) % e == 0)
+
+
 def _grad_accum(recipe: Recipe, pp: int) -> int:
     """Micro-batches per step: up to 2 per pipeline stage (so 1F1B reaches its steady state); a multiple of pp
     for the interleaved schedule."""
@@ -152,7 +157,7 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         model_over["n_kv_head"] = 1 if cfg.n_kv_head == 1 else heads // 2  # split over tp <= 2 as in the recipe
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
-    model_over["head_dim"] = head_dim  # Qwen3's heads wider than d_model / n_head shrink like the others
+    model_over["head_width"] = 0  # Qwen3's heads wider than d_model / n_head shrink to d_model / n_head too
     if cfg.n_experts:  # a few small experts, routed as the recipe's; its dense-layer pattern where it still fits
         model_over.update(moe_experts(cfg, n_layer, d_model))
     model = replace(checkable.model, from_checkpoint=False, from_hf="", **model_over)
@@ -173,7 +178,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         # both runs start from the same initial weights without them
         checkpoint=replace(checkable.checkpoint, load=""),
         parallel=replace(par, **deg, virtual_stages=virtual, layers=(), timeout_s=min(par.timeout_s, 300.0),
-                         node_size=_shrunk_node_size(par.node_size, deg)),
+                         node_size=_shrunk_node_size(par.node_size, deg),
+                         ep=_shrunk_ep(par.ep, deg, model.n_experts or 0)),
         train=replace(train, steps=steps, micro_batch=MICRO_BATCH, grad_accum=ga, global_batch=None,
                       seq_len=seq, lr=LR, min_lr=MIN_LR, warmup_steps=1, lr_decay_steps=None,
                       precision=run_precision, eval_every=0, eval_batches=1),
@@ -189,7 +195,7 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     reference = replace(
         layout,
         parallel=replace(layout.parallel, dp=ref_dp, tp=1, pp=1, cp=1, schedule="1f1b", virtual_stages=1,
-                         partition="uniform", sequence_parallel=False, node_size=0),
+                         partition="uniform", sequence_parallel=False, node_size=0, ep=1),
         train=replace(layout.train, micro_batch=ref_micro, activation_checkpointing=False),
         zero=replace(layout.zero, stage=0, offload="none"),
         optimizer=replace(layout.optimizer, name="adamw"),
@@ -202,6 +208,8 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         raise RecipeError(f"the shrunk recipe is invalid (a gap in megazoo verify, not in your recipe): {err}") \
             from None
     shrunk = [f"parallel.{k}: {getattr(par, k)} -> {v}" for k, v in deg.items() if getattr(par, k) != v]
+    if layout.parallel.ep != par.ep:
+        shrunk.append(f"parallel.ep: {par.ep} -> {layout.parallel.ep}")
     if virtual != par.virtual_stages:
         shrunk.append(f"parallel.virtual_stages: {par.virtual_stages} -> {virtual}")
     if par.layers:
@@ -243,6 +251,7 @@ def _features(recipe: Recipe, layout: Resolved, steps: int) -> tuple[list[str], 
             + (f", {par.virtual_stages} virtual stages" if par.virtual_stages > 1 else "")
             + f", {small.train.grad_accum} micro-batches, partition {par.partition!r}") if par.pp > 1 else None,
            f"context parallel cp={par.cp} ({par.cp_attention})" if par.cp > 1 else None,
+           f"expert parallel ep={par.ep} (all-to-all token dispatch)" if par.ep > 1 else None,
            f"ZeRO stage {zero.stage}" + (f", offload {zero.offload!r}" if zero.offload != "none" else "")
            + f", buckets of {zero.reduce_bucket_size} elements" if zero.stage or par.dp > 1 else None,
            "gradient accumulation" if small.train.grad_accum > 1 else None,

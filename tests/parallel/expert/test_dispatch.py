@@ -145,3 +145,26 @@ def test_expert_split_is_checked():
         check_expert_split(8, 3)
     with pytest.raises(ValueError, match="parallel.ep = 0 is invalid"):
         ExpertDispatcher(8, None) and check_expert_split(8, 0)
+
+
+def test_fake_tensors_route_uniformly_and_count_the_formula():
+    """The dry run (fake process group, tensors without values) runs the dispatch with the uniform splits, so the
+    bytes it counts equal all_to_all_bytes exactly; shapes come out right in forward and backward."""
+    import torch.distributed as dist
+
+    from megazoo.parallel.simulation.fake_world import fake_process_group, fake_tensors
+
+    ep, t = 4, 10  # 20 (token, expert) rows: 5 per rank, 15 of them leave it, in each of the 4 all-to-alls
+    with fake_process_group(1, ep), fake_tensors():
+        dispatcher = ExpertDispatcher(2 * ep, dist.group.WORLD)
+        w1, w2 = (torch.empty(2, *shape, dtype=torch.float64, requires_grad=True) for shape in ((D, F), (F, D)))
+        x = torch.empty(t, D, dtype=torch.float64, requires_grad=True)
+        indices = torch.empty(t, K, dtype=torch.int64)
+
+        def experts(rows, counts):  # the grouped form: no host read of the counts
+            return torch.tanh(rows @ w1[0]) @ w2[0]
+
+        y = dispatcher(x, torch.empty(t, K, dtype=torch.float64), indices, experts)
+        y.sum().backward()
+        assert y.shape == (t, D) and x.grad.shape == (t, D) and w1.grad.shape == w1.shape
+    assert dispatcher.comm.bytes["all_to_all"] == all_to_all_bytes(t, K, D, ep, 8)

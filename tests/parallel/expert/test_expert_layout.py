@@ -29,6 +29,8 @@ def test_valid_layouts_pass():
     ((2, 2, 1, 4, 2), {"hpz": True}, r"zero.hpz = True with parallel.ep = 2 is not supported"),
     ((2, 2, 1, 4, 2), {"quantized_gradients": "int8"}, r"zero.quantized_gradients = 'int8' with parallel.ep = 2"),
     ((2, 2, 1, 4, 2), {"optimizer": "onebit_adam"}, r"optimizer.name = 'onebit_adam' with parallel.ep = 2"),
+    ((2, 2, 1, 4, 2), {"lora": True, "zero_stage": 3}, r"lora \(frozen experts\) with parallel.ep = 2 and "
+                                                        r"zero.stage = 3 is not supported.*valid: zero.stage 0, 1 or 2"),
 ])
 def test_refusals_name_field_value_and_valid(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -42,3 +44,13 @@ def test_resolver_refuses_before_any_process():
         tiny_resolved(parallel={"ep": 0})
     with pytest.raises(RecipeError, match=r"unknown key|epp"):
         tiny_resolved(parallel={"epp": 2})
+    moe = {"preset": "llama-tiny", "n_layer": 2, "d_model": 32, "d_ff": 48, "vocab_size": 300, "n_experts": 4,
+           "moe_top_k": 2, "moe_d_ff": 16}
+    with pytest.raises(RecipeError, match=r"parallel.ep = 3 does not divide the 4 routed experts of llama-tiny "
+                                          r"\(model.n_experts\); valid: \[1\]"):
+        tiny_resolved(model=moe, parallel={"dp": 3, "ep": 3}, train={"micro_batch": 1})
+    with pytest.raises(RecipeError, match=r"parallel.ep = 4 does not divide parallel.dp x parallel.cp = 2 x 1"):
+        tiny_resolved(model=moe, parallel={"dp": 2, "ep": 4})
+    with pytest.raises(RecipeError, match=r"lora \(frozen experts\) with parallel.ep = 2 and zero.stage = 3"):
+        tiny_resolved(model=moe, parallel={"dp": 2, "ep": 2}, zero={"stage": 3}, lora={"rank": 4})
+    assert tiny_resolved(model=moe, parallel={"dp": 2, "ep": 2}).recipe.parallel.ep == 2

@@ -4,7 +4,8 @@ pass against one process in fp64; an injected layout bug fails naming the quanti
 Together the runs below cover every feature verify exercises: dp + ZeRO-2 (demo), tp (demo_tp2), cp with ring
 attention + ZeRO-1 + accumulation (long-context), tp x dp + activation checkpointing + fp16 loss scaling
 (tnlg-17b), ZeRO-3, the interleaved pipeline schedule, 1-bit Adam's warm-up and ZeRO-Offload (demo overrides),
-fine-tuning rows with LoRA (sft-demo: synthetic packed SFT rows, since its data is made by `make sft-demo`).
+fine-tuning rows with LoRA (sft-demo: synthetic packed SFT rows, since its data is made by `make sft-demo`),
+expert parallelism with the router's aux loss (moe-demo).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PASSING = {
     "onebit": ["demo", "--set", "zero.stage=0", "--set", "optimizer.name=onebit_adam"],
     "offload": ["demo", "--set", "zero.stage=1", "--set", "zero.offload=cpu"],
     "sft-demo": ["sft-demo"],
+    "moe-demo": ["moe-demo"],  # ep 2: the experts over both ranks, the one process on the same micro-batches
     "window-cp": ["llama-demo", "--set", "model.sliding_window=8", "--set", "parallel.tp=1", "--set", "parallel.cp=2",
                   "--set", "parallel.cp_attention=all_to_all"],  # Mistral's window (8 < 32 tokens) under cp
 }
