@@ -29,9 +29,10 @@ elements of e bytes per block and micro-batch in flight, unless the block is rec
 
 Outside the blocks: the embedding dropout mask (first stage), and on the last stage the final LayerNorm's input
 and the head's (16-bit) input ((r + e) s b h; under autocast of fp32 parameters also the head weight's cast,
-e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32, an
-fp32 copy in the cross-entropy (the paper's 4 s b v / t). With checkpointing one layer's full activations exist
-again while it is recomputed in backward.
+e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32 and with the
+reference cross-entropy only, an fp32 copy (the paper's 4 s b v / t; the fused kernels that training's `auto` runs
+promote a chunk of rows at a time and keep three fp32 numbers per row: `fused_loss`). With checkpointing one
+layer's full activations exist again while it is recomputed in backward.
 
 Pipeline: what a rank holds at its peak comes from walking its schedule's own action list
 (recipes/planner/schedule_memory.py), chunk by chunk: under 1F1B, stage i holds min(pp - i, micro-batches)
@@ -74,6 +75,9 @@ class ActivationSpec:
     mlp_elements: float = 8.0  # MLP activations per token, in units of h (GELU: 2 d_ff / h; SwiGLU: 4 d_ff / h)
     block_weights: float = 12.0  # matmul weight elements of one block, in units of h^2 (weight_copies)
     mlp_hidden: float = 4.0  # d_ff / h: the MLP output projection's input per token, in units of h
+    # The cross-entropy: fused (kernels/cross_entropy.py's torch and Triton, what training's `auto` runs) keeps the
+    # logits and three fp32 numbers per row; False: the reference's fp32 copy of the whole shard (the paper's).
+    fused_loss: bool = False
 
     @property
     def residual(self) -> int:
@@ -81,7 +85,7 @@ class ActivationSpec:
 
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
-                  *, autocast_fp32_params: bool = False) -> "ActivationSpec":
+                  *, autocast_fp32_params: bool = False, fused_loss: bool = False) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
         from megazoo.models.flops import block_matmul_params
@@ -92,7 +96,7 @@ class ActivationSpec:
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
-                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h)
+                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h, fused_loss)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -220,7 +224,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         chunk_layers = [chunk_layers[rank * chunks_per_rank + c] for c in range(chunks_per_rank) for rank in range(pp)]
     stages = len(chunk_layers)
     sbh = s * b * h
-    loss = (e + (4 if e < 4 else 0)) * s * b * vocab / tp  # the logits and, below fp32, the loss's fp32 copy
+    # the logits and, below fp32, the reference loss's fp32 copy of them (the fused loss makes none)
+    loss = (e + (4 if e < 4 and not spec.fused_loss else 0)) * s * b * vocab / tp
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
     d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
 

@@ -64,6 +64,7 @@ class Layout:
     node_size: int = 0  # GPUs per node (HSDP / hpZ); 0: one node
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
+    fused_loss: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
 
     @property
     def dp_per_node(self) -> int:
@@ -161,7 +162,7 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
     (recipes/model_setup.parameter_dtype): a fp32 residual stream and 16-bit weight casts (recipes/planner/activations.py)."""
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
-                                    autocast_fp32_params=layout.zero == 0)
+                                    autocast_fp32_params=layout.zero == 0, fused_loss=layout.fused_loss)
 
 
 def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:
@@ -238,7 +239,13 @@ def recipe_layout(resolved) -> Layout:
                   cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
-                  quantized_gradients=zero.quantized_gradients)
+                  quantized_gradients=zero.quantized_gradients, fused_loss=fused_loss(r.kernels))
+
+
+def fused_loss(kernels) -> bool:
+    """Whether a recipe's [kernels] run a fused cross-entropy: every choice but the reference (kernels.cross_entropy,
+    or kernels.prefer where that is unset; apex has none, so `auto` picks a fused one)."""
+    return (kernels.cross_entropy or kernels.prefer) != "reference"
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:
