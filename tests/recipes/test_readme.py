@@ -1,6 +1,6 @@
 """The README (the user guide of the `megazoo` command and its recipes), read as a new user reads it, stays in step
 with the code: "Set-up: two commands" is followed by two, the recipe-keys table names every section and key
-`recipes/config.py` accepts, the models tables every preset, and the offline answers of `megazoo data fetch` are there."""
+`recipes/config.py` accepts, the models tables every preset, and `megazoo data fetch`'s offline answers are there."""
 
 from __future__ import annotations
 
