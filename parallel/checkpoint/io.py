@@ -183,14 +183,19 @@ def _publish(root: Path, tmp: Path, step: int, gathered: list[dict], layout: dic
 
 
 def save_checkpoint(root: str | Path, step: int, views: list[StateView], *, extras: dict, common: dict,
-                    layout: dict, keep: int, verify: bool = True) -> Path:
+                    layout: dict, keep: int, verify: bool = True, phase=None) -> Path:
     """Every rank calls this with its views; returns the published directory. Collective. Raises
     CheckpointSaveError on every rank when any rank fails; the previous checkpoint stays the latest. With
     `verify` every rank re-reads its files before publication (readback.py): one that does not read back as
-    written raises CheckpointReadBackError naming it, and the new checkpoint is kept aside as bad-step_N."""
+    written raises CheckpointReadBackError naming it, and the new checkpoint is kept aside as bad-step_N.
+    `phase(what)`, when given, is told as this rank enters each part (so a rank stuck writing is told from one
+    waiting in the gather: recipes/training/progress.py)."""
     rank, _ = _world()
+    tell = phase or (lambda what: None)
     tmp = prepare_save_dir(root, step)
+    tell("writing this rank's files")
     status = _write_rank(tmp, rank, views, extras, common if rank == 0 else None, verify)
+    tell("gathering every rank's status (all_gather)")
     return finish_save(root, tmp, step, status,
                        lambda gathered: _publish(Path(root), tmp, step, gathered, layout, keep))
 

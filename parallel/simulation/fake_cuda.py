@@ -20,6 +20,7 @@ release it was tested with (TESTED_TORCH): another release is refused with the r
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -59,7 +60,9 @@ def _torch_dir() -> Path:
 
 
 def build_shim(cache_dir: Path | None = None) -> Path:
-    """The shim compiled against the installed torch (g++, ~5 s, once per torch release and source version)."""
+    """The shim compiled against the installed torch (g++, ~5 s idle, 17-46 s on a loaded machine), cached in
+    `cache_dir` (default ~/.cache/megazoo/fake_cuda) under a key of its source, the torch release, ABI and folder:
+    built once per machine and key, whichever process asks first."""
     import torch
 
     check_torch(torch.__version__, torch.version.cuda)
@@ -78,6 +81,16 @@ def build_shim(cache_dir: Path | None = None) -> Path:
     if out.is_file():
         return out
     cache.mkdir(parents=True, exist_ok=True)
+    # One build per key on this machine: concurrent callers (pytest-xdist workers, two dry runs) wait for the
+    # first one's g++ (tens of seconds on a loaded machine) instead of each compiling the same file.
+    with open(cache / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if out.is_file():
+            return out
+        return _compile(compiler, abi, root, out)
+
+
+def _compile(compiler: str, abi: int, root: Path, out: Path) -> Path:
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [compiler, "-O1", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            "-I", str(root / "include"), str(SOURCE), "-L", str(root / "lib"), "-lc10", "-ltorch_cpu",

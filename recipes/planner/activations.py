@@ -29,9 +29,11 @@ elements of e bytes per block and micro-batch in flight, unless the block is rec
 
 Outside the blocks: the embedding dropout mask (first stage), and on the last stage the final LayerNorm's input
 and the head's (16-bit) input ((r + e) s b h; under autocast of fp32 parameters also the head weight's cast,
-e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32, an
-fp32 copy in the cross-entropy (the paper's 4 s b v / t). With checkpointing one layer's full activations exist
-again while it is recomputed in backward.
+e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32 and with the
+reference cross-entropy only, an fp32 copy (the paper's 4 s b v / t; the fused kernels that training's `auto` runs
+promote a chunk of rows at a time - two chunks in flight, in forward and beside d logits in backward - and keep
+three fp32 numbers per row: `fused_loss`). With checkpointing one
+layer's full activations exist again while it is recomputed in backward.
 
 Pipeline: what a rank holds at its peak comes from walking its schedule's own action list
 (recipes/planner/schedule_memory.py), chunk by chunk: under 1F1B, stage i holds min(pp - i, micro-batches)
@@ -60,6 +62,9 @@ from megazoo.parallel.pipeline.schedules import placement as placement_of
 from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
 from megazoo.recipes.planner.zero import PlanError
 
+# kernels/cross_entropy.py's CHUNK_ELEMENTS (not imported: that module loads torch; a test holds the two equal)
+CE_CHUNK_ELEMENTS = 1 << 24
+
 
 @dataclass(frozen=True)
 class ActivationSpec:
@@ -81,6 +86,9 @@ class ActivationSpec:
     # (32-bit activations, or dropout) also keeps each example's output for its own backward beside their
     # concatenation (the projection's input): + s b h e / t
     packed: bool = False
+    # The cross-entropy: fused (kernels/cross_entropy.py's torch and Triton, what training's `auto` runs) keeps the
+    # logits and three fp32 numbers per row; False: the reference's fp32 copy of the whole shard (the paper's).
+    fused_loss: bool = False
 
     @property
     def residual(self) -> int:
@@ -88,7 +96,8 @@ class ActivationSpec:
 
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
-                  *, autocast_fp32_params: bool = False, packed: bool = False) -> "ActivationSpec":
+                  *, autocast_fp32_params: bool = False, packed: bool = False,
+                  fused_loss: bool = False) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
         from megazoo.models.flops import block_matmul_params
@@ -100,7 +109,7 @@ class ActivationSpec:
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
                               4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h,
-                              packed)
+                              packed, fused_loss)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -230,7 +239,13 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         chunk_layers = [chunk_layers[rank * chunks_per_rank + c] for c in range(chunks_per_rank) for rank in range(pp)]
     stages = len(chunk_layers)
     sbh = s * b * h
-    loss = (e + (4 if e < 4 else 0)) * s * b * vocab / tp  # the logits and, below fp32, the loss's fp32 copy
+    # the logits and, below fp32, the reference loss's fp32 copy of them (the fused loss makes none)
+    loss = (e + (4 if e < 4 and not spec.fused_loss else 0)) * s * b * vocab / tp
+    # The fused loss's fp32 rows in flight instead (kernels/cross_entropy.py): forward holds two chunks (a chunk and
+    # its exp, or it and the next one being copied), backward d logits and one chunk, two when there are more.
+    rows, chunk_rows = s * b, max(1, CE_CHUNK_ELEMENTS // (vocab // tp))
+    chunk = 4 * min(rows, chunk_rows) * vocab / tp if spec.fused_loss else 0.0
+    ce_forward, ce_backward = 2 * chunk, (2 if rows > chunk_rows else 1) * chunk
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
     d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
 
@@ -259,7 +274,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         workspace = 0.0
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
-        loss_backward = e * s * b * (vocab / tp + h)  # d logits and the head input's gradient
+        loss_backward = e * s * b * (vocab / tp + h) + ce_backward  # d logits, the head input's gradient
         if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
@@ -267,6 +282,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             workspace = loss_backward + (spec.mlp_elements * e * sbh / tp if n else 0.0)
         elif last:  # the unsplit backward frees d logits before the blocks' (the 405B dry run's last stage)
             workspace = max(workspace, loss_backward)
+        if last:  # the loss's forward runs on top of everything the chunk holds, as its backward does
+            workspace = max(workspace, ce_forward)
         return ChunkBytes(forward, after_b, workspace), extra + out
 
     out = []

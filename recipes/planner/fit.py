@@ -67,6 +67,7 @@ class Layout:
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
     packed: bool = False  # SFT rows packing several examples (activations.ActivationSpec.packed)
     ep: int = 1  # expert parallelism: routed experts split over ep of the dp x cp ranks (expert_split_states)
+    fused_loss: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
 
     @property
     def dp_per_node(self) -> int:
@@ -177,7 +178,8 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
     (recipes/model_setup.parameter_dtype): a fp32 residual stream and 16-bit weight casts (recipes/planner/activations.py)."""
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
-                                    autocast_fp32_params=layout.zero == 0, packed=layout.packed)
+                                    autocast_fp32_params=layout.zero == 0, packed=layout.packed,
+                                    fused_loss=layout.fused_loss)
 
 
 def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:
@@ -259,7 +261,13 @@ def recipe_layout(resolved) -> Layout:
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
                   quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing,
-                  ep=par.ep)
+                  ep=par.ep, fused_loss=fused_loss(r.kernels))
+
+
+def fused_loss(kernels) -> bool:
+    """Whether a recipe's [kernels] run a fused cross-entropy: every choice but the reference (kernels.cross_entropy,
+    or kernels.prefer where that is unset; apex has none, so `auto` picks a fused one)."""
+    return (kernels.cross_entropy or kernels.prefer) != "reference"
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:

@@ -91,8 +91,9 @@ def _optimizer_extras(trainer: TrainingRun) -> dict:
     return {"optimizer": trainer.zero.rank_state()} if hasattr(trainer.zero, "rank_state") else {}
 
 
-def save(trainer: TrainingRun, step: int) -> Path:
-    """Save the state after `step` completed steps under run.dir/checkpoints."""
+def save(trainer: TrainingRun, step: int, phase=None) -> Path:
+    """Save the state after `step` completed steps under run.dir/checkpoints; `phase(what)`: told as this rank
+    enters each part of the save (parallel/checkpoint/io.py's save_checkpoint)."""
     res = trainer.res
     common = {"step": step, "optimizer_steps": optimizer_steps(trainer.zero.optimizer),
               "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
@@ -108,13 +109,13 @@ def save(trainer: TrainingRun, step: int) -> Path:
     if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizers/store.py)
         common["tokenizer"] = tokenizer_record(tokenizer)
     written_layout = layout(res)
-    write = save_checkpoint
+    write, more = save_checkpoint, {"phase": phase} if phase is not None else {}
     if res.recipe.checkpoint.async_save:  # returns after the copy to host memory; see wait_for_save
-        write = async_saver(trainer).save
+        write, more = async_saver(trainer).save, {}
     return write(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
                  extras={"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)},
                  common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
-                 verify=res.recipe.checkpoint.verify_on_save)
+                 verify=res.recipe.checkpoint.verify_on_save, **more)
 
 
 def async_saver(trainer: TrainingRun) -> AsyncCheckpointSaver:

@@ -220,7 +220,8 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> Path:
         self._enter(step, "checkpoint save")
-        return checkpointing.save(self, step)
+        # each part recorded: a rank hung writing its files is told from one waiting in the save's gather
+        return checkpointing.save(self, step, lambda what: self._enter(step, f"checkpoint save, {what}"))
 
     def _enter(self, step: int | None, operation: str) -> None:
         if self.progress is not None:

@@ -52,7 +52,7 @@ def fake_cuda_runs(tmp_path_factory):
     paths = {name: _path(tmp, name) for name in CONFIGS}
     jobs = [{"recipe": str(p), "gpu_memory_gb": 80} for p in paths.values()]
     jobs.append({"recipe": str(paths["dp2-zero1-bf16"]), "gpu_memory_gb": 80, "inject": INJECTED})
-    reports = run_jobs(jobs, cache_dir=tmp / "cache")
+    reports = run_jobs(jobs)  # the machine's shim cache: built once per source and torch, not once per session
     return paths, dict(zip(CONFIGS, reports)), reports[-1]
 
 
@@ -171,3 +171,30 @@ def test_a_shim_built_for_another_torch_folder_is_not_reused(monkeypatch, tmp_pa
     assert len(shims["venv-a"]) == 1 and shims["venv-a"] != shims["venv-b"]
     for venv, (shim,) in shims.items():
         assert shim.read_text() == f"-Wl,-rpath,{tmp_path / venv / 'torch' / 'lib'}"
+
+
+def test_concurrent_builds_of_one_shim_run_the_compiler_once(monkeypatch, tmp_path):
+    """pytest-xdist workers (and two dry runs) asking at once: one g++ runs, the others wait on the cache's lock
+    and take its file (under load the build took 17-46 s here, once per worker before)."""
+    import threading
+    import time
+
+    calls = []
+
+    def slow_gxx(cmd, **kwargs):
+        calls.append(cmd)
+        time.sleep(0.5)  # long enough for every other thread to reach the lock while this one builds
+        Path(cmd[cmd.index("-o") + 1]).write_text("shim")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fake_cuda.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setattr(fake_cuda.subprocess, "run", slow_gxx)
+    shims = []
+    threads = [threading.Thread(target=lambda: shims.append(fake_cuda.build_shim(tmp_path / "cache")))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(shims) == 4 and len(set(shims)) == 1 and shims[0].read_text() == "shim"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".build.lock", shims[0].name]  # no .tmp left

@@ -81,3 +81,43 @@ def test_a_stalled_rank_is_named_with_what_it_was_doing(tmp_path):
     # (rank 1 sleeps in Python, outside any collective: its ring comes only on a signal, test_ring_dump_signal.py)
     assert "Last collectives (rings in " in out.stderr, out.stderr[-3000:]
     assert re.search(r"rank 0 (waits )?in \w+ #\d+ on dp \(", out.stderr), out.stderr[-3000:]
+
+
+# Rank 1 hangs inside the checkpoint save of step 2 (a stuck write: the issue stopped it with SIGSTOP once
+# .tmp-step_00000002 appeared), rank 0 writes its files and waits in the save's all_gather until timeout_s.
+SAVE_STALL_WORKER = """
+import sys, time
+from megazoo.parallel.checkpoint import io
+from megazoo.recipes import train
+
+original = io._write_rank
+def stuck(tmp, rank, *rest):
+    if rank == 1:
+        time.sleep(12)  # past parallel.timeout_s and the ring wait after it: rank 0 ends the job first
+    return original(tmp, rank, *rest)
+io._write_rank = stuck
+sys.exit(train.main())
+"""
+
+
+def test_a_rank_hung_inside_a_checkpoint_save_is_named(tmp_path):
+    """The save records its parts (writing, gathering) as operations of its own: rank 0, waiting in the gather,
+    names rank 1 as not arrived and still writing, instead of "every rank reached this operation"."""
+    import subprocess
+    import sys
+
+    from jobs import end_processes
+
+    write_recipe(tmp_path / "recipe.toml", tmp_path / "run", steps=3, timeout_s=4, checkpoint="every = 2")
+    (tmp_path / "worker.py").write_text(SAVE_STALL_WORKER)
+    try:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--standalone", str(tmp_path / "worker.py"), str(tmp_path / "recipe.toml")],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    finally:
+        end_processes(str(tmp_path))
+    assert out.returncode != 0
+    assert "rank 0 timed out in a collective during step 2, checkpoint save, gathering every rank's status " \
+           "(all_gather)" in out.stderr, out.stderr[-3000:]
+    assert "ranks that did not arrive: 1" in out.stderr and "every rank reached" not in out.stderr
+    assert "rank 1 (host " in out.stderr and "is in step 2, checkpoint save, writing this rank's files" in out.stderr
