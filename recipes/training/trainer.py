@@ -58,8 +58,9 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None):
+    def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None, replica_group: int = 0):
         self.res, self.topo = res, topo
+        self.replicas = None  # fault tolerance: a ReplicaGroup (parallel/fault_tolerance/replica.py), set by the caller
         t, par = res.recipe.train, res.recipe.parallel
         self.train_cfg = t
         seed_default_stream(t.seed, topo.device)
@@ -82,8 +83,10 @@ class Trainer:
                                      activation_dtype=precision.params, loss_fn=self._loss,
                                      placement=placement(self.schedule), recomputing=t.activation_checkpointing)
         self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
+        # Replica group g (fault tolerance) reads the g-th share of every global batch: its dp ranks are g x dp + ...
+        groups = res.recipe.fault_tolerance.replica_groups if res.recipe.fault_tolerance.enabled else 1
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
-                                          topo.dp_rank, topo.dp, seed=t.seed)
+                                          replica_group * topo.dp + topo.dp_rank, topo.dp * groups, seed=t.seed)
         self.autocast = precision.autocast
         self.scaler = precision.loss_scaler(res)
         self.consecutive_skips = 0
@@ -163,8 +166,10 @@ class Trainer:
         for loss in losses:
             loss_sum += loss
         self._enter(step, "optimizer step (gradient norm, AdamW, parameter all-gather)")
-        outcome = optimizer_step(zero, lr=lr, grad_clip=t.grad_clip, device=self.topo.device, scaler=self.scaler)
-        self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
+        outcome = optimizer_step(zero, lr=lr, grad_clip=t.grad_clip, device=self.topo.device, scaler=self.scaler,
+                                 replicas=self.replicas)
+        if outcome.committed:  # an uncommitted step (a replica group failed in it) is no fp16 overflow
+            self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
         if outcome.skipped and self.consecutive_skips >= self.res.recipe.loss_scale.max_consecutive_skips:
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "
@@ -183,6 +188,8 @@ class Trainer:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
             metrics.update(loss_scale=outcome.loss_scale, skipped=outcome.skipped)
+        if self.replicas is not None:  # live groups, the global batch they trained, commit, heal
+            metrics.update(self.replicas.step_metrics(t.micro_batch, t.grad_accum))
         if self.topo.pp > 1:  # this rank's pipeline stage: compute vs waiting within the schedule
             busy = stats.busy_s - busy_before
             idle = stats.total_s - total_before - busy
