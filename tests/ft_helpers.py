@@ -24,7 +24,7 @@ from megazoo.recipes.training.replicated import replica_fit, replica_setup
 from megazoo.recipes.training.trainer import Trainer
 from megazoo.workers.replica_groups import GROUP_ENV, LIGHTHOUSE_ENV, RESTART_ENV, Lighthouse, LighthouseSettings
 
-FT = {"enabled": True, "replica_groups": 2, "timeout_s": 10.0, "quorum_timeout_s": 20.0, "start_timeout_s": 20.0}
+FT = {"enabled": True, "replica_groups": 2, "timeout_s": 10.0, "quorum_timeout_s": 3.0, "start_timeout_s": 20.0}
 
 
 def lighthouse() -> Lighthouse:
@@ -84,8 +84,20 @@ def _group_main(group: int, sections: dict, address: str, out: str, resume: bool
     os._exit(0)  # torchft's threads must not hold the process
 
 
+_WARM: list[bool] = []
+
+
+def _warm_up() -> None:
+    """Build one Trainer in the test process before the first fork: its first build here takes seconds (lazy
+    imports, the synthetic corpus), which every forked group would otherwise pay again."""
+    if not _WARM:
+        Trainer(resolve(tiny_recipe()), Topology.solo())
+        _WARM.append(True)
+
+
 def start_group(group: int, sections: dict, address: str, out: Path, resume: bool = False, restarted: bool = False,
                 hold: tuple[int, Path] | None = None, ready: Path | None = None) -> mp.Process:
+    _warm_up()
     hold_arg = (hold[0], str(hold[1])) if hold is not None else None
     proc = mp.get_context("fork").Process(target=_group_main, args=(group, sections, address, str(out), resume,
                                                                     restarted, hold_arg, ready and str(ready)))

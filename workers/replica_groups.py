@@ -67,10 +67,28 @@ class Lighthouse:
         self.proc.wait()
 
 
+def _lighthouse_class():
+    """torchft's LighthouseServer from its compiled module alone: `import torchft` would import torch first (seconds
+    of start-up for a server that needs none of it)."""
+    import importlib.machinery
+    import importlib.util
+    spec = importlib.util.find_spec("torchft")  # finds the package without running its __init__
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(folder, "_torchft" + suffix)
+            if os.path.exists(path):
+                loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", path)
+                module = importlib.util.module_from_spec(importlib.util.spec_from_loader("torchft._torchft", loader))
+                loader.exec_module(module)
+                return module.LighthouseServer
+    from torchft._torchft import LighthouseServer  # an install laid out otherwise: the slow way
+    return LighthouseServer
+
+
 def serve_lighthouse(argv: Sequence[str]) -> int:
     """The lighthouse child: bind any free port, print the address, serve until killed (or the launcher dies)."""
     die_with_parent(signal.SIGKILL)
-    from torchft._torchft import LighthouseServer
+    LighthouseServer = _lighthouse_class()
     min_replicas, join_ms, heartbeat_ms, tick_ms = (int(a) for a in argv)
     server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_ms,
                               quorum_tick_ms=tick_ms, heartbeat_timeout_ms=heartbeat_ms)

@@ -1,6 +1,7 @@
 """Fault-tolerant replica groups on torchft (gloo, 2 groups of 1 rank, the lighthouse a child process): without a
 failure they train what plain dp = 2 trains; a group SIGKILLed mid-run is dropped while the other never stops,
-and once restarted it heals from the live group (not from disk) to bitwise-equal parameters and Adam state."""
+and once restarted it heals from the live group (not from disk) to bitwise-equal parameters and Adam state; the
+lighthouse's death falls back to the normal restart path."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_a_killed_group_is_dropped_restarted_and_healed_from_the_live_one(refere
         wait_for(lambda: len(metrics(tmp_path, 1)) >= 3, 60, "group 1 to train 3 steps")
         os.kill(procs[1].pid, signal.SIGKILL)
         procs[1].join()
-        killed_at = len(metrics(tmp_path, 0))
+        # the launcher's restart takes seconds (torchrun, imports); here group 0 trains 3 steps alone meanwhile
+        wait_for(lambda: sum(m["replicas_live"] == 1 for m in metrics(tmp_path, 0)) >= 3, 60, "group 0 alone")
         procs[1] = start_group(1, sections, house.address, outs[1], restarted=True, ready=ready)  # as the launcher
         g0, g1 = finish(procs, outs)
     finally:
@@ -82,7 +84,8 @@ def test_a_killed_group_is_dropped_restarted_and_healed_from_the_live_one(refere
     heal_step = healed[0]["healed_at_step"]
     # while group 1 was down group 0 went on alone, every step, on its half of the batch (the metrics say so)
     alone = [m for m in m0 if m["replicas_live"] == 1]
-    assert [m["step"] for m in alone] == list(range(killed_at, heal_step)) and len(alone) >= 2
+    killed_at = alone[0]["step"]
+    assert [m["step"] for m in alone] == list(range(killed_at, heal_step)) and len(alone) >= 3
     assert all(m["global_batch_live"] == 4 and m["committed"] for m in alone)
     # the restarted group was let in at its first quorums (bounded: no waiting for a checkpoint or a restart)
     assert killed_at < heal_step < STEPS and healed[0]["join_quorums"] <= 3
@@ -107,3 +110,51 @@ def test_a_killed_group_is_dropped_restarted_and_healed_from_the_live_one(refere
 
 
 LOSS_TOLERANCE = 0.5
+
+
+def test_lighthouse_death_falls_back_to_the_normal_restart_path(reference, tmp_path):
+    """The lighthouse dies: each group saves its last committed step and stops with a clear error; the normal
+    restart path (a new lighthouse, every group resuming from its own checkpoint) ends exactly as the failure-free
+    run, and nothing on disk is lost."""
+    _, reference, reference_metrics = reference
+    run_dir = tmp_path / "run"
+    sections = ft_sections(run_dir, STEPS)
+    outs = [tmp_path / f"out{g}.pt" for g in range(2)]
+    house, procs = _run(sections, outs)
+    try:
+        wait_for(lambda: len(metrics(run_dir, 0)) >= 4, 60, "4 steps")
+    finally:
+        house.stop()  # SIGKILL: the lighthouse dies mid-run
+    for p in procs:
+        p.join(60)
+    lost = [torch.load(o, weights_only=False) for o in outs]
+    assert [r.get("kind") for r in lost] == ["LighthouseGone", "LighthouseGone"], lost
+    assert "no quorum from the lighthouse at http" in lost[0]["error"]
+    saved = [sorted(p.name for p in (run_dir / f"group-{g}" / "checkpoints").glob("step_*")) for g in range(2)]
+    assert saved[0] == saved[1] and len(saved[0]) == 1, saved  # both saved the same last committed step
+    step = int(saved[0][0].split("_")[1])
+    assert 4 <= step < STEPS and [m["step"] for m in metrics(run_dir, 0)] == list(range(step))
+
+    # the normal restart path: a new lighthouse, every group resumes from its checkpoint
+    outs = [tmp_path / f"again{g}.pt" for g in range(2)]
+    house, procs = _run(sections, outs, resume=True)
+    try:
+        g0, g1 = finish(procs, outs)
+    finally:
+        house.stop()
+    for g in range(2):  # one clean history per group: every step once, the lines before the death kept
+        assert [m["step"] for m in metrics(run_dir, g)] == list(range(STEPS))
+    # the run is the failure-free one, bit for bit: parameters, Adam moments, update count, losses
+    for got, want in zip((g0, g1), reference):
+        assert got["optimizer_steps"] == want["optimizer_steps"] == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(got["tensors"], want["tensors"]))
+    assert [m["loss"] for m in metrics(run_dir, 0)] == [m["loss"] for m in reference_metrics[0]]
+
+
+def _run(sections, outs, resume=False):
+    house = lighthouse()
+    try:
+        return house, [start_group(g, sections, house.address, outs[g], resume=resume) for g in range(2)]
+    except BaseException:
+        house.stop()
+        raise
