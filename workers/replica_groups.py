@@ -112,10 +112,11 @@ class _Group:
 def launch_replica_groups(groups: int, nproc: int, module: str, argv: Sequence[str], *, lighthouse: str = "",
                           settings: LighthouseSettings = LighthouseSettings(), max_group_restarts: int = 3,
                           resume_argv: Sequence[str] = (), lighthouse_restarts: int = 1,
-                          env: dict[str, str] | None = None) -> int:
+                          env: dict[str, str] | None = None, command=torchrun_command) -> int:
     """Run `groups` replica groups of `nproc` workers each (`python -m module argv`) and return the job's exit
     status: 0 when training finished (in at least one group, every other group finished or was dropped), 128 +
-    signal when stopped by one, else the failure's. See the module docstring for restarts and the lighthouse."""
+    signal when stopped by one, else the failure's. See the module docstring for restarts and the lighthouse.
+    `command(nproc, module, argv)`: each attempt's command line (torchrun's; tests pass a plain process)."""
     owned = not lighthouse
     house = Lighthouse(settings) if owned else None
     address = house.address if house is not None else lighthouse
@@ -133,7 +134,7 @@ def launch_replica_groups(groups: int, nproc: int, module: str, argv: Sequence[s
     extra: list[str] = []
     try:
         for round_ in range(lighthouse_restarts + 1):
-            _run_round(members, module, list(argv) + extra, nproc, max_group_restarts)
+            _run_round(members, command(nproc, module, list(argv) + extra), max_group_restarts)
             if not any(m.gone for m in members) or any(m.stopped is not None for m in members):
                 break
             if not owned or round_ == lighthouse_restarts:
@@ -167,10 +168,9 @@ def launch_replica_groups(groups: int, nproc: int, module: str, argv: Sequence[s
     return next((m.code for m in members if m.code), 1)
 
 
-def _run_round(members: list[_Group], module: str, argv: list[str], nproc: int, max_restarts: int) -> None:
+def _run_round(members: list[_Group], command: list[str], max_restarts: int) -> None:
     """Every group's attempts, each group in its own thread, until each finished, stopped, lost the lighthouse or
     ran out of restarts."""
-    command = torchrun_command(nproc, module, argv)
     threads = [threading.Thread(target=_group_loop, args=(m, members, command, max_restarts), daemon=True)
                for m in members]
     for t in threads:
