@@ -133,3 +133,37 @@ def finish(procs: list[mp.Process], outs: list[Path], timeout_s: float = 60.0) -
     errors = [f"group {g}: {r['error']}" for g, r in enumerate(results) if "error" in r]
     assert not errors, "\n".join(errors)
     return results
+
+
+def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str) -> None:
+    """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives."""
+    torch.set_num_threads(1)
+    try:
+        from dataclasses import replace
+
+        from torch.distributed import TCPStore
+
+        from megazoo.parallel.topology import init_distributed
+        store = TCPStore("localhost", port, 2, is_master=rank == 0, wait_for_workers=False)
+        init_distributed(rank, 2, store, timeout_s=60)
+        env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+               "MASTER_PORT": str(port)}
+        recipe, spec = replica_setup(tiny_recipe(**sections), env)
+        res = resolve(recipe, world_size=2)
+        topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
+        trainer = Trainer(res, topo, replica_group=group)
+        result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
+        torch.save({"losses": result.losses, "full": trainer.full_state_dict()}, out)
+    except BaseException:  # noqa: BLE001 - the test reads it
+        torch.save({"error": traceback.format_exc()}, out)
+    os._exit(0)
+
+
+def start_group_of_two(group: int, port: int, sections: dict, address: str, outs: list[Path]) -> list[mp.Process]:
+    _warm_up()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_group_rank_main, args=(group, r, port, sections, address, str(outs[r])))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    return procs

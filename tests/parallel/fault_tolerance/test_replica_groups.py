@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import pytest
 import torch
 
-from ft_helpers import finish, ft_sections, lighthouse, metrics, start_group, wait_for
+from ft_helpers import finish, ft_sections, lighthouse, metrics, start_group, start_group_of_two, wait_for
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
@@ -151,6 +152,12 @@ def test_lighthouse_death_falls_back_to_the_normal_restart_path(reference, tmp_p
     assert [m["loss"] for m in metrics(run_dir, 0)] == [m["loss"] for m in reference_metrics[0]]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def _run(sections, outs, resume=False):
     house = lighthouse()
     try:
@@ -158,3 +165,30 @@ def _run(sections, outs, resume=False):
     except BaseException:
         house.stop()
         raise
+
+
+def _plain_full(sections: dict) -> dict:
+    trainer = Trainer(resolve(tiny_recipe(**sections)), Topology.build(dp=4))
+    return {"losses": trainer.fit().losses, "full": trainer.full_state_dict()}
+
+
+def test_groups_of_two_zero2_ranks_train_what_plain_zero2_dp4_trains(tmp_path):
+    """HSDP's two dimensions: ZeRO-2 shards over each group's 2 ranks, the 2 groups are the replicas; the owned
+    gradient chunks are averaged across groups through torchft. Same losses and weights as ZeRO-2 over dp 4."""
+    steps = 4
+    sections = ft_sections(tmp_path, steps, parallel={"dp": 4}, zero={"stage": 2}, train={"micro_batch": 2})
+    house = lighthouse()
+    outs = [[tmp_path / f"g{g}r{r}.pt" for r in range(2)] for g in range(2)]
+    try:
+        procs = [p for g in range(2) for p in start_group_of_two(g, free_port(), sections, house.address, outs[g])]
+        results = finish(procs, [o for pair in outs for o in pair])
+    finally:
+        house.stop()
+    plain_sections = {k: v for k, v in sections.items() if k not in ("fault_tolerance", "run")}
+    plain = run_distributed(_plain_full, 4, plain_sections)[0]
+    g0, g1 = results[0], results[2]  # each group's rank 0: the group's loss (its half of the global batch)
+    for s, loss in enumerate(plain["losses"]):
+        assert abs((g0["losses"][s] + g1["losses"][s]) / 2 - loss) < 1e-12, s
+    for result in results:  # every rank of every group holds the same full weights as plain ZeRO-2 over dp 4
+        for name, value in plain["full"].items():
+            assert torch.allclose(result["full"][name], value, rtol=0, atol=1e-12), name
