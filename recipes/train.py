@@ -57,7 +57,8 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None,
             if rank0:
                 print("\n".join(trainer.kernels.describe()), flush=True)
             start_step = checkpointing.restore(trainer, report=print if rank0 else (lambda *_: None))
-            log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
+            if group is None:  # (a replica group does it once its quorum says where it starts: replicated.py)
+                log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
             if rank0:  # every field as this job runs it (after overrides, derived values filled in)
                 write_resolved_recipe(recipe.run.dir, resolved_toml(res), start_step)
             if rank0:

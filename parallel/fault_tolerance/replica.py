@@ -174,7 +174,8 @@ class ReplicaGroup:
         live = self.live
         out = {"replica_group": self.group, "replicas_live": live, "replicas": self.groups,
                "global_batch_live": micro_batch * grad_accum * self.topo.dp * live,
-               "committed": self._committed, "ft_wait_s": self.wait_s}
+               "committed": self._committed, "ft_wait_s": self.wait_s,
+               "time": time.time()}  # wall clock: the groups' timelines line up (benchmarks/fault_tolerance.py)
         if self.healed_at is not None:  # and how many quorums the group went through before it was let in
             out.update(healed_at_step=self.healed_at, join_quorums=self.join_quorums)
             self.healed_at = None
