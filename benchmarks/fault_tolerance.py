@@ -27,6 +27,7 @@ RECIPE = """
 [model]
 preset = "gpt2-tiny"
 n_layer = 2
+vocab_size = 512
 dropout = 0.0
 attn_dropout = 0.0
 [parallel]
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks-per-group", type=int, default=1)
     parser.add_argument("--stage", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--kill-at", type=int, default=20)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="megazoo-ft-") as tmp:
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"ranks_per_group": args.ranks_per_group, "zero_stage": args.stage, "exit_code": job.returncode,
            "steps_per_s_before": _rate(before), "steps_per_s_alone": _rate(alone), "steps_per_s_after": _rate(after),
            "steps_alone": len(alone), "kill_to_heal_s": healed["time"] - killed_at,
-           "healed_at_step": healed["healed_at_step"], "launcher": [l for l in err.splitlines() if "replica" in l]}
+           "healed_at_step": healed["healed_at_step"], "launcher": [l for l in err.splitlines() if "replica" in l],
+           # the restarted group's lines from before the failure are kept (nothing on disk is lost)
+           "group1_steps_kept_before_kill": sum(m["step"] < healed["healed_at_step"] for m in m1)}
     print(json.dumps(out, indent=1))
     print("| groups x ranks | steps/s before | alone | after heal | kill -> heal (s) | steps alone |")
     print(f"| 2 x {args.ranks_per_group} | {out['steps_per_s_before']:.2f} | {out['steps_per_s_alone']:.2f} | "
