@@ -79,7 +79,8 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None,
                     print(f"sample before training:\n{before}", flush=True)
             try:
                 if group is not None:  # a fault-tolerant replica group: steps from torchft's quorum
-                    result = replica_fit(trainer, group, log, start_step, stop.requested)
+                    result = replica_fit(trainer, group, log, start_step, stop.requested,
+                                         progress=rank0 and recipe.logging.progress)
                 else:
                     result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
                                          stop_requested=stop.requested)

@@ -126,19 +126,21 @@ class ReplicaGroup:
         self.wait_s = time.perf_counter() - start
         return step
 
-    def join(self, agree: Callable[[bool], bool] | None = None, *, restarted: bool = False) -> int:
+    def join(self, agree: Callable[[bool], bool] | None = None, *, restarted: bool = False,
+             finished: Callable[[], bool] = lambda: False) -> int:
         """The first quorum: wait (up to start_timeout_s) until every replica group has joined, so a run without
         failures trains what the same dp trains without fault tolerance; a restarted group finds the live ones at
         once and heals. The group's ranks agree on leaving through `agree` (rank 0 decides: their clocks differ).
-        A `restarted` group that finds no live group by then raises NoLiveGroup: it never trains alone from step 0
-        (the others finished, or are gone too)."""
+        A `restarted` group that finds no live group by then, or sooner `finished()` (the run is over), raises
+        NoLiveGroup: it never trains alone from step 0."""
         deadline = time.monotonic() + self.ft.start_timeout_s
         self.join_quorums = 0
         while True:
             step = self.begin_step()
             self.join_quorums += 1
             live = self.manager.num_participants()
-            done = live >= self.groups or time.monotonic() > deadline
+            over = restarted and live < 2 and step == 0 and finished()
+            done = live >= self.groups or time.monotonic() > deadline or over
             if (agree(done) if agree is not None else done):
                 if restarted and live < 2 and step == 0:
                     raise NoLiveGroup(f"fault_tolerance: restarted replica group {self.group} found no live group to "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
+from megazoo.data.fileio import atomic_write_text
 from megazoo.parallel.checkpoint.io import step_dir
 from megazoo.parallel.fault_tolerance.replica import HealState, LighthouseGone, ReplicaGroup, rank0_decides
 from megazoo.recipes.config import Recipe, RecipeError
@@ -24,6 +25,9 @@ from megazoo.workers.replica_groups import GROUP_ENV, LIGHTHOUSE_ENV, RESTART_EN
 from megazoo.recipes.training.trainer import Trainer, TrainResult
 
 
+
+
+FINISHED = "replica-groups-finished"  # in run.dir: the step a group trained to (see fit_replicated)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def replica_setup(recipe: Recipe, environ: Mapping[str, str]) -> tuple[Recipe, R
 
 
 def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, start_step: int,
-                stop_requested: Callable[[], bool] | None) -> TrainResult:
+                stop_requested: Callable[[], bool] | None, progress: bool = False) -> TrainResult:
     """Join torchft's quorum as replica group `spec.index` and train (`fit_replicated`). A lost lighthouse ends
     training after this group saves its last committed step (LighthouseGone is raised on): nothing is lost."""
     store = spec.store
@@ -69,7 +73,8 @@ def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, sta
                             lighthouse=spec.lighthouse, store=store, heal=HealState(trainer.zero, trainer.scaler))
     try:
         return fit_replicated(trainer, replicas, log=log, start_step=start_step, stop_requested=stop_requested,
-                              report=print if rank0 else (lambda *_: None), restarted=spec.restarted)
+                              report=print if rank0 else (lambda *_: None), restarted=spec.restarted,
+                              progress=progress and rank0)
     except LighthouseGone:
         step = replicas.manager.current_step()
         if step > start_step and not step_dir(Path(trainer.res.recipe.run.dir) / "checkpoints", step).exists():
@@ -82,19 +87,32 @@ def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, sta
 
 def fit_replicated(trainer: Trainer, replicas: ReplicaGroup, *, log: MetricsLog | None = None,
                    start_step: int = 0, stop_requested: Callable[[], bool] | None = None,
-                   report: Callable[[str], None] = print, restarted: bool = False) -> TrainResult:
+                   report: Callable[[str], None] = print, restarted: bool = False,
+                   progress: bool = False) -> TrainResult:
     """Train this replica group until the quorum's step reaches train.steps (see the module docstring)."""
     t, result = trainer.train_cfg, TrainResult()
     every, at_end = trainer.res.recipe.checkpoint.every, trainer.res.recipe.checkpoint.at_end
     trainer.replicas = replicas
     if start_step:
         replicas.set_step(start_step)
-    step = replicas.join(rank0_decides(trainer.topo), restarted=restarted)
+    marker = Path(trainer.res.recipe.run.dir).parent / FINISHED  # beside the groups' folders
+
+    def finished() -> bool:  # another group trained to train.steps: nothing left to rejoin
+        try:
+            return int(marker.read_text()) >= t.steps
+        except (OSError, ValueError):
+            return False
+    step = replicas.join(rank0_decides(trainer.topo), restarted=restarted, finished=finished)
     if step != start_step:
         report(f"megazoo: replica group {replicas.group} healed from a live group at step {step} "
                f"({replicas.live} of {replicas.groups} groups live)")
     if log is not None:
         log.start_at(step, report=report)  # lines of steps this group never trained are not kept
+    bar = None
+    if progress:  # the progress line shows how many replica groups are live
+        from tqdm import tqdm
+        bar = tqdm(total=t.steps, initial=step, desc=f"train (group {replicas.group})", unit="step",
+                   dynamic_ncols=True)
     try:
         while step < t.steps:
             metrics = trainer.train_step(step, stop=stop_requested is not None and stop_requested())
@@ -109,12 +127,17 @@ def fit_replicated(trainer: Trainer, replicas: ReplicaGroup, *, log: MetricsLog 
             result.grad_norms.append(metrics["grad_norm"])
             if log is not None:
                 log.write(metrics)
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", live=f"{metrics['replicas_live']}/{replicas.groups}")
+                bar.update(step + 1 - bar.n)  # a heal moves the step forward
             if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
                 result.checkpoint = trainer.save_checkpoint(step + 1)
             if stop:
                 result.stopped_at = step + 1
                 break
             if last:
+                if trainer.topo.rank == 0:
+                    atomic_write_text(marker, str(t.steps))  # a group restarting now stops waiting to rejoin
                 break
             step = replicas.begin_step()
         checkpointing.wait_for_save(trainer)
@@ -122,6 +145,8 @@ def fit_replicated(trainer: Trainer, replicas: ReplicaGroup, *, log: MetricsLog 
         checkpointing.abandon_save(trainer)
         raise
     finally:
+        if bar is not None:
+            bar.close()
         sys.stdout.flush()
     if result.stopped_at is None:
         result.val_loss = trainer.evaluate()

@@ -18,6 +18,7 @@ from recipe_helpers import tiny_recipe
 
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.resolve import resolve
+from megazoo.recipes.training.replicated import FINISHED
 from megazoo.recipes.training.trainer import Trainer
 
 pytest.importorskip("torchft")
@@ -192,3 +193,21 @@ def test_groups_of_two_zero2_ranks_train_what_plain_zero2_dp4_trains(tmp_path):
     for result in results:  # every rank of every group holds the same full weights as plain ZeRO-2 over dp 4
         for name, value in plain["full"].items():
             assert torch.allclose(result["full"][name], value, rtol=0, atol=1e-12), name
+
+
+def test_a_group_restarted_after_the_run_finished_does_not_train_alone(reference, tmp_path):
+    """The others finished (their marker says train.steps): a restarted group stops at its first quorum with
+    NoLiveGroup instead of waiting start_timeout_s (set to 10 minutes here) or training from step 0 alone."""
+    sections = ft_sections(tmp_path, STEPS, fault_tolerance={"start_timeout_s": 600.0})
+    (tmp_path / FINISHED).write_text(str(STEPS))
+    house = lighthouse()
+    try:
+        out = tmp_path / "out1.pt"
+        proc = start_group(1, sections, house.address, out, restarted=True)
+        proc.join(120)
+        assert not proc.is_alive()
+    finally:
+        house.stop()
+    result = torch.load(out, weights_only=False)
+    assert result.get("kind") == "NoLiveGroup" and "found no live group to heal from" in result["error"]
+    assert metrics(tmp_path, 1) == []
