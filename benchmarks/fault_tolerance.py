@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks-per-group", type=int, default=1)
     parser.add_argument("--stage", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kill-at", type=int, default=20)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="megazoo-ft-") as tmp:

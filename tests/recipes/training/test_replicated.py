@@ -36,3 +36,13 @@ def test_a_group_gets_its_own_run_dir_lighthouse_and_store():
 def test_started_without_the_launcher_is_refused_with_how_to_start_it():
     with pytest.raises(RecipeError, match="start the run with `megazoo train`.*MEGAZOO_REPLICA_GROUP unset"):
         replica_setup(tiny_recipe(parallel={"dp": 2}, fault_tolerance=FT), {})
+
+
+def test_a_replica_groups_run_counts_as_a_previous_run(tmp_path):
+    """`megazoo train` into a run.dir whose groups wrote checkpoints or metrics refuses a fresh start (--resume or
+    --overwrite), as for any run: the groups' folders are looked into."""
+    from megazoo.recipes.training.run_dir import previous_run
+    (tmp_path / "group-1" / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (tmp_path / "group-0").mkdir()
+    (tmp_path / "group-0" / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert previous_run(tmp_path) == ["group-0/metrics.jsonl", "group-1/1 checkpoint(s) up to step_00000010"]
