@@ -1,6 +1,7 @@
 """Fault-tolerant replica groups in tests: each group one forked process (no torchrun: seconds, not tens of them)
 running the same code a `megazoo train` worker runs (replica_setup -> Trainer -> replica_fit), against a torchft
-lighthouse in a child process (workers/replica_groups.Lighthouse). The test plays the launcher: it kills and restarts groups itself."""
+lighthouse in a child process (workers/replica_groups.Lighthouse). The test plays the launcher: it kills and
+restarts groups itself."""
 
 from __future__ import annotations
 
