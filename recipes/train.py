@@ -25,7 +25,7 @@ from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, 
 from megazoo.workers.local import finish_worker
 from megazoo.parallel.topology import Topology, init_distributed, local_device
 from megazoo.parallel.fault_tolerance.replica import LighthouseGone, NoLiveGroup
-from megazoo.workers.replica_groups import LIGHTHOUSE_GONE_EXIT
+from megazoo.workers.replica_groups import LIGHTHOUSE_GONE_EXIT, record_lighthouse_gone
 from megazoo.recipes.training import checkpointing
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
               "gone, so the groups cannot agree on steps: each group saved its last committed step, and the job "
               "falls back to the normal restart path (every group resumes from its latest checkpoint)",
               file=sys.stderr, flush=True)
+        record_lighthouse_gone()
         finish_worker(LIGHTHOUSE_GONE_EXIT)
     except (CheckpointError, DataCacheError, JobStalled) as err:
         # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch, a data cache that

@@ -8,8 +8,8 @@ per replica group, each restarted on its own when it fails while the others trai
   MEGAZOO_REPLICA_GROUP=G. A group whose attempt fails (a rank was killed, ...) is started again, alone, up to
   `max_group_restarts` times: its new workers join the next quorum and heal from a live group (not from disk),
   while the other groups never stop. Once a group has finished training, failed groups are not restarted.
-- The lighthouse's death: the workers cannot form a quorum, so each group saves its last committed step and exits
-  with LIGHTHOUSE_GONE_EXIT; the launcher then falls back to the normal restart path: a new lighthouse (when it
+- The lighthouse's death: the workers cannot form a quorum, so each group saves its last committed step, records it
+  (`record_lighthouse_gone`) and exits with LIGHTHOUSE_GONE_EXIT; the launcher then falls back to the normal restart path: a new lighthouse (when it
   owns one) and every group started again from its latest checkpoint (`resume_argv`), or, with a lighthouse it
   was given, the job ends saying how to continue.
 - SIGTERM / SIGINT to the launcher reach every group's workers once (they finish the step, save and stop).
@@ -26,12 +26,34 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megazoo.workers.supervisor import Job, die_with_parent, torchrun_command, worker_threads
+from megazoo.workers.supervisor import STOP_FILE_ENV, Job, die_with_parent, torchrun_command, worker_threads
 
 LIGHTHOUSE_GONE_EXIT = 75  # a group's workers lost the lighthouse after saving their last committed step
+LIGHTHOUSE_GONE = "lighthouse-gone"  # what they record in the launcher's stop file (torchrun's exit status is 1)
 GROUP_ENV = "MEGAZOO_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 RESTART_ENV = "MEGAZOO_REPLICA_RESTART"  # "1" for a group restarted after a failure (it heals, never starts alone)
+
+
+def record_lighthouse_gone() -> bool:
+    """A worker lost the lighthouse (and saved): tell the launcher, which falls back to a whole restart instead of
+    restarting the group. torchrun ends with status 1 whatever its worker's, so the stop file carries it (as
+    supervisor.record_fatal does). False when no launcher listens."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if not path:
+        return False
+    with open(path, "w") as f:
+        f.write(LIGHTHOUSE_GONE)
+    return True
+
+
+def _lost_lighthouse(job: Job, code: int) -> bool:
+    try:
+        with open(job.stop_file) as f:
+            recorded = f.read() == LIGHTHOUSE_GONE
+    except OSError:
+        recorded = False
+    return recorded or code == LIGHTHOUSE_GONE_EXIT
 
 
 @dataclass(frozen=True)
@@ -191,7 +213,7 @@ def _group_loop(m: _Group, members: list[_Group], command: list[str], max_restar
         if code == 0:
             m.done = True
             return
-        if code == LIGHTHOUSE_GONE_EXIT:
+        if _lost_lighthouse(m.job, code):
             m.gone = True
             return
         if m.job.fatal() or m.restarts >= max_restarts or any(p.done or p.gone for p in members):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megazoo.workers.replica_groups import LIGHTHOUSE_GONE_EXIT, Lighthouse, LighthouseSettings, launch_replica_groups
+from megazoo.workers.replica_groups import Lighthouse, LighthouseSettings, launch_replica_groups
 
 pytest.importorskip("torchft")
 
@@ -30,15 +30,19 @@ WORKER = textwrap.dedent("""
         while group == "0" and "1 1 0" not in open(log).read():
             time.sleep(0.05)
         sys.exit(0)
-    if scenario == "lighthouse":  # the lighthouse is lost once; the resumed run finishes
-        sys.exit(0 if resumed else %d)
+    if scenario == "lighthouse":  # the lighthouse is lost once (recorded; torchrun exits 1); the resumed run finishes
+        if not resumed:
+            from megazoo.workers.replica_groups import record_lighthouse_gone
+            assert record_lighthouse_gone()
+            sys.exit(1)
+        sys.exit(0)
     if scenario == "dropped":  # group 1 always fails; group 0 finishes once group 1's restart is up
         if group == "1":
             sys.exit(3)
         while "1 1 0" not in open(log).read():
             time.sleep(0.05)
         sys.exit(0)
-""" % LIGHTHOUSE_GONE_EXIT)
+""")
 
 
 def _launch(tmp_path: Path, scenario: str, **kwargs) -> tuple[int, list[list[str]]]:
