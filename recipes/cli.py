@@ -64,6 +64,8 @@ def _train(args: argparse.Namespace) -> int:
         elif previous and resuming and (reason := _no_good_checkpoint(run_dir)):
             print(f"megazoo: error: {reason}", file=sys.stderr)  # before any worker starts: once, not per rank
             return 2
+        if recipe.fault_tolerance.enabled:  # one torchrun per replica group, the lighthouse, group restarts
+            return _train_replica_groups(args, recipe, nproc)
         overrides = list(args.overrides)
         if args.resume or args.max_restarts:  # a restarted job must continue from its latest good checkpoint
             overrides.append("checkpoint.resume=true")
@@ -77,6 +79,22 @@ def _train(args: argparse.Namespace) -> int:
         return launch_local(nproc, "megazoo.recipes.train", [args.recipe, *sets], max_restarts=args.max_restarts,
                             restart_note=" from the latest good checkpoint",
                             env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"}, ring_dump=True)
+
+
+def _train_replica_groups(args: argparse.Namespace, recipe, nproc: int) -> int:
+    """`[fault_tolerance]`: workers/replica_groups.py runs the lighthouse and each group's torchrun; a restarted group
+    heals from a live one (so it does not resume from disk), a whole restart (the lighthouse lost) resumes."""
+    from megazoo.workers.replica_groups import LighthouseSettings, launch_replica_groups
+    ft = recipe.fault_tolerance
+    resume = ["--set", "checkpoint.resume=true"]
+    sets = [arg for text in args.overrides for arg in ("--set", text)] + (resume if args.resume else [])
+    sets += ["--data-dir", args.data_dir] if args.data_dir else []
+    settings = LighthouseSettings(ft.min_replicas, round(ft.join_timeout_s * 1000),
+                                  round(ft.heartbeat_timeout_s * 1000))
+    return launch_replica_groups(ft.replica_groups, nproc // ft.replica_groups, "megazoo.recipes.train",
+                                 [args.recipe, *sets], lighthouse=ft.lighthouse, settings=settings,
+                                 max_group_restarts=ft.max_group_restarts, resume_argv=resume,
+                                 env={LOCK_HELD_ENV: f"{os.getpid()}@{socket.gethostname()}"})
 
 
 def _no_good_checkpoint(run_dir: Path) -> str | None:

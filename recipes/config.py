@@ -21,6 +21,7 @@ from megazoo.data.published.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
 from megazoo.models.lora.config import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora/adapters.py)
 from megazoo.parallel.pipeline.schedules import CHUNKS
+from megazoo.parallel.fault_tolerance.config import FaultToleranceConfig  # `[fault_tolerance]`: torchft replica groups
 from megazoo.recipes.sft_section import SFTSection
 
 
@@ -169,10 +170,9 @@ class CheckpointSection:
     load_optimizer: bool = True  # false: weights only, from step 0 (fine-tuning)
     resume: bool = False  # continue from the latest good checkpoint in run.dir (megazoo train --resume)
     allow_batch_change: bool = False  # resume even if train.micro_batch / seq_len / the global batch changed
-    # Every rank re-reads what it wrote (from the storage) against the sha256 of what it meant to write, before the
-    # oldest checkpoint is rotated away; a mismatch keeps the older ones, sets the new one aside as bad-step_N and
-    # stops the run. false: skip it (damage is found at load). Cost: benchmarks/checkpoint_verify.py.
-    verify_on_save: bool = True
+    # Every rank re-reads what it wrote against the sha256 it meant to write, before the oldest checkpoint rotates away;
+    # a mismatch keeps the older ones, sets the new one aside as bad-step_N, stops the run. false: skip it (cost below)
+    verify_on_save: bool = True  # damage is otherwise found at load; cost: benchmarks/checkpoint_verify.py
     # true: the saving step returns once the state is copied to host memory; a background thread writes, verifies
     # and publishes it with the same guarantees (parallel/checkpoint/async_save.py). The next save, the end of
     # training or a stop waits for it and raises its error. Stall per save: benchmarks/checkpoint_async.py.
@@ -182,9 +182,8 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    # "stdlib": the Python standard library's own source, BPE trained on it (the embedded demo corpus)
-    # "indexed": datasets written by `megazoo preprocess` (paths = their prefixes, blended by weights)
-    # "synthetic": a learnable random Markov chain (tests)
+    # "stdlib": the Python standard library's own source, BPE trained on it (the embedded demo corpus); "indexed":
+    # datasets written by `megazoo preprocess` (paths = their prefixes, blended by weights); "synthetic": a Markov chain
     source: str = "stdlib"
     vocab_size: int = 4096  # stdlib: BPE vocabulary trained on the corpus
     max_bytes: int = 4_000_000  # stdlib: corpus size
@@ -240,6 +239,7 @@ class Recipe:
     sample: SampleSection = field(default_factory=SampleSection)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: off (full fine-tuning)
     sft: SFTSection = field(default_factory=SFTSection)  # recipes/sft_section.py: fine-tuning on chat data
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

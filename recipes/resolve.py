@@ -17,6 +17,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat
 from megazoo.models.lora.config import check_lora
+from megazoo.parallel.fault_tolerance.config import check_fault_tolerance
 from megazoo.recipes.checkpoint_model import (check_against_checkpoint, checkpoint_model, from_checkpoint,
                                               missing_load)
 from megazoo.recipes.config import Recipe, RecipeError
@@ -195,7 +196,17 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         raise RecipeError(str(err)) from None
     stages = _check_pipeline(recipe, cfg)
     layout = par.dp * par.tp * par.pp * par.cp
-    if world_size is not None and world_size != layout:
+    ft = recipe.fault_tolerance
+    try:  # before the process count: with fault tolerance each replica group's processes are one job
+        check_fault_tolerance(ft, dp=par.dp, zero_stage=recipe.zero.stage, shard_group=recipe.zero.shard_group,
+                              optimizer=recipe.optimizer.name)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    if ft.enabled and world_size is not None and world_size not in (layout, layout // ft.replica_groups):
+        raise RecipeError(f"fault_tolerance: {world_size} processes were started, but each of the "
+                          f"{ft.replica_groups} replica groups runs {layout // ft.replica_groups} (parallel.dp / "
+                          f"replica_groups x tp x pp x cp) and all of them {layout}")
+    if world_size is not None and world_size != layout and not ft.enabled:
         cp = f" x cp={par.cp}" if par.cp > 1 else ""
         raise RecipeError(f"parallel dp={par.dp} x tp={par.tp} x pp={par.pp}{cp} = {layout} processes, but "
                           f"{world_size} were started; start {layout} (--nproc {layout}) or change the layout")

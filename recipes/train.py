@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from megazoo.data.published.catalog import default_folders
@@ -25,6 +26,8 @@ from megazoo.parallel.checkpoint.io import CheckpointError
 from megazoo.workers.supervisor import GracefulStop, die_with_parent, orphaned, record_fatal, record_stop
 from megazoo.workers.local import finish_worker
 from megazoo.parallel.topology import Topology, init_distributed, local_device
+from megazoo.parallel.fault_tolerance.replica import LighthouseGone, NoLiveGroup
+from megazoo.workers.replica_groups import LIGHTHOUSE_GONE_EXIT, record_lighthouse_gone
 from megazoo.recipes.training import checkpointing
 from megazoo.recipes.catalog import find_recipe
 from megazoo.recipes.config import RecipeError, load_recipe
@@ -38,9 +41,11 @@ from megazoo.recipes.resolved_toml import resolved_toml
 from megazoo.recipes.training.run_dir import (LOCK_HELD_ENV, RunDirBusy, RunDirLock, check_checkpoints,
                                               write_resolved_recipe)
 from megazoo.recipes.training.trainer import Trainer, TrainResult
+from megazoo.recipes.training.replicated import ReplicaSpec, replica_fit, replica_setup
 
 
-def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> TrainResult:
+def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None,
+        group: ReplicaSpec | None = None) -> TrainResult:
     """Train as the recipe says, log on rank 0, and print the closing summary there. SIGTERM / SIGINT (`stop`)
     is a preemption: the current step finishes, every rank saves a checkpoint, training stops."""
     rank0 = topo.rank == 0
@@ -50,11 +55,12 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
         log = MetricsLog(recipe.run.dir, enabled=rank0, wandb_mode=recipe.logging.wandb,
                          project=recipe.logging.wandb_project, config=recipe.to_dict())
         try:
-            trainer = Trainer(res, topo)
+            trainer = Trainer(res, topo, replica_group=group.index if group is not None else 0)
             if rank0:
                 print("\n".join(describe_ops(trainer.kernels, model_ops(res.model))), flush=True)
             start_step = checkpointing.restore(trainer, report=print if rank0 else (lambda *_: None))
-            log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
+            if group is None:  # (a replica group does it once its quorum says where it starts: replicated.py)
+                log.start_at(start_step, report=print)  # one clean history: no line past the step resumed from
             if rank0:  # every field as this job runs it (after overrides, derived values filled in)
                 write_resolved_recipe(recipe.run.dir, resolved_toml(res), start_step)
             if rank0:
@@ -74,8 +80,12 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                 if rank0 and before is not None:
                     print(f"sample before training:\n{before}", flush=True)
             try:
-                result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
-                                     stop_requested=stop.requested)
+                if group is not None:  # a fault-tolerant replica group: steps from torchft's quorum
+                    result = replica_fit(trainer, group, log, start_step, stop.requested,
+                                         progress=rank0 and recipe.logging.progress)
+                else:
+                    result = trainer.fit(log=log, progress=rank0 and recipe.logging.progress, start_step=start_step,
+                                         stop_requested=stop.requested)
             except Exception as err:
                 # A peer killed mid-collective (SIGKILL, the OOM killer): name it, not gloo's "Connection reset".
                 if trainer.progress is not None and (dead := trainer.progress.dead_peers(wait_s=2.0)):
@@ -87,6 +97,8 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
                 raise
         finally:
             log.close()
+    if group is not None and result.sample is None and result.stopped_at is None:
+        result.sample = trainer.sample()  # every group samples (tp collective); rank 0 of each prints
     if rank0 and result.stopped_at is not None:
         print(f"megazoo: stopped by {stop.name or 'request'} after step {result.stopped_at}; checkpoint saved "
               f"under {Path(recipe.run.dir) / 'checkpoints'} (continue with --resume)", flush=True)
@@ -158,6 +170,7 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
     try:
         recipe = load_recipe(find_recipe(args.recipe), args.overrides, data_dir=args.data_dir,  # a file or a name
                              catalog_dirs=default_folders(os.environ))  # catalog names: $MEGAZOO_DATA_DIR, cache
+        recipe, group = replica_setup(recipe, os.environ)  # fault tolerance: this group's run.dir and lighthouse
         res = resolve(recipe, world_size=world_size)
         own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
         check_checkpoints(res.recipe.run.dir)
@@ -178,13 +191,24 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
     try:
         # Processes per node: the recipe's, else the launcher's (torchrun sets LOCAL_WORLD_SIZE), read here only.
         node_size = par.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(par, node_size=node_size)
+        layout = par if group is None else replace(par, dp=par.dp // group.groups)  # one replica group's ranks
+        topo = Topology.solo(local_device(local_rank)) if world_size == 1 else Topology.of(layout, node_size=node_size)
         if world_size == 1:
-            result = run(res, topo, stop)
+            result = run(res, topo, stop, group)
         else:  # SIGUSR1 (from `megazoo train`, scancel --signal=USR1, kill): every rank writes its ring
             with RingDumpOnSignal(Path(res.recipe.run.dir) / ".progress", rank, world_size, group_labels(topo),
                                   recorder=par.flight_recorder > 0):
-                result = run(res, topo, stop)
+                result = run(res, topo, stop, group)
+    except NoLiveGroup as err:  # nothing to rejoin: the run finished (or every other group is gone)
+        print(f"megazoo: replica group {group.index if group else 0}: {err}", file=sys.stderr, flush=True)
+        finish_worker(0)
+    except LighthouseGone as err:  # saved at its last committed step: the launcher falls back to a whole restart
+        print(f"megazoo: error (rank {rank}, replica group {group.index if group else 0}): {err}; the lighthouse is "
+              "gone, so the groups cannot agree on steps: each group saved its last committed step, and the job "
+              "falls back to the normal restart path (every group resumes from its latest checkpoint)",
+              file=sys.stderr, flush=True)
+        record_lighthouse_gone()
+        finish_worker(LIGHTHOUSE_GONE_EXIT)
     except (CheckpointError, DataCacheError, JobStalled) as err:
         # A restart would only repeat these (a full disk, damaged checkpoints, a changed batch, a data cache that
         # cannot be written; a stalled peer is reported by every rank that waited for it): say so once, plainly,
@@ -202,7 +226,7 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
     if result.stopped_at is not None:  # every rank stops together, even one the signal did not reach
         signum = stop.signum or signal.SIGTERM
         code = 0 if record_stop(signum) else 128 + signum
-    if world_size == 1:
+    if world_size == 1 and group is None:  # a replica group leaves by os._exit: torchft's threads would hold it
         if lock is not None:
             lock.release()
         return code

@@ -239,6 +239,7 @@ DYNAMIC_IMPORTS = {
     "parallel/zero/__init__.py": "lazy ZeroEngine: the ZeRO formulas' users load no torch (names from _LAZY)",
     "kernels/availability.py": "probes the optional triton install",
     "recipes/dry_run/cuda.py": "tests plant a bug through a 'module:function' the fake-CUDA child imports",
+    "workers/replica_groups.py": "the lighthouse loads torchft's compiled module without torchft/__init__ (torch)",
 }
 PATH_LOADERS = {"spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader", "load_source",
                 "run_path", "module_from_spec"}

@@ -99,6 +99,8 @@ def previous_run(run_dir: str | Path) -> list[str]:
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
+    for group in sorted(run_dir.glob("group-*")) if run_dir.is_dir() else []:  # fault-tolerant replica groups
+        found += [f"{group.name}/{what}" for what in previous_run(group)]
     return found
 
 

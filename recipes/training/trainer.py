@@ -32,6 +32,7 @@ from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor.random import seed_default_stream
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.interface import optimizer_step
+from megazoo.parallel.fault_tolerance.stragglers import straggler_watch
 from megazoo.recipes.training import checkpointing
 from megazoo.recipes.training.data_setup import Samples, TrainData, load_data
 from megazoo.recipes.training.sample import generate
@@ -58,8 +59,9 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None):
+    def __init__(self, res: Resolved, topo: Topology, data: TrainData | None = None, replica_group: int = 0):
         self.res, self.topo = res, topo
+        self.replicas = None  # fault tolerance: a ReplicaGroup (parallel/fault_tolerance/replica.py), set by the caller
         t, par = res.recipe.train, res.recipe.parallel
         self.train_cfg = t
         seed_default_stream(t.seed, topo.device)
@@ -82,12 +84,16 @@ class Trainer:
                                      activation_dtype=precision.params, loss_fn=self._loss,
                                      placement=placement(self.schedule), recomputing=t.activation_checkpointing)
         self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
+        # Replica group g (fault tolerance) reads the g-th share of every global batch: its dp ranks are g x dp + ...
+        groups = res.recipe.fault_tolerance.replica_groups if res.recipe.fault_tolerance.enabled else 1
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
-                                          topo.dp_rank, topo.dp, seed=t.seed)
+                                          replica_group * topo.dp + topo.dp_rank, topo.dp * groups, seed=t.seed)
         self.autocast = precision.autocast
         self.scaler = precision.loss_scaler(res)
         self.consecutive_skips = 0
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
+        self.rank_times: tuple[list[float], list[float]] | None = None  # the last step's per-rank compute / wait
+        self.stragglers = straggler_watch(res.recipe.fault_tolerance, topo)
 
     def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
         """The micro-batch's mean token loss; SFT rows pass (targets, weight): its share of the step's mean."""
@@ -117,8 +123,8 @@ class Trainer:
             out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
         return out
 
-    def _host_values(self, total: torch.Tensor, stop: bool = False,
-                     norm: torch.Tensor | None = None) -> tuple[float, bool, float]:
+    def _host_values(self, total: torch.Tensor, stop: bool = False, norm: torch.Tensor | None = None,
+                     per_rank: tuple[float, float] | None = None) -> tuple[float, bool, float]:
         """The step's host reads, in one place and one collective: the loss averaged over dp x cp (only the last
         pipeline stage computed it; tp ranks hold copies, so tp rank 0 speaks for them), whether any rank asked
         to stop (SIGTERM may reach ranks at different steps) and the gradient norm (the same on every rank:
@@ -131,9 +137,15 @@ class Trainer:
         # torch.full, not torch.tensor: a tensor built from a Python number on CUDA is a blocking host-to-device copy
         # (measured on an H100 by tests/gpu/test_host_syncs_cuda.py: two syncs per step instead of one).
         packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
-        if self.topo.world_size > 1:
+        world = self.topo.world_size
+        if per_rank is not None and world > 1:  # each rank's (compute, wait) seconds in its own two slots
+            slots = torch.zeros(2 * world, dtype=f64, device=device)
+            slots[2 * self.topo.rank], slots[2 * self.topo.rank + 1] = per_rank  # fills: no host-to-device copy
+            packed = torch.cat([packed, slots])
+        if world > 1:
             dist.all_reduce(packed)
-        loss, stops, grad_norm = packed.tolist()
+        loss, stops, grad_norm, *slots_ = packed.tolist()
+        self.rank_times = (slots_[0::2], slots_[1::2]) if slots_ else None
         return loss, stops > 0, grad_norm
 
     def _set_mode(self, training: bool) -> None:
@@ -163,14 +175,18 @@ class Trainer:
         for loss in losses:
             loss_sum += loss
         self._enter(step, "optimizer step (gradient norm, AdamW, parameter all-gather)")
-        outcome = optimizer_step(zero, lr=lr, grad_clip=t.grad_clip, device=self.topo.device, scaler=self.scaler)
-        self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
+        outcome = optimizer_step(zero, lr=lr, grad_clip=t.grad_clip, device=self.topo.device, scaler=self.scaler,
+                                 replicas=self.replicas)
+        if outcome.committed:  # an uncommitted step (a replica group failed in it) is no fp16 overflow
+            self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
         if outcome.skipped and self.consecutive_skips >= self.res.recipe.loss_scale.max_consecutive_skips:
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "
                 f"{self.scaler.scale:g}): the run diverged; lower train.lr, or use precision = \"bf16\"")
         self._enter(step, "step metrics (loss, norm and stop all-reduce)")
-        loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm)
+        busy = time.perf_counter() - start
+        loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm,
+                                                        per_rank=(busy - outcome.wait_s, outcome.wait_s))
         if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
                                      f"(try a lower train.lr or train.grad_clip)")
@@ -183,6 +199,14 @@ class Trainer:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
             metrics.update(loss_scale=outcome.loss_scale, skipped=outcome.skipped)
+        if self.rank_times is not None:  # every rank's compute and wait seconds; a persistently slow one named
+            metrics.update(rank_compute_s=self.rank_times[0], rank_wait_s=self.rank_times[1])
+            if self.stragglers is not None and (named := self.stragglers.observe(step, self.rank_times[0])):
+                metrics["stragglers"] = named
+                if self.topo.rank == 0:
+                    print("\n".join(f"megazoo: {line}" for line in named), flush=True)
+        if self.replicas is not None:  # live groups, the global batch they trained, commit, heal
+            metrics.update(self.replicas.step_metrics(t.micro_batch, t.grad_accum))
         if self.topo.pp > 1:  # this rank's pipeline stage: compute vs waiting within the schedule
             busy = stats.busy_s - busy_before
             idle = stats.total_s - total_before - busy

@@ -1,0 +1,2 @@
+"""Fault-tolerant replica groups on torchft: the recipe section (config.py), the per-step quorum, cross-group
+gradient average and heal from a live group (replica.py), straggler detection (stragglers.py)."""

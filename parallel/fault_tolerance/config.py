@@ -1,0 +1,82 @@
+"""`[fault_tolerance]`'s settings and their checks: plain data and arithmetic (no torch, no torchft), so
+recipes/config.py, the resolver and `megazoo --help` load without either.
+
+With `enabled = true` the recipe's `parallel.dp` ranks are cut into `replica_groups` groups of dp / replica_groups
+ranks each (x tp x pp x cp). Each group is its own torch.distributed job (ZeRO shards over the group's dp ranks:
+HSDP's shard dimension); the groups are torchft replica groups, HSDP's replica dimension: the gradients are
+averaged across the live groups through torchft's fault-tolerant process group after every step's quorum, a
+group that fails is dropped and the others go on, and a restarted group heals from a live one
+(parallel/fault_tolerance/replica.py). The lighthouse (torchft's quorum server) is started by `megazoo train`
+unless `lighthouse` names one already running.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+LIGHTHOUSE_ADDRESS = re.compile(r"^https?://[^\s/:]+:\d{1,5}/?$")
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """`[fault_tolerance]`: off by default."""
+
+    enabled: bool = False
+    replica_groups: int = 2  # groups parallel.dp is cut into; each runs dp / replica_groups ranks (x tp x pp x cp)
+    # "http://HOST:PORT" of a running torchft lighthouse; "" (the default): `megazoo train` starts one and names it
+    lighthouse: str = ""
+    min_replicas: int = 1  # a step commits only when at least this many groups took part in it
+    max_group_restarts: int = 3  # per group: a failed group is started again this many times, then the job ends
+    quorum_timeout_s: float = 60.0  # how long a group waits for the lighthouse's quorum of a step
+    timeout_s: float = 30.0  # the cross-group all-reduce, the commit vote and a heal's state transfer
+    join_timeout_s: float = 0.5  # lighthouse: how long a quorum waits for groups beyond the previous quorum's
+    heartbeat_timeout_s: float = 5.0  # lighthouse: a group silent this long is out of the next quorum
+    # At the start, groups wait up to this long for every group to join the first quorum (so a run without
+    # failures computes what the same dp does without fault tolerance); after it, whoever is there starts
+    start_timeout_s: float = 120.0
+    # Stragglers: a rank whose step time exceeds `straggler_factor` x the median of its group's ranks for
+    # `straggler_steps` steps in a row is named in the log (rank, host, its step time vs the median); 0: off
+    straggler_factor: float = 0.0
+    straggler_steps: int = 3
+
+
+def check_fault_tolerance(ft: FaultToleranceConfig, *, dp: int, zero_stage: int, shard_group: str,
+                          optimizer: str) -> None:
+    """Raise ValueError naming the field, the value and what is valid, when `ft` cannot run this layout."""
+    if ft.straggler_factor != 0 and not (math.isfinite(ft.straggler_factor) and ft.straggler_factor > 1):
+        raise ValueError(f"fault_tolerance.straggler_factor = {ft.straggler_factor} is invalid; valid: 0 (off) or "
+                         "a number > 1 (how many times the median step time makes a straggler)")
+    if ft.straggler_steps < 1:
+        raise ValueError(f"fault_tolerance.straggler_steps = {ft.straggler_steps} is invalid; valid: 1 or more")
+    if not ft.enabled:
+        return
+    if ft.replica_groups < 2:
+        raise ValueError(f"fault_tolerance.replica_groups = {ft.replica_groups} is invalid; valid: 2 or more "
+                         "(one group has no peer to go on without it or to heal from)")
+    if dp % ft.replica_groups:
+        divisors = [g for g in range(2, dp + 1) if dp % g == 0]
+        raise ValueError(f"fault_tolerance.replica_groups = {ft.replica_groups} does not divide parallel.dp = {dp}; "
+                         f"valid: {', '.join(map(str, divisors)) or 'none: parallel.dp must be 2 or more'}")
+    if not 1 <= ft.min_replicas <= ft.replica_groups:
+        raise ValueError(f"fault_tolerance.min_replicas = {ft.min_replicas} is invalid; valid: 1 .. "
+                         f"{ft.replica_groups} (fault_tolerance.replica_groups)")
+    if ft.max_group_restarts < 0:
+        raise ValueError(f"fault_tolerance.max_group_restarts = {ft.max_group_restarts} is invalid; valid: 0 or more")
+    for name in ("quorum_timeout_s", "timeout_s", "join_timeout_s", "heartbeat_timeout_s", "start_timeout_s"):
+        value = getattr(ft, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"fault_tolerance.{name} = {value} is invalid; valid: a number of seconds > 0")
+    if ft.lighthouse and not LIGHTHOUSE_ADDRESS.match(ft.lighthouse):
+        raise ValueError(f"fault_tolerance.lighthouse = {ft.lighthouse!r} is invalid; valid: \"http://HOST:PORT\" of "
+                         "a running torchft lighthouse, or \"\" (megazoo train starts one)")
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"fault_tolerance with zero.stage = {zero_stage} is not supported; valid: 0, 1, 2 (inside a "
+                         "group ZeRO shards over the group's dp ranks; stage 3's parameter shards are not healed yet)")
+    if shard_group != "dp":
+        raise ValueError(f"fault_tolerance with zero.shard_group = {shard_group!r} is invalid; valid: \"dp\" (each "
+                         "replica group is the shard group, the groups are HSDP's replicas: replica_groups sets them)")
+    if optimizer != "adamw":
+        raise ValueError(f"fault_tolerance with optimizer.name = {optimizer!r} is invalid; valid: \"adamw\" (the "
+                         "compressed optimizers run their own data-parallel exchange, outside torchft's quorum)")

@@ -1,0 +1,170 @@
+"""Fault-tolerant replica groups in tests: each group one forked process (no torchrun: seconds, not tens of them)
+running the same code a `megazoo train` worker runs (replica_setup -> Trainer -> replica_fit), against a torchft
+lighthouse in a child process (workers/replica_groups.Lighthouse). The test plays the launcher: it kills and
+restarts groups itself."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from recipe_helpers import tiny_recipe
+
+from megazoo.parallel.checkpoint.views import optimizer_steps
+from megazoo.parallel.topology import Topology
+from megazoo.recipes.resolve import resolve
+from megazoo.recipes.training import checkpointing
+from megazoo.recipes.training.metrics import MetricsLog
+from megazoo.recipes.training.replicated import replica_fit, replica_setup
+from megazoo.recipes.training.trainer import Trainer
+from megazoo.workers.replica_groups import GROUP_ENV, LIGHTHOUSE_ENV, RESTART_ENV, Lighthouse, LighthouseSettings
+
+FT = {"enabled": True, "replica_groups": 2, "timeout_s": 10.0, "quorum_timeout_s": 3.0, "start_timeout_s": 20.0}
+
+
+def lighthouse() -> Lighthouse:
+    """torchft's lighthouse in a child process, as `megazoo train` runs it. Not in the test process: its threads
+    resolve host names, and a group forked while one of them held the resolver's lock crashed in getaddrinfo."""
+    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000))
+
+
+def ft_sections(run_dir: Path, steps: int, **extra) -> dict:
+    sections = {"parallel": {"dp": 2}, "train": {"steps": steps, "warmup_steps": 2},
+                "run": {"dir": str(run_dir)}, "sample": {"tokens": 0}, "fault_tolerance": dict(FT)}
+    for name, values in extra.items():
+        sections.setdefault(name, {}).update(values)
+    return sections
+
+
+def _hold(trainer: Trainer, hold: tuple[int, str]) -> None:
+    """Test scaffolding for a loaded machine: from step `hold[0]` on, this group waits before each step until the
+    file `hold[1]` exists (the restarted group writes it once its process is up), so the run cannot end before the
+    restarted group could rejoin; it never holds a step before that one (the failure window stays free)."""
+    step_fn, (from_step, ready) = trainer.train_step, hold
+
+    def held(step: int, stop: bool = False) -> dict:
+        while step >= from_step and not os.path.exists(ready):
+            time.sleep(0.02)
+        return step_fn(step, stop)
+    trainer.train_step = held
+
+
+def _group_main(group: int, sections: dict, address: str, out: str, resume: bool, restarted: bool,
+                hold: tuple[int, str] | None, ready: str | None) -> None:
+    torch.set_num_threads(1)
+    import faulthandler
+    crash = open(out + ".crash", "w")
+    faulthandler.enable(crash)
+    try:
+        env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, RESTART_ENV: "1" if restarted else "0"}
+        recipe, spec = replica_setup(tiny_recipe(**sections), env)
+        if resume:
+            from dataclasses import replace
+            recipe = replace(recipe, checkpoint=replace(recipe.checkpoint, resume=True))
+        res = resolve(recipe, world_size=1)
+        trainer = Trainer(res, Topology.solo(), replica_group=group)
+        log = MetricsLog(res.recipe.run.dir, enabled=True)
+        start = checkpointing.restore(trainer, report=lambda *_: None)
+        if hold is not None:
+            _hold(trainer, hold)
+        if ready is not None:
+            Path(ready).touch()
+        result = replica_fit(trainer, spec, log, start, None)
+        views = trainer.zero.state_views()
+        torch.save({"names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
+                    "tensors": [v.tensor.clone() for v in views], "optimizer_steps": optimizer_steps(trainer.optimizer),
+                    "losses": result.losses, "val_loss": result.val_loss}, out)
+    except BaseException as err:  # noqa: BLE001 - the test reads it
+        torch.save({"error": traceback.format_exc(), "kind": type(err).__name__}, out)
+    os._exit(0)  # torchft's threads must not hold the process
+
+
+_WARM: list[bool] = []
+
+
+def _warm_up() -> None:
+    """Build one Trainer in the test process before the first fork: its first build here takes seconds (lazy
+    imports, the synthetic corpus), which every forked group would otherwise pay again."""
+    if not _WARM:
+        Trainer(resolve(tiny_recipe()), Topology.solo())
+        _WARM.append(True)
+
+
+def start_group(group: int, sections: dict, address: str, out: Path, resume: bool = False, restarted: bool = False,
+                hold: tuple[int, Path] | None = None, ready: Path | None = None) -> mp.Process:
+    _warm_up()
+    hold_arg = (hold[0], str(hold[1])) if hold is not None else None
+    proc = mp.get_context("fork").Process(target=_group_main, args=(group, sections, address, str(out), resume,
+                                                                    restarted, hold_arg, ready and str(ready)))
+    proc.start()
+    return proc
+
+
+def metrics(run_dir: Path, group: int) -> list[dict]:
+    path = Path(run_dir) / f"group-{group}" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def finish(procs: list[mp.Process], outs: list[Path], timeout_s: float = 60.0) -> list[dict]:
+    for p in procs:
+        p.join(timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = [torch.load(o, weights_only=False) if o.exists() else
+               {"error": f"no result (exit code {p.exitcode}): {Path(str(o) + '.crash').read_text()[-3000:]}"}
+               for o, p in zip(outs, procs)]
+    errors = [f"group {g}: {r['error']}" for g, r in enumerate(results) if "error" in r]
+    assert not errors, "\n".join(errors)
+    return results
+
+
+def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str) -> None:
+    """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives."""
+    torch.set_num_threads(1)
+    try:
+        from dataclasses import replace
+
+        from torch.distributed import TCPStore
+
+        from megazoo.parallel.topology import init_distributed
+        store = TCPStore("localhost", port, 2, is_master=rank == 0, wait_for_workers=False)
+        init_distributed(rank, 2, store, timeout_s=60)
+        env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+               "MASTER_PORT": str(port)}
+        recipe, spec = replica_setup(tiny_recipe(**sections), env)
+        res = resolve(recipe, world_size=2)
+        topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
+        trainer = Trainer(res, topo, replica_group=group)
+        result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
+        torch.save({"losses": result.losses, "full": trainer.full_state_dict()}, out)
+    except BaseException:  # noqa: BLE001 - the test reads it
+        torch.save({"error": traceback.format_exc()}, out)
+    os._exit(0)
+
+
+def start_group_of_two(group: int, port: int, sections: dict, address: str, outs: list[Path]) -> list[mp.Process]:
+    _warm_up()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_group_rank_main, args=(group, r, port, sections, address, str(outs[r])))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    return procs
