@@ -12,6 +12,9 @@ Tensor parallelism (models/moe/__init__.py): router, gate and experts are replic
 rank routes are all the tokens, or under sequence parallelism its own s / tp positions (its replicated weights'
 gradients all-reduced over tp, its router statistics summed over tp so the aux loss is the whole batch's).
 
+Under moe_router = "sigmoid_bias" each training forward adds its counts (over every routing rank: tp under
+sequence parallelism, dp x cp) to router.load, which update_expert_bias (router.py) turns into the bias update.
+
 After each forward `stats` holds this layer's RouterStats (losses.py): the decoder pools them into the aux losses.
 """
 
@@ -80,7 +83,9 @@ class MoE(nn.Module):
         rows = x.reshape(-1, shape[-1])  # (T, d)
         logits = self.router(rows)  # (T, E) fp32
         cfg = self.cfg
-        weights, indices, _ = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob)
+        weights, indices, _ = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob,
+                                    bias=self.router.expert_bias, n_group=cfg.moe_n_group,
+                                    topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor)
         done = self.dispatcher(rows, weights, indices, self.experts)
         stats = RouterStats.of(logits, done.counts, done.dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
@@ -92,6 +97,8 @@ class MoE(nn.Module):
             group = self.topo.grad_group
             stats = stats.counted_over(self.topo.grad_size, lambda t: reduce_from_tp_region(t.detach(), group))
         self.stats = stats
+        if self.router.expert_bias is not None and self.training:  # the step's load for update_expert_bias
+            self.router.load += stats.counts.detach()
         out = done.out.view(shape)
         if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
             n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
