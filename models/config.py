@@ -88,6 +88,9 @@ class ModelConfig:
     moe_topk_group: int = 1  # DeepSeek's topk_group: a token's experts come from this many groups
     moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (sigmoid_bias only)
     moe_bias_update_rate: float = 0.0  # DeepSeek-V3's bias update speed gamma (0.001 in its report); 0: frozen
+    # DeepSeek-V3's sequence-wise balance loss (its alpha, 0.0001 in the report; sigmoid_bias only), each MoE
+    # layer's own, summed over layers, averaged over the micro-batch's sequences (models/moe/losses.py)
+    moe_seq_aux_loss_coef: float = 0.0
     moe_aux_loss_coef: float = 0.0  # load balancing (Switch / HF's router_aux_loss_coef), added in training
     moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE), added in training
     # "model": pooled over all MoE layers, as transformers' aux_loss (the decoder's loss adds it; a pipeline stage
@@ -279,17 +282,21 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
         value = getattr(cfg, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a positive integer")
-    for field in ("moe_routed_scaling_factor", "moe_bias_update_rate"):
+    for field in ("moe_routed_scaling_factor", "moe_bias_update_rate", "moe_seq_aux_loss_coef"):
         value = getattr(cfg, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
     if cfg.moe_router != "sigmoid_bias":
         changed = [f for f, default in (("moe_n_group", 1), ("moe_topk_group", 1), ("moe_routed_scaling_factor", 1.0),
-                                        ("moe_bias_update_rate", 0.0)) if getattr(cfg, f) != default]
+                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0))
+                   if getattr(cfg, f) != default]
         if changed:
             raise ValueError(f"model.{', model.'.join(changed)} set but model.moe_router = {cfg.moe_router!r}: "
                              "they belong to moe_router = 'sigmoid_bias'")
         return
+    if cfg.moe_seq_aux_loss_coef and cfg.moe_aux_loss_scope != "model":
+        raise ValueError("model.moe_seq_aux_loss_coef needs model.moe_aux_loss_scope = 'model' (the layer scope's "
+                         f"injection is not built for it), got {cfg.moe_aux_loss_scope!r}")
     n, g, e = cfg.moe_n_group, cfg.moe_topk_group, cfg.n_experts
     if e % n or (n > 1 and e // n < 2):
         raise ValueError(f"model.moe_n_group = {n} must divide model.n_experts = {e} into groups of 2 or more "

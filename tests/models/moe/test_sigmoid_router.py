@@ -14,6 +14,7 @@ import transformers
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.moe import MoE, route
+from megazoo.models.moe.losses import sequence_balance_loss
 from megazoo.models.moe.router import Router, update_expert_bias
 from megazoo.parallel.topology import Topology
 
@@ -127,7 +128,47 @@ def test_update_expert_bias_moves_against_the_load():
     ({"moe_n_group": 4, "moe_topk_group": 1}, "moe_top_k = 3 is more than the 2 experts"),
     ({"moe_router": "softmax", "moe_n_group": 2}, "they belong to moe_router = 'sigmoid_bias'"),
     ({"moe_bias_update_rate": -1.0}, "moe_bias_update_rate = -1.0 is invalid"),
+    ({"moe_seq_aux_loss_coef": 1e-4, "moe_aux_loss_scope": "layer"}, "moe_seq_aux_loss_coef needs"),
+    ({"moe_router": "softmax", "moe_seq_aux_loss_coef": 1e-4}, "they belong to moe_router = 'sigmoid_bias'"),
 ])
 def test_config_refusals(changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig(**{**BASE, **changes})
+
+
+def test_sequence_balance_loss_equals_hand_reference():
+    """DeepSeek-V3 eq. 17-20 per sequence in plain Python (f_e = E / (K S) x count_e, P_e = mean s'_e), averaged
+    over the sequences; the gradient reaches the scores only through P."""
+    g = torch.Generator().manual_seed(5)
+    seqs, length, n_experts, k = 3, 7, 8, 2
+    scores = torch.sigmoid(torch.randn(seqs * length, n_experts, generator=g, dtype=torch.float64))
+    indices = torch.topk(scores + torch.rand(n_experts, generator=g, dtype=torch.float64), k).indices
+    expected = 0.0
+    for b in range(seqs):
+        rows = range(b * length, (b + 1) * length)
+        for e in range(n_experts):
+            count = sum(int(e in indices[t].tolist()) for t in rows)
+            p = sum(float(scores[t, e] / scores[t].sum()) for t in rows) / length
+            expected += n_experts / (k * length) * count * p / seqs
+    scores.requires_grad_(True)
+    got = sequence_balance_loss(scores, indices, seqs, k)
+    assert abs(got.item() - expected) < 1e-12
+    got.backward()
+    assert scores.grad is not None and scores.grad.abs().sum() > 0
+
+
+def test_decoder_loss_adds_each_layers_sequence_loss():
+    from megazoo.models.transformer import GPT
+    from megazoo.models.weights import init_weights
+    cfg = ModelConfig(**{**BASE, "n_layer": 2, "moe_seq_aux_loss_coef": 0.5, "moe_n_group": 4, "moe_topk_group": 2})
+    torch.manual_seed(0)
+    model = GPT(cfg, Topology.solo()).train()
+    init_weights(model, 0)
+    ids = torch.randint(0, 64, (2, 10))
+    logits = model(ids)
+    with_seq = model.loss(logits, ids)
+    stats = model.moe_stats()
+    assert len(stats) == 2 and all(s.seq_aux > 0 for s in stats)
+    bare = ModelConfig(**{**BASE, "n_layer": 2, "moe_n_group": 4, "moe_topk_group": 2})
+    model.cfg = bare
+    torch.testing.assert_close(with_seq, model.loss(logits, ids) + 0.5 * (stats[0].seq_aux + stats[1].seq_aux))
