@@ -14,6 +14,7 @@ from parity_helpers import assert_same_training, train_run
 from recipe_helpers import tiny_resolved
 
 from megazoo.parallel.topology import Topology
+from megazoo.recipes.config import RecipeError
 from megazoo.recipes.training.trainer import Trainer
 
 DEEPSEEK = {"preset": "llama-tiny", "n_layer": 3, "d_model": 32, "n_head": 4, "n_kv_head": 2, "d_ff": 48,
@@ -85,3 +86,9 @@ def test_bias_saved_and_resumed(tmp_path, reference):
     assert_same_training({"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
                           "params": trainer.full_state_dict()},
                          {**reference, "losses": reference["losses"][2:], "norms": reference["norms"][2:]})
+
+
+def test_resolver_refuses_the_sequence_loss_under_cp():
+    with pytest.raises(RecipeError, match=r"model.moe_seq_aux_loss_coef = 0.05 .* parallel.cp = 2"):
+        _res({"cp": 2}, 4)
+    assert _res({"cp": 2}, 4, model={"moe_seq_aux_loss_coef": 0.0}).recipe.parallel.cp == 2
