@@ -80,9 +80,18 @@ class ModelConfig:
     moe_dense_layers: tuple[int, ...] = ()
     # Router (models/moe/router.py, always in fp32 or wider): "softmax" scores over all experts, top-k, then
     # renormalised to sum 1 when moe_norm_topk_prob (Mixtral, Qwen3-MoE) or kept as they are (Qwen2-MoE);
-    # "sigmoid_bias" (DeepSeek-V3) is reserved for its own issue and refused for now.
+    # "sigmoid_bias" (DeepSeek-V3): sigmoid scores, chosen over scores + a per-expert bias (a buffer moved after
+    # each step by moe_bias_update_rate x sign(mean load - load)), optionally within moe_topk_group of moe_n_group
+    # expert groups, weights renormalised when moe_norm_topk_prob and scaled by moe_routed_scaling_factor.
     moe_router: str = "softmax"
     moe_norm_topk_prob: bool = True
+    moe_n_group: int = 1  # DeepSeek's n_group: the experts in this many equal groups (sigmoid_bias only)
+    moe_topk_group: int = 1  # DeepSeek's topk_group: a token's experts come from this many groups
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (sigmoid_bias only)
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3's bias update speed gamma (0.001 in its report); 0: frozen
+    # DeepSeek-V3's sequence-wise balance loss (its alpha, 0.0001 in the report; sigmoid_bias only), each MoE
+    # layer's own, summed over layers, averaged over the micro-batch's sequences (models/moe/losses.py)
+    moe_seq_aux_loss_coef: float = 0.0
     moe_aux_loss_coef: float = 0.0  # load balancing (Switch / HF's router_aux_loss_coef), added in training
     moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE), added in training
     # "model": pooled over all MoE layers, as transformers' aux_loss (the decoder's loss adds it; a pipeline stage
@@ -254,9 +263,7 @@ def check_moe(cfg: ModelConfig) -> None:
     if cfg.moe_router not in MOE_ROUTERS:
         raise ValueError(f"model.moe_router = {cfg.moe_router!r} is invalid; valid: "
                          f"{', '.join(repr(v) for v in MOE_ROUTERS)}")
-    if cfg.moe_router == "sigmoid_bias":
-        raise ValueError("model.moe_router = 'sigmoid_bias' (DeepSeek-V3's scoring) is reserved and not built yet; "
-                         "valid now: 'softmax'")
+    _check_sigmoid_bias(cfg)
     if cfg.moe_aux_loss_scope not in MOE_AUX_SCOPES:
         raise ValueError(f"model.moe_aux_loss_scope = {cfg.moe_aux_loss_scope!r} is invalid; valid: "
                          f"{', '.join(repr(v) for v in MOE_AUX_SCOPES)}")
@@ -273,16 +280,47 @@ def check_moe(cfg: ModelConfig) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
 
+def _check_sigmoid_bias(cfg: ModelConfig) -> None:
+    for field in ("moe_n_group", "moe_topk_group"):
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"model.{field} = {value!r} is invalid: it must be a positive integer")
+    for field in ("moe_routed_scaling_factor", "moe_bias_update_rate", "moe_seq_aux_loss_coef"):
+        value = getattr(cfg, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
+    if cfg.moe_router != "sigmoid_bias":
+        changed = [f for f, default in (("moe_n_group", 1), ("moe_topk_group", 1), ("moe_routed_scaling_factor", 1.0),
+                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0))
+                   if getattr(cfg, f) != default]
+        if changed:
+            raise ValueError(f"model.{', model.'.join(changed)} set but model.moe_router = {cfg.moe_router!r}: "
+                             "they belong to moe_router = 'sigmoid_bias'")
+        return
+    if cfg.moe_seq_aux_loss_coef and cfg.moe_aux_loss_scope != "model":
+        raise ValueError("model.moe_seq_aux_loss_coef needs model.moe_aux_loss_scope = 'model' (the layer scope's "
+                         f"injection is not built for it), got {cfg.moe_aux_loss_scope!r}")
+    n, g, e = cfg.moe_n_group, cfg.moe_topk_group, cfg.n_experts
+    if e % n or (n > 1 and e // n < 2):
+        raise ValueError(f"model.moe_n_group = {n} must divide model.n_experts = {e} into groups of 2 or more "
+                         f"experts; valid: {[d for d in range(1, e + 1) if e % d == 0 and (d == 1 or e // d >= 2)]}")
+    if g > n:
+        raise ValueError(f"model.moe_topk_group = {g} is larger than model.moe_n_group = {n}; valid: 1..{n}")
+    if cfg.moe_top_k > g * (e // n):
+        raise ValueError(f"model.moe_top_k = {cfg.moe_top_k} is more than the {g * (e // n)} experts of "
+                         f"model.moe_topk_group = {g} groups of {e // n}; valid: 1..{g * (e // n)}")
+
+
 # The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions", "n_kv_head", "norm",
                        "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_width",
                        "qk_norm", "n_experts", "moe_d_ff", "moe_shared_experts", "moe_shared_d_ff",
-                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers")
+                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers", "moe_router")
 # Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
 _LATER_FIELDS = {"norm": "layernorm", "positions": "learned", "mlp": "gelu", "tie_embeddings": True,
                  "qkv_bias": True, "proj_bias": True, "mlp_bias": True, "qk_norm": False, "n_experts": 0,
                  "moe_shared_experts": 0, "moe_shared_gate": False, "moe_first_dense": 0, "moe_every": 1,
-                 "moe_dense_layers": ()}
+                 "moe_dense_layers": (), "moe_router": "softmax"}
 
 
 def architecture_mismatches(saved: dict, mine: dict) -> list[str]:

@@ -198,4 +198,6 @@ class GPT(nn.Module):
         loss = self.cfg.moe_aux_loss_coef * load_balancing_loss(stats, self.cfg.n_experts)
         if self.cfg.moe_z_loss_coef:
             loss = loss + self.cfg.moe_z_loss_coef * z_loss(stats)
+        if self.cfg.moe_seq_aux_loss_coef:  # DeepSeek-V3's sequence-wise loss: each layer's own, summed
+            loss = loss + self.cfg.moe_seq_aux_loss_coef * sum(s.seq_aux for s in stats)
         return loss

@@ -134,6 +134,10 @@ def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
                               lora=recipe.lora.enabled, zero_stage=recipe.zero.stage)
     except ValueError as err:
         raise RecipeError(str(err)) from None
+    if getattr(cfg, "moe_seq_aux_loss_coef", 0) and par.cp > 1:  # models/moe/block.py refuses it too, later
+        raise RecipeError(f"model.moe_seq_aux_loss_coef = {cfg.moe_seq_aux_loss_coef} (DeepSeek-V3's sequence-wise "
+                          f"loss) is not built for parallel.cp = {par.cp}, which splits each sequence; valid: "
+                          "moe_seq_aux_loss_coef = 0 or cp = 1")
     _check_nodes(recipe)
     try:
         recipe.kernels.choice()

@@ -12,6 +12,9 @@ Tensor parallelism (models/moe/__init__.py): router, gate and experts are replic
 rank routes are all the tokens, or under sequence parallelism its own s / tp positions (its replicated weights'
 gradients all-reduced over tp, its router statistics summed over tp so the aux loss is the whole batch's).
 
+Under moe_router = "sigmoid_bias" each training forward adds its counts (over every routing rank: tp under
+sequence parallelism, dp x cp) to router.load, which update_expert_bias (router.py) turns into the bias update.
+
 After each forward `stats` holds this layer's RouterStats (losses.py): the decoder pools them into the aux losses.
 """
 
@@ -26,7 +29,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.mlp import SwiGLU
 from megazoo.models.moe.dispatch import TokenDispatcher, make_dispatcher
 from megazoo.models.moe.experts import ExpertComputation
-from megazoo.models.moe.losses import AuxLossScaler, RouterStats, layer_losses
+from megazoo.models.moe.losses import AuxLossScaler, RouterStats, layer_losses, sequence_balance_loss
 from megazoo.models.moe.router import Router, route
 from megazoo.parallel.tensor import SequenceParallel, ShardSpec, reduce_from_tp_region
 from megazoo.parallel.tensor.sequence import plain
@@ -69,6 +72,9 @@ class MoE(nn.Module):
             self.shared = SwiGLU(shared, topo, device=device, dtype=dtype, sequence_parallel=self.sequence_parallel)
             if cfg.moe_shared_gate:
                 self.shared_gate = SharedGate(cfg, device=device, dtype=dtype, replicated=replicated)
+        if cfg.moe_seq_aux_loss_coef and topo.cp > 1:
+            raise ValueError(f"model.moe_seq_aux_loss_coef = {cfg.moe_seq_aux_loss_coef} is not built for context "
+                             f"parallelism (cp = {topo.cp} splits each sequence); set it to 0 or cp = 1")
         self.stats: RouterStats | None = None
 
     def _replicated(self, param: torch.Tensor) -> torch.Tensor:
@@ -80,7 +86,9 @@ class MoE(nn.Module):
         rows = x.reshape(-1, shape[-1])  # (T, d)
         logits = self.router(rows)  # (T, E) fp32
         cfg = self.cfg
-        weights, indices, _ = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob)
+        weights, indices, scores = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob,
+                                    bias=self.router.expert_bias, n_group=cfg.moe_n_group,
+                                    topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor)
         done = self.dispatcher(rows, weights, indices, self.experts)
         stats = RouterStats.of(logits, done.counts, done.dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
@@ -91,7 +99,14 @@ class MoE(nn.Module):
             # (losses.py); in training only, where every rank runs the same forwards (eval may split unevenly)
             group = self.topo.grad_group
             stats = stats.counted_over(self.topo.grad_size, lambda t: reduce_from_tp_region(t.detach(), group))
+        if cfg.moe_seq_aux_loss_coef and self.training:  # losses.py; the decoder's loss adds it
+            sp = self.sequence_parallel
+            stats.seq_aux = sequence_balance_loss(
+                scores, indices, shape[0], cfg.moe_top_k, lambda t: reduce_from_tp_region(t.detach(), sp.group),
+                lambda t: reduce_from_tp_region(t, sp.group), self.topo.tp if sp.active else 1)
         self.stats = stats
+        if self.router.expert_bias is not None and self.training:  # the step's load for update_expert_bias
+            self.router.load += stats.counts.detach()
         out = done.out.view(shape)
         if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
             n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))

@@ -39,6 +39,7 @@ class RouterStats:
     z_sum: torch.Tensor  # () sum over rows of logsumexp(logits)^2 (with gradient)
     dropped: torch.Tensor  # () int64: assignments dropped by the capacity factor
     local_rows: int = 0  # the rows prob_sum and z_sum sum over (0: rows)
+    seq_aux: torch.Tensor | None = None  # () DeepSeek-V3's sequence-wise balance loss of this layer (sigmoid_bias)
 
     def __post_init__(self):
         self.local_rows = self.local_rows or self.rows
@@ -73,6 +74,24 @@ def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tenso
     counts = sum(s.counts for s in stats).to(stats[0].prob_sum.dtype)
     probs = sum(s.prob_sum for s in stats)
     return n_experts * (counts / rows * (probs / local)).sum()
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seqs: int, top_k: int,
+                          reduce_counts=None, reduce_sums=None, ranks: int = 1) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (its eq. 17-20, without alpha), averaged over `seqs` sequences:
+    per sequence of S tokens, sum_e f_e P_e with f_e = E / (K S) x (tokens choosing e) and P_e = mean over tokens
+    of s_e / sum_j s_j (the sigmoid scores normalised per token; the gradient flows through P). `scores` (T, E)
+    and `indices` (T, k) hold the sequences' rows in order; under sequence parallelism each of `ranks` tp ranks
+    holds S / ranks of every sequence and `reduce_counts` / `reduce_sums` sum over them (as RouterStats.reduced)."""
+    n_experts = scores.shape[-1]
+    share = (scores / scores.sum(-1, keepdim=True)).view(seqs, -1, n_experts).sum(1)  # (b, E)
+    chosen = torch.zeros_like(share, dtype=torch.int64).scatter_add_(
+        1, indices.reshape(seqs, -1), torch.ones_like(indices).view(seqs, -1))  # (b, E), no gradient
+    if ranks > 1:
+        share, chosen = reduce_sums(share), reduce_counts(chosen)
+    length = scores.shape[0] // seqs * ranks
+    f = chosen.to(share.dtype) * (n_experts / (top_k * length))
+    return (f * share / length).sum(-1).mean()
 
 
 def z_loss(stats: list[RouterStats]) -> torch.Tensor:

@@ -8,6 +8,18 @@ probabilities over all experts, the top-k of them, renormalised to sum 1 when no
 Qwen3-MoE by config) or kept as they are (Qwen2-MoE). torch.topk picks the experts; equal probabilities keep torch.topk's order on every rank and layout,
 since every layout scores the same token with the same fp32 arithmetic.
 
+Scoring "sigmoid_bias" (DeepSeek-V3, Kimi K2; transformers' DeepseekV3TopkRouter): scores = sigmoid(logits);
+the choice is made on scores + b, b (E,) a per-expert bias that is never in the weights and gets no gradient
+(`Router.expert_bias`, a buffer), optionally limited to topk_group of n_group expert groups (a group's score: the
+sum of its two best biased scores; the other groups' experts are masked to -inf); the weights are the chosen
+experts' unbiased scores, renormalised when norm_topk_prob (+1e-20, as transformers) and scaled by
+routed_scaling_factor. b moves after every optimizer step against the load (`update_expert_bias`): DeepSeek-V3's
+auxiliary-loss-free balancing, b_e += rate x sign(mean load - load_e), the load being the step's assignments
+counted over every rank that routes (block.py sums them over tp under sequence parallelism and over dp x cp, so
+ep, which splits dp x cp, sees the same counts), so every layout moves b the same. The sign makes the update
+blind to a uniform scale of the counts, so activation checkpointing's recomputed forward (which counts every
+micro-batch of a layer twice) moves b as one forward does.
+
 W_r is replicated over tp; under sequence parallelism each tp rank routes its own positions, so the weight passes
 through `replicated` (gradient all-reduced over tp).
 """
@@ -26,16 +38,49 @@ def router_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
-          norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights (T, k) fp32, indices (T, k) int64, probs (T, E) fp32) from router logits (T, E)."""
+def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = True, *,
+          bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights (T, k) fp32, indices (T, k) int64, probs (T, E) fp32) from router logits (T, E); "sigmoid_bias"
+    takes the selection bias (E,) and the group limit (module docstring) and returns its sigmoid scores."""
+    if scoring == "sigmoid_bias":
+        return _sigmoid_bias(logits, top_k, norm_topk_prob, bias, n_group, topk_group, scaling)
     if scoring != "softmax":
-        raise ValueError(f"model.moe_router = {scoring!r} is not built; valid: 'softmax'")
+        raise ValueError(f"model.moe_router = {scoring!r} is not built; valid: 'softmax', 'sigmoid_bias'")
     probs = torch.softmax(logits.float(), dim=-1)
     weights, indices = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, indices, probs
+
+
+def _sigmoid_bias(logits, top_k, norm_topk_prob, bias, n_group, topk_group, scaling):
+    scores = torch.sigmoid(logits.float())
+    choice = scores.detach() + (bias.to(scores.dtype) if bias is not None else 0.0)  # selection only: no gradient
+    if n_group > 1:
+        rows, n_experts = choice.shape
+        grouped = choice.view(rows, n_group, n_experts // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(rows, n_experts)
+    indices = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, indices, scores
+
+
+@torch.no_grad()
+def update_expert_bias(modules, rate: float) -> None:
+    """After an optimizer step: every sigmoid_bias Router among `modules` moves its expert_bias by rate x
+    sign(mean load - load) (module docstring) and clears the step's load."""
+    for module in modules:
+        if isinstance(module, Router) and module.expert_bias is not None:
+            load = module.load.to(module.expert_bias.dtype)
+            if rate:
+                module.expert_bias += rate * torch.sign(load.mean() - load)
+            module.load.zero_()
 
 
 class Router(nn.Module):
@@ -46,6 +91,13 @@ class Router(nn.Module):
         self.init_std = cfg.init_std
         self.replicated = replicated if replicated is not None else (lambda p: p)
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, device=device, dtype=dtype))
+        if cfg.moe_router != "sigmoid_bias":
+            self.expert_bias = None
+        else:  # saved with the weights (transformers' e_score_correction_bias)
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, device=device, dtype=torch.float32))
+            # the step's assignments per expert, over every routing rank; not saved (cleared after each step)
+            self.register_buffer("load", torch.zeros(cfg.n_experts, device=device, dtype=torch.int64),
+                                 persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = router_dtype(x.dtype)

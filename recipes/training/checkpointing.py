@@ -27,6 +27,7 @@ from megazoo.parallel.checkpoint.io import (CheckpointError, latest_good_checkpo
                                             save_checkpoint, verify_checkpoint)
 from megazoo.parallel.checkpoint.load import load_views
 from megazoo.parallel.checkpoint.views import StateView, optimizer_steps, set_optimizer_steps
+from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.interface import ZeroOptimizer
 from megazoo.recipes.resolve import Resolved
@@ -56,13 +57,22 @@ def state_views(trainer: TrainingRun) -> list[StateView]:
     """What this rank saves/loads; each value is written by exactly one rank: replicas over dp (handled by
     the optimizer), over tp (tensors not split by tp: tp rank 0) and over pp (the tied embedding: stage 0)."""
     topo = trainer.topo
-    views = trainer.zero.state_views()
+    views = trainer.zero.state_views() + _buffer_views(trainer)
     for view in views:
         if view.spec.dim is None and topo.tp_rank != 0:
             view.write = False
         if view.name == "wte.weight" and topo.pp > 1 and not topo.is_first_stage:
             view.write = False
     return views
+
+
+def _buffer_views(trainer: TrainingRun) -> list[StateView]:
+    """The state that trains without the optimizer: DeepSeek-V3's routing bias (router.expert_bias, moved after
+    each step from the load; models/moe/router.py), replicated, saved as a "param" by the first data-parallel rank
+    of each stage and loaded in place at any layout."""
+    return [StateView(name, ShardSpec(tuple(buf.shape)), "param", 0, buf.numel(), buf.view(-1),
+                      write=trainer.topo.grad_rank == 0)
+            for chunk in trainer.chunks for name, buf in chunk.named_buffers() if name.endswith("router.expert_bias")]
 
 
 def _rng_state(trainer: TrainingRun) -> dict:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megazoo.data.batches import GlobalBatchSampler
 from megazoo.data.sft.chat_template import chat_prompt, cut_at_end_of_turn, end_of_turn, resolve_template
 from megazoo.data.sft.packing import SFTRows
+from megazoo.models.moe.router import update_expert_bias
 from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
@@ -179,6 +180,10 @@ class Trainer:
                                  replicas=self.replicas)
         if outcome.committed:  # an uncommitted step (a replica group failed in it) is no fp16 overflow
             self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
+        # DeepSeek-V3's routing bias moves with the step's load (models/moe/router.py); a skipped or uncommitted
+        # step keeps it
+        update_expert_bias((m for chunk in self.chunks for m in chunk.modules()),
+                           self.res.model.moe_bias_update_rate if outcome.committed and not outcome.skipped else 0.0)
         if outcome.skipped and self.consecutive_skips >= self.res.recipe.loss_scale.max_consecutive_skips:
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive steps overflowed in fp16 (step {step}, loss scale now "

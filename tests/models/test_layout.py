@@ -135,7 +135,8 @@ def test_architecture_fields_are_model_fields():
                                         "n_kv_head", "norm", "positions", "mlp", "tie_embeddings", "qkv_bias",
                                         "proj_bias", "mlp_bias", "head_width", "qk_norm", "n_experts", "moe_d_ff",
                                         "moe_shared_experts", "moe_shared_d_ff", "moe_shared_gate",
-                                        "moe_first_dense", "moe_every", "moe_dense_layers"}
+                                        "moe_first_dense", "moe_every", "moe_dense_layers",
+                                        "moe_router"}  # sigmoid_bias adds router.expert_bias
 
 
 def test_architecture_mismatches():

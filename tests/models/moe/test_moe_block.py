@@ -143,7 +143,7 @@ def test_training_loss_adds_the_weighted_aux_and_z_losses_eval_does_not():
 
 @pytest.mark.parametrize("change, message", [
     (dict(moe_top_k=5), "model.moe_top_k = 5 is larger than model.n_experts = 4; valid: 1..4"),
-    (dict(moe_router="sigmoid_bias"), "model.moe_router = 'sigmoid_bias' (DeepSeek-V3's scoring) is reserved"),
+    (dict(moe_router="sigmoid_bias", moe_n_group=3), "model.moe_n_group = 3 must divide model.n_experts = 4 into groups"),
     (dict(moe_router="topk_softmax"), "model.moe_router = 'topk_softmax' is invalid; valid: 'softmax', 'sigmoid_bias'"),
     (dict(moe_dense_layers=(0, 7)), "model.moe_dense_layers holds [7]: layer indices must be in 0..1"),
     (dict(moe_dense_layers=(0, 1)), "but no layer is MoE"),
