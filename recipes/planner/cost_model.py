@@ -30,7 +30,6 @@ from megazoo.recipes.planner.fit import PRECISION_BYTES, DeviceMemory, Layout, d
 from megazoo.recipes.gpus import GPU
 from megazoo.recipes.planner.links import link_volume
 from megazoo.models.flops import model_flops_per_token
-from megazoo.parallel.expert.comms import all_to_all_bytes
 
 
 @dataclass(frozen=True)
@@ -98,6 +97,8 @@ def step_time(cfg: ModelConfig, layout: Layout, psi: int, cm: CostModel) -> Step
     if layout.ep > 1 and cfg.n_experts:
         moe_layers = -(-sum(cfg.moe_layer(i) for i in range(cfg.n_layer)) // layout.pp)  # the fullest stage's
         bw = cm.intra_node_bw if layout.tp * layout.ep <= cm.per_node else cm.inter_node_bw
+        from megazoo.parallel.expert.comms import all_to_all_bytes  # imports torch: only for an MoE layout
+
         per_layer = all_to_all_bytes(s * b, cfg.moe_top_k, h, layout.ep, elem, 6 if layout.checkpointing else 4)
         ep_comm = moe_layers * m * per_layer / bw
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, ep_comm)
