@@ -54,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazoo.models.config import ModelConfig
+from megazoo.parallel.tensor.linear_cross_entropy import chunk_rows_for
 from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
@@ -201,12 +202,14 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
                       *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                       virtual: int = 1, spec: ActivationSpec | None = None,
                       vocab: int | None = None, cp: int = 1, sequence_parallel: bool = False,
-                      chunk_layers: list[int] | None = None) -> list[StageActivations]:
+                      chunk_layers: list[int] | None = None, fused_loss: bool = False) -> list[StageActivations]:
     """Activation bytes of every pipeline stage (`stage_layers`: blocks per pp rank; `chunk_layers`: blocks per
     virtual stage in pipeline order, default an even split) on one tp rank; with context parallelism `cp`, on
     one cp rank (seq_len / cp tokens of every sequence). `sequence_parallel`: the layers' norm regions and
     checkpointed inputs, and the final norm's input, are s / tp long. Each rank's peak walks its action list
-    (schedule_memory.py), every chunk with its own blocks, embedding and head."""
+    (schedule_memory.py), every chunk with its own blocks, embedding and head. `fused_loss`
+    (parallel/tensor/linear_cross_entropy.py): the last stage keeps dh and dW (e bytes) in place of the logits,
+    their fp32 copy, the head's input and its weight's cast; forward's chunk of logits and fp32 dW are transient."""
     spec = spec or ActivationSpec.for_model(cfg)
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
@@ -221,6 +224,12 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     stages = len(chunk_layers)
     sbh = s * b * h
     loss = (e + (4 if e < 4 else 0)) * s * b * vocab / tp  # the logits and, below fp32, the loss's fp32 copy
+    if fused_loss:  # (dh: the e sbh beside the final norm's input, in place of the head's input) + dW
+        loss = e * vocab / tp * h
+        # forward's peak inside the loss: dW's fp32 accumulator and, below fp32, one chunk's 16-bit product, and
+        # the chunk's fp32 logits beside (below fp32) their 16-bit product or gradient (chunk_rows_for's rows)
+        c, below = chunk_rows_for(s * b, vocab // tp), e if e < 4 else 0
+        fused_forward = (4 + below) * vocab / tp * h + (max(e, 4) + below) * c * vocab / tp
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
     d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
 
@@ -231,7 +240,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if last:
             # the final norm's input (s / tp long under sequence parallelism) and the head's (gathered)
             extra += (spec.residual / split + e) * sbh + loss
-            if spec.weight_copies:  # the tied head's 16-bit cast of its vocabulary shard, kept for backward
+            if spec.weight_copies and not fused_loss:  # the head's 16-bit cast of its vocabulary shard, for backward
                 extra += e * vocab / tp * h
         forward = n * kept + extra + out
         d_logits = e * s * b * vocab / tp
@@ -250,6 +259,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
         loss_backward = e * s * b * (vocab / tp + h)  # d logits and the head input's gradient
+        if fused_loss:  # dh and dW scaled by d loss beside the kept ones; the forward's own peak as well
+            loss_backward = max(e * (sbh + vocab / tp * h), fused_forward - loss)
         if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured

@@ -64,6 +64,7 @@ class Layout:
     node_size: int = 0  # GPUs per node (HSDP / hpZ); 0: one node
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
+    fused_loss: bool = False  # the head + loss fused (train.fused_loss): no logits kept (activations.py)
 
     @property
     def dp_per_node(self) -> int:
@@ -171,7 +172,7 @@ def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: Activation
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
                              spec=spec, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
-                             chunk_layers=chunks)
+                             chunk_layers=chunks, fused_loss=layout.fused_loss)
 
 
 def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1,
@@ -238,7 +239,7 @@ def recipe_layout(resolved) -> Layout:
                   cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
-                  quantized_gradients=zero.quantized_gradients)
+                  quantized_gradients=zero.quantized_gradients, fused_loss=resolved.fused_loss)
 
 
 def parse_gpu(text: str) -> tuple[float, GPU | None]:
