@@ -30,10 +30,14 @@ def test_flops_formulas():
 
 def test_cases_and_names():
     cs = bg.cases(("gpt2-1.5b",))
-    assert [c.name for c in cs] == ["gpt2-1.5b eager bf16", "gpt2-1.5b compiled bf16",
-                                    "gpt2-1.5b compiled fp8-tensorwise", "gpt2-1.5b compiled fp8-rowwise",
+    assert [c.name for c in cs] == ["gpt2-1.5b compiled bf16", "gpt2-1.5b compiled fp8-tensorwise",
+                                    "gpt2-1.5b compiled fp8-rowwise", "gpt2-1.5b eager bf16",
                                     "gpt2-1.5b compiled +AC bf16"]
-    assert len(bg.cases()) == 15
+    every = bg.cases()  # the budget cuts from the end: first every model's compiled bf16, then Llama 3B's FP8
+    assert len(every) == 15 and len(set(every)) == 15
+    assert [c.name for c in every[:5]] == ["llama3.2-3b compiled bf16", "gpt2-1.5b compiled bf16",
+                                           "llama3.2-1b compiled bf16", "llama3.2-3b compiled fp8-tensorwise",
+                                           "llama3.2-3b compiled fp8-rowwise"]
 
 
 def test_mfu_and_table():
