@@ -152,7 +152,8 @@ def enable_fp8(model: torch.nn.Module, recipe: str) -> list[str]:
     for i, block in getattr(model, "h", {}).items():
         for part in ("attn", "mlp"):
             for name, module in getattr(block, part).named_modules():
-                if hasattr(module, "fp8"):  # Column- and RowParallelLinear (layers.py imports this module)
+                # Column- and RowParallelLinear (layers.py imports this module); a MoE router stays high precision
+                if hasattr(module, "fp8") and "router" not in name:
                     module.fp8 = recipe
                     names.append(f"h.{i}.{part}.{name}")
     return names
