@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megazoo-installed
 
-.PHONY: install demo moe-demo sft-demo test test-gpu clean
+.PHONY: install demo moe-demo sft-demo test test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test: install
 # MEGAZOO_TEST_GPU=1 keeps the GPUs visible to the tests; Triton runs compiled, never interpreted.
 test-gpu: install
 	MEGAZOO_TEST_GPU=1 TRITON_INTERPRET=0 $(PY) -m pytest -q --durations=15 -m "cuda or cuda_multi" tests/gpu
+
+# One-GPU throughput / MFU / peak memory / loss table (benchmarks/bench_gpu.py, <= 8 minutes on an H100): gpt2-1.5b
+# and Llama 3.2 1B / 3B, eager and compiled, bf16 and each FP8 recipe, with and without activation checkpointing;
+# then benchmarks/kernels.py's per-op table. Without a suitable GPU it says so and exits 2.
+bench-gpu: install
+	TRITON_INTERPRET=0 $(PY) -m benchmarks.bench_gpu --json runs/bench-gpu.json
 
 clean:
 	rm -rf runs .pytest_cache

@@ -163,7 +163,7 @@ class Attention(nn.Module):
             return self.c_attn(x).split(self.n_local_heads * self.head_dim, dim=-1)  # 3 x (b, s, d/tp)
         # x enters the tp region once for q and kv: one all-reduce of dx in backward (under sequence parallelism
         # one all-gather of x in forward, one more and a reduce-scatter of dx in backward)
-        if self.c_q.lora is not None or getattr(self.c_kv, "lora", None) is not None:
+        if self.c_q.lora is not None or getattr(self.c_kv, "lora", None) is not None or self.c_q.fp8 is not None:
             x = self.sequence_parallel.enter(x)  # (sequence parallel: the gathered x is kept for backward)
             q = self.c_q.local(x)  # (+ its LoRA adapters)
             kv = self.c_kv(x) if isinstance(self.c_kv, ReplicatedKV) else self.c_kv.local(x)

@@ -41,7 +41,7 @@ class MLP(nn.Module):
         if self.bias_gelu is None:
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
         assert not self.c_fc.gather_output  # the local slice (b, s, d_ff/tp), as ColumnParallelLinear.forward
-        if self.c_fc.lora is None:
+        if self.c_fc.lora is None and self.c_fc.fp8 is None:
             (h,) = self.c_fc.sequence_parallel.linears(x, (self.c_fc.weight, None))
         else:
             h = self.c_fc.local(self.c_fc.sequence_parallel.enter(x), bias=False)  # (+ its LoRA adapters)

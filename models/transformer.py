@@ -20,6 +20,7 @@ Shapes in comments: b batch, s sequence, d d_model, tp tensor-parallel size, V p
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -36,6 +37,7 @@ from megazoo.models.norms import make_norm, norm_ops
 from megazoo.models.packing import Segments
 from megazoo.parallel.context import all_reduce_count, positions
 from megazoo.parallel.tensor import ColumnParallelLinear, SequenceParallel, TPRNGTracker, VocabParallelEmbedding
+from megazoo.parallel.tensor.linear_cross_entropy import linear_cross_entropy
 from megazoo.parallel.tensor.sequence import plain
 from megazoo.parallel.topology import Topology
 
@@ -95,9 +97,14 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, topo: Topology, *, layers: range | None = None,
                  with_embedding: bool = True, with_head: bool = True, rng: TPRNGTracker | None = None,
                  activation_checkpointing: bool = False, device=None, dtype=torch.float32,
-                 kernels: KernelChoice | Mapping[str, Implementation] | None = None):
+                 kernels: KernelChoice | Mapping[str, Implementation] | None = None, fused_loss: bool = False):
         super().__init__()
         self.cfg, self.topo = cfg, topo
+        # fused_loss: a forward with gradients returns the final norm's output and `loss` runs the head and the
+        # cross-entropy together (parallel/tensor/linear_cross_entropy.py); decoding and no-grad forwards
+        # return logits as always. `_hidden` is that forward's output, so `loss` knows which it was given.
+        self.fused_loss, self._hidden = fused_loss, None
+        self.loss_chunk_rows: int | None = None  # tokens per chunk of the fused loss (None: linear_cross_entropy's)
         self.kernels = kernels_for_model(kernels, topo.device)  # {op: Implementation}, .describe() for the log
         self.layers = range(cfg.n_layer) if layers is None else layers
         self.with_embedding, self.with_head = with_embedding, with_head
@@ -169,6 +176,14 @@ class GPT(nn.Module):
         if not self.with_head:
             return x
         x = self.ln_f(x)
+        self._hidden = None
+        if self.fused_loss and cache is None and torch.is_grad_enabled():
+            self._hidden = weakref.ref(x)
+            return x  # (b, s, d) (s / tp under sequence parallelism): the head runs in `loss`
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head on the final norm's output: this rank's vocabulary shard of the logits (b, s, V/tp)."""
         if not self.cfg.tie_embeddings:
             return self.lm_head(x)  # logits for this rank's vocab shard (b, s, V/tp)
         return self.wte.head(x)  # tied head: logits for this rank's vocab shard (b, s, V/tp)
@@ -177,10 +192,18 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits.
 
         cp > 1: the mean is over the whole sequences (tokens counted over the cp group), and this rank's sum is
-        scaled by cp: gradients are averaged over dp x cp, so the cp ranks' mean is the unsplit sequence's loss."""
+        scaled by cp: gradients are averaged over dp x cp, so the cp ranks' mean is the unsplit sequence's loss.
+        Given a fused_loss forward's output (the final norm's), the head runs here, fused with the loss."""
+        hidden = self._hidden is not None and self._hidden() is logits
+        self._hidden = None
+        if hidden:
+            return self._with_moe_losses(self._fused_loss(logits, targets))
         per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
         count = all_reduce_count((targets != -100).sum(), self.topo.cp_group)
         loss = per_token.sum() * self.topo.cp / count.clamp(min=1)
+        return self._with_moe_losses(loss)
+
+    def _with_moe_losses(self, loss: torch.Tensor) -> torch.Tensor:
         if self.training and self.cfg.moe_aux_loss_scope == "model" and self.moe_stats():  # MoE: the router's
             # auxiliary losses of the last forward ("layer" scope: each MoE block injects its own in backward)
             loss = loss + self.moe_aux_losses()
@@ -201,3 +224,26 @@ class GPT(nn.Module):
         if self.cfg.moe_seq_aux_loss_coef:  # DeepSeek-V3's sequence-wise loss: each layer's own, summed
             loss = loss + self.cfg.moe_seq_aux_loss_coef * sum(s.seq_aux for s in stats)
         return loss
+
+    def _fused_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The head and the loss in one chunked pass: the logits never exist whole. The same collectives and casts
+        as `logits` + `loss` (the head's tp region entry; under autocast 16-bit casts of its input and weight)."""
+        kept = targets != -100
+        count = all_reduce_count(kept.sum(), self.topo.cp_group)
+        token_weight = kept.to(torch.float64) * self.topo.cp / count.clamp(min=1)
+        shared = None
+        if self.cfg.tie_embeddings:
+            head, x = self.wte.weight, self.wte.sequence_parallel.enter(x)
+            shared, self.wte._shared = self.wte._shared, None
+            shared = shared if shared is not None and self.wte._fused() else None
+        elif self.lm_head.lora is not None:  # adapters on the head: the plain head (recipes turn fusing off)
+            return self.loss(self.lm_head(x), targets)
+        else:
+            head, x = self.lm_head.weight, self.sequence_parallel.enter(x)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # what F.linear under autocast would multiply
+            dtype = torch.get_autocast_dtype(device)
+            x, head = x.to(dtype), head.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return linear_cross_entropy(x, head, targets, token_weight, self.topo.tp_group, self.cfg.vocab_size,
+                                        chunk_rows=self.loss_chunk_rows, shared=shared)

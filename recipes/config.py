@@ -106,6 +106,8 @@ class TrainSection:
     activation_checkpointing: bool = False
     compile: str = "none"  # "none" | "blocks": each block through torch.compile (inductor) | "blocks:aot_eager"
     tf32: bool = True  # on GPU, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)
+    fused_loss: str = "auto"  # "auto" | "on" | "off": head + loss chunked, logits never whole (Resolved.fused_loss)
+    fp8: str = "none"  # "none" | "tensorwise" | "rowwise": the blocks' linears in FP8 (parallel/tensor/fp8.py)
     eval_every: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8  # global batches of validation samples in one validation pass
 
@@ -212,9 +214,8 @@ class LoggingSection:
 
 @dataclass(frozen=True)
 class SampleSection:
-    # The closing sample's prompt. "" (the default): start after an end-of-document token, as every training
-    # document does, so the sample is an unconditional one in the corpus's own style (code or prose alike);
-    # the demo recipes, trained on Python source, set "def ".
+    # The closing sample's prompt. "" (default): start after an end-of-document token, as every training document
+    # does: an unconditional sample in the corpus's own style; the demo recipes (Python source) set "def ".
     prompt: str = ""
     tokens: int = 48  # 0 disables the closing sample
     temperature: float = 0.8

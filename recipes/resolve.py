@@ -18,6 +18,7 @@ from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat
 from megazoo.models.lora.config import check_lora
 from megazoo.parallel.fault_tolerance.config import check_fault_tolerance
+from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.recipes.checkpoint_model import (check_against_checkpoint, checkpoint_model, from_checkpoint,
                                               missing_load)
 from megazoo.recipes.config import Recipe, RecipeError
@@ -44,6 +45,12 @@ class Resolved:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.recipe.train.seq_len
+
+    @property
+    def fused_loss(self) -> bool:
+        """train.fused_loss resolved: "auto" is on unless a zero-bubble pipeline's split backward rules it out."""
+        par, mode = self.recipe.parallel, self.recipe.train.fused_loss
+        return mode == "on" or (mode == "auto" and not (par.pp > 1 and par.schedule in SPLIT_BACKWARD))
 
     @property
     def lr_decay_steps(self) -> int:
@@ -258,6 +265,17 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         _positive(f"loss_scale.{name}", getattr(ls, name))
     _choice("train.precision", train.precision, PRECISIONS)
     _choice("train.compile", train.compile, COMPILE_MODES)
+    _choice("train.fused_loss", train.fused_loss, ("auto", "on", "off"))
+    if train.fp8 != "none":  # parallel/tensor/fp8.py imports torch: only a recipe that asks for FP8 loads it here
+        from megazoo.parallel.tensor.fp8 import RECIPES as FP8_RECIPES, fp8_problem
+
+        _choice("train.fp8", train.fp8, ("none", *FP8_RECIPES))
+        if why := fp8_problem(cfg, par.tp, train.precision, recipe.lora.enabled):
+            raise RecipeError(f"train.fp8 = {train.fp8!r} is unsupported here: {why}; or set train.fp8 = 'none'")
+    if train.fused_loss == "on" and par.pp > 1 and par.schedule in SPLIT_BACKWARD:
+        raise RecipeError(f"train.fused_loss = 'on' with parallel.schedule = {par.schedule!r} (pp = {par.pp}): its split "
+                          "backward would drop the head's weight gradient; valid: fused_loss = 'auto' or 'off', or "
+                          "a schedule of 'gpipe', '1f1b', 'interleaved'")
     _choice("data.source", data.source, DATA_SOURCES)
     _choice("logging.wandb", recipe.logging.wandb, WANDB_MODES)
     if not 0.0 <= data.val_fraction < 1.0:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megazoo.parallel.tensor.comms import (gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
+from megazoo.parallel.tensor.fp8 import fp8_linear
 from megazoo.parallel.tensor.lora import column_delta, row_delta
 from megazoo.parallel.tensor.sequence import SequenceParallel, plain
 from megazoo.parallel.tensor.shards import ShardSpec
@@ -48,6 +49,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output, self.init_std = group, gather_output, init_std
         self.in_features, self.out_features, self.sections = in_features, out_features, sections
         self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora/adapters.py
+        self.fp8: str | None = None  # an FP8 recipe (parallel/tensor/fp8.py), set by enable_fp8
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, sections, rank, tp)}
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device=device, dtype=dtype))
         if bias:
@@ -57,16 +59,19 @@ class ColumnParallelLinear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out/tp) or (..., out)
-        if self.lora is None:
+        if self.lora is None and self.fp8 is None:
             (y,) = self.sequence_parallel.linears(x, (self.weight, self.bias))
-        else:  # the adapters read the entered (under sequence parallelism: gathered) x as well
+        else:  # the adapters (or FP8) read the entered (under sequence parallelism: gathered) x as well
             y = self.local(self.sequence_parallel.enter(x))
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def local(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """This rank's output slice for an input already in the tp region (no collective): W_r x (+ b_r), plus
         the LoRA adapters' slice when there are any. `bias=False` leaves the bias to a fused bias + GELU."""
-        y = F.linear(x, self.weight, self.bias if bias else None)
+        if self.fp8 is None:
+            y = F.linear(x, self.weight, self.bias if bias else None)
+        else:
+            y = fp8_linear(x, self.weight, self.bias if bias else None, self.fp8, group=self.group, parallel="column")
         return y if self.lora is None else y + column_delta(self.lora, x, self.sections, y.shape[-1])
 
 
@@ -89,6 +94,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel, self.init_std = group, input_is_parallel, init_std
         self.in_features, self.out_features = in_features, out_features
         self.lora: nn.ModuleDict | None = None  # LoRA adapters (parallel/tensor/lora.py), set by models/lora/adapters.py
+        self.fp8: str | None = None  # an FP8 recipe (parallel/tensor/fp8.py), set by enable_fp8
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, 1, rank, tp)}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype))
         if bias:
@@ -100,7 +106,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in/tp) -> (..., out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, self.weight) if self.fp8 is None else \
+            fp8_linear(x, self.weight, None, self.fp8, group=self.group, parallel="row")
         if self.lora is not None:  # the adapters' partial sums join the base's one all-reduce (reduce-scatter)
             partial = partial + row_delta(self.lora, x)
         y = self.sequence_parallel.leave(partial)

@@ -32,7 +32,7 @@ and the head's (16-bit) input ((r + e) s b h; under autocast of fp32 parameters 
 e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32 and with the
 reference cross-entropy only, an fp32 copy (the paper's 4 s b v / t; the fused kernels that training's `auto` runs
 promote a chunk of rows at a time - two chunks in flight, in forward and beside d logits in backward - and keep
-three fp32 numbers per row: `fused_loss`). With checkpointing one
+three fp32 numbers per row: `fused_ce`). With checkpointing one
 layer's full activations exist again while it is recomputed in backward.
 
 Pipeline: what a rank holds at its peak comes from walking its schedule's own action list
@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazoo.models.config import ModelConfig
+from megazoo.parallel.tensor.linear_cross_entropy import chunk_rows_for
 from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
@@ -88,7 +89,7 @@ class ActivationSpec:
     packed: bool = False
     # The cross-entropy: fused (kernels/cross_entropy.py's torch and Triton, what training's `auto` runs) keeps the
     # logits and three fp32 numbers per row; False: the reference's fp32 copy of the whole shard (the paper's).
-    fused_loss: bool = False
+    fused_ce: bool = False
 
     @property
     def residual(self) -> int:
@@ -97,7 +98,7 @@ class ActivationSpec:
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
                   *, autocast_fp32_params: bool = False, packed: bool = False,
-                  fused_loss: bool = False) -> "ActivationSpec":
+                  fused_ce: bool = False) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
         from megazoo.models.flops import block_matmul_params
@@ -109,7 +110,7 @@ class ActivationSpec:
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
                               4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h,
-                              packed, fused_loss)
+                              packed, fused_ce)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -220,12 +221,14 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
                       *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                       virtual: int = 1, spec: ActivationSpec | None = None,
                       vocab: int | None = None, cp: int = 1, sequence_parallel: bool = False,
-                      chunk_layers: list[int] | None = None) -> list[StageActivations]:
+                      chunk_layers: list[int] | None = None, fused_loss: bool = False) -> list[StageActivations]:
     """Activation bytes of every pipeline stage (`stage_layers`: blocks per pp rank; `chunk_layers`: blocks per
     virtual stage in pipeline order, default an even split) on one tp rank; with context parallelism `cp`, on
     one cp rank (seq_len / cp tokens of every sequence). `sequence_parallel`: the layers' norm regions and
     checkpointed inputs, and the final norm's input, are s / tp long. Each rank's peak walks its action list
-    (schedule_memory.py), every chunk with its own blocks, embedding and head."""
+    (schedule_memory.py), every chunk with its own blocks, embedding and head. `fused_loss`
+    (parallel/tensor/linear_cross_entropy.py): the last stage keeps dh and dW (e bytes) in place of the logits,
+    their fp32 copy, the head's input and its weight's cast; forward's chunk of logits and fp32 dW are transient."""
     spec = spec or ActivationSpec.for_model(cfg)
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
@@ -239,13 +242,20 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         chunk_layers = [chunk_layers[rank * chunks_per_rank + c] for c in range(chunks_per_rank) for rank in range(pp)]
     stages = len(chunk_layers)
     sbh = s * b * h
-    # the logits and, below fp32, the reference loss's fp32 copy of them (the fused loss makes none)
-    loss = (e + (4 if e < 4 and not spec.fused_loss else 0)) * s * b * vocab / tp
-    # The fused loss's fp32 rows in flight instead (kernels/cross_entropy.py): forward holds two chunks (a chunk and
-    # its exp, or it and the next one being copied), backward d logits and one chunk, two when there are more.
+    # the logits and, below fp32, the reference loss's fp32 copy of them (the fused cross-entropy makes none)
+    loss = (e + (4 if e < 4 and not spec.fused_ce else 0)) * s * b * vocab / tp
+    # The fused cross-entropy's fp32 rows in flight instead (kernels/cross_entropy.py): forward holds two chunks (a
+    # chunk and its exp, or it and the next one being copied), backward d logits and one chunk, two when there are
+    # more. None when the head and loss are fused (train.fused_loss: no logits at all).
     rows, chunk_rows = s * b, max(1, CE_CHUNK_ELEMENTS // (vocab // tp))
-    chunk = 4 * min(rows, chunk_rows) * vocab / tp if spec.fused_loss else 0.0
+    chunk = 4 * min(rows, chunk_rows) * vocab / tp if spec.fused_ce and not fused_loss else 0.0
     ce_forward, ce_backward = 2 * chunk, (2 if rows > chunk_rows else 1) * chunk
+    if fused_loss:  # (dh: the e sbh beside the final norm's input, in place of the head's input) + dW
+        loss = e * vocab / tp * h
+        # forward's peak inside the loss: dW's fp32 accumulator and, below fp32, one chunk's 16-bit product, and
+        # the chunk's fp32 logits beside (below fp32) their 16-bit product or gradient (chunk_rows_for's rows)
+        c, below = chunk_rows_for(s * b, vocab // tp), e if e < 4 else 0
+        fused_forward = (4 + below) * vocab / tp * h + (max(e, 4) + below) * c * vocab / tp
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
     d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
 
@@ -256,7 +266,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if last:
             # the final norm's input (s / tp long under sequence parallelism) and the head's (gathered)
             extra += (spec.residual / split + e) * sbh + loss
-            if spec.weight_copies:  # the tied head's 16-bit cast of its vocabulary shard, kept for backward
+            if spec.weight_copies and not fused_loss:  # the head's 16-bit cast of its vocabulary shard, for backward
                 extra += e * vocab / tp * h
         forward = n * kept + extra + out
         d_logits = e * s * b * vocab / tp
@@ -275,6 +285,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
         loss_backward = e * s * b * (vocab / tp + h) + ce_backward  # d logits, the head input's gradient
+        if fused_loss:  # dh and dW scaled by d loss beside the kept ones; the forward's own peak as well
+            loss_backward = max(e * (sbh + vocab / tp * h), fused_forward - loss)
         if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured

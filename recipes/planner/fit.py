@@ -67,7 +67,8 @@ class Layout:
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
     packed: bool = False  # SFT rows packing several examples (activations.ActivationSpec.packed)
     ep: int = 1  # expert parallelism: routed experts split over ep of the dp x cp ranks (expert_split_states)
-    fused_loss: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
+    fused_ce: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
+    fused_loss: bool = False  # the head + loss fused (train.fused_loss): no logits kept (activations.py)
 
     @property
     def dp_per_node(self) -> int:
@@ -179,7 +180,7 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
                                     autocast_fp32_params=layout.zero == 0, packed=layout.packed,
-                                    fused_loss=layout.fused_loss)
+                                    fused_ce=layout.fused_ce)
 
 
 def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:
@@ -189,7 +190,7 @@ def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: Activation
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
                              spec=spec, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
-                             chunk_layers=chunks)
+                             chunk_layers=chunks, fused_loss=layout.fused_loss)
 
 
 def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1,
@@ -261,10 +262,10 @@ def recipe_layout(resolved) -> Layout:
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
                   quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing,
-                  ep=par.ep, fused_loss=fused_loss(r.kernels))
+                  ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss)
 
 
-def fused_loss(kernels) -> bool:
+def fused_ce(kernels) -> bool:
     """Whether a recipe's [kernels] run a fused cross-entropy: every choice but the reference (kernels.cross_entropy,
     or kernels.prefer where that is unset; apex has none, so `auto` picks a fused one)."""
     return (kernels.cross_entropy or kernels.prefer) != "reference"

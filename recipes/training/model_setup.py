@@ -21,6 +21,7 @@ from megazoo.parallel.expert.zero import JointLedger, build_expert_split
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor import named_shards
+from megazoo.parallel.tensor.fp8 import check_fp8_device, enable_fp8
 from megazoo.parallel.tensor.random import TPRNGTracker
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.build import build_zero
@@ -105,9 +106,12 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
         chunk = GPT(cfg, topo, layers=range(stages[stage][0], stages[stage][-1] + 1),
                     with_embedding=stage == 0, with_head=stage == len(stages) - 1, rng=rng,
                     activation_checkpointing=train.activation_checkpointing, device=device or topo.device,
-                    dtype=dtype, kernels=kernels)
+                    dtype=dtype, kernels=kernels, fused_loss=res.fused_loss)
         if res.recipe.lora.enabled:  # adapters on the recipe's targets; every other parameter frozen
             attach_lora(chunk, res.recipe.lora)
+        if train.fp8 != "none":  # the blocks' attention and MLP projections (parallel/tensor/fp8.py)
+            check_fp8_device(topo.device)
+            enable_fp8(chunk, train.fp8)
         if device != "meta":
             init_weights(chunk, train.seed)
         if chunks and hasattr(chunk, "wte") and hasattr(chunks[0], "wte"):
