@@ -1,9 +1,8 @@
 """Recipes: TOML files -> frozen dataclasses that reject unknown keys at every level.
 
-`load_recipe(path, overrides)` parses the file with stdlib tomllib, applies `--set section.key=value` overrides
-to the raw table (so an override of an unknown key is rejected like a typo in the file), and builds a `Recipe`.
-Derived values (global batch, padded vocabulary, the model config after overrides) are computed once, by
-`recipes.resolve.resolve`.
+`load_recipe(path, overrides)` parses the file with stdlib tomllib, applies `--set section.key=value` overrides to
+the raw table (an override of an unknown key is rejected like a typo in the file), and builds a `Recipe`. Derived
+values (global batch, padded vocabulary, the model config after overrides) are computed once, by `resolve()`.
 """
 
 from __future__ import annotations
