@@ -48,9 +48,11 @@ class Resolved:
 
     @property
     def fused_loss(self) -> bool:
-        """train.fused_loss resolved: "auto" is on unless a zero-bubble pipeline's split backward rules it out."""
+        """train.fused_loss resolved: "auto" is on unless a zero-bubble pipeline's split backward rules it out, or
+        fp16 (with loss scaling at dp 2 its losses rose while the plain loss's fell: refused until that is found)."""
         par, mode = self.recipe.parallel, self.recipe.train.fused_loss
-        return mode == "on" or (mode == "auto" and not (par.pp > 1 and par.schedule in SPLIT_BACKWARD))
+        return mode == "on" or (mode == "auto" and not (par.pp > 1 and par.schedule in SPLIT_BACKWARD)
+                                and self.recipe.train.precision != "fp16")
 
     @property
     def lr_decay_steps(self) -> int:
@@ -272,6 +274,10 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         _choice("train.fp8", train.fp8, ("none", *FP8_RECIPES))
         if why := fp8_problem(cfg, par.tp, train.precision, recipe.lora.enabled):
             raise RecipeError(f"train.fp8 = {train.fp8!r} is unsupported here: {why}; or set train.fp8 = 'none'")
+    if train.fused_loss == "on" and train.precision == "fp16":
+        raise RecipeError("train.fused_loss = 'on' with train.precision = 'fp16': under dynamic loss scaling at dp 2 "
+                          "it diverged from the plain loss (a known defect); valid: fused_loss = 'auto' (off in fp16) "
+                          "or 'off', or precision = 'bf16' / 'fp32'")
     if train.fused_loss == "on" and par.pp > 1 and par.schedule in SPLIT_BACKWARD:
         raise RecipeError(f"train.fused_loss = 'on' with parallel.schedule = {par.schedule!r} (pp = {par.pp}): its split "
                           "backward would drop the head's weight gradient; valid: fused_loss = 'auto' or 'off', or "

@@ -56,7 +56,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazoo.models.config import ModelConfig
-from megazoo.parallel.tensor.linear_cross_entropy import chunk_rows_for
 from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
@@ -254,6 +253,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         loss = e * vocab / tp * h
         # forward's peak inside the loss: dW's fp32 accumulator and, below fp32, one chunk's 16-bit product, and
         # the chunk's fp32 logits beside (below fp32) their 16-bit product or gradient (chunk_rows_for's rows)
+        from megazoo.parallel.tensor.linear_cross_entropy import chunk_rows_for  # torch: `plan --help` loads none
+
         c, below = chunk_rows_for(s * b, vocab // tp), e if e < 4 else 0
         fused_forward = (4 + below) * vocab / tp * h + (max(e, 4) + below) * c * vocab / tp
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)

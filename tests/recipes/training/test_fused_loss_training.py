@@ -80,3 +80,13 @@ def test_fp8_refusals_name_the_reason():
         tiny_resolved(train={"fp8": "rowwise", "precision": "fp16"})
     with pytest.raises(RecipeError, match=r"multiples of 16: \{'model.d_ff / tp': 172\}; or set train.fp8 = 'none'"):
         tiny_resolved(train={"fp8": "tensorwise"}, model={"preset": "llama-tiny", "d_ff": 344}, parallel={"tp": 2})
+
+
+def test_fp16_keeps_the_plain_loss_until_its_fused_divergence_is_found():
+    """fp16 with dynamic loss scaling at dp 2: the fused head + loss's losses rose (5.821, 5.825, 5.827) while the
+    plain loss's fell as one process's (5.821, 5.814, 5.795). Until that is found, `auto` is off in fp16 and `on`
+    is refused with the reason; bf16 and fp32 keep it on."""
+    assert not tiny_resolved(train={"precision": "fp16"}).fused_loss
+    assert tiny_resolved(train={"precision": "bf16"}).fused_loss
+    with pytest.raises(RecipeError, match="fused_loss = 'on' with train.precision = 'fp16'"):
+        tiny_resolved(train={"precision": "fp16", "fused_loss": "on"})
