@@ -63,6 +63,6 @@ def lora_base(common: dict, step_dir: str | Path, given: str | Path | None = Non
             return path
     where = (", ".join(map(str, tried)) + " is not there") if tried else (
         "this checkpoint does not say which folder that run started in")
-    raise FileNotFoundError(f"checkpoint {step_dir} holds LoRA adapters only; their base is the checkpoint.load its "
-                            f"run recorded, {load!r}, relative to the folder that run was started from: {where}. "
+    raise FileNotFoundError(f"checkpoint {step_dir} holds LoRA adapters only; their base is what its run recorded, "
+                            f"checkpoint.load = {load!r}, relative to the folder that run was started from: {where}. "
                             "Point at the base with --lora-base CKPT (a step_N directory or a checkpoints folder)")

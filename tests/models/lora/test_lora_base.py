@@ -56,7 +56,7 @@ def test_a_missing_base_names_the_recorded_value_and_the_flag(tmp_path, monkeypa
     with pytest.raises(FileNotFoundError) as error:
         lora_base(_common(), step)
     message = str(error.value)
-    assert "'runs/demo/checkpoints'" in message and "the checkpoint.load its run recorded" in message
+    assert "'runs/demo/checkpoints'" in message and "what its run recorded, checkpoint.load = " in message
     assert str(tmp_path / "work" / "runs" / "demo" / "checkpoints") in message and "--lora-base" in message
     with pytest.raises(FileNotFoundError, match="--lora-base /nowhere: no such checkpoint"):
         lora_base(_common(), step, given="/nowhere")
