@@ -1,5 +1,7 @@
 """Hugging Face MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / Qwen3ForCausalLM <-> megazoo:
-the configs both ways and whole state dicts through the key maps of models/hf/moe_keys.py.
+the configs both ways, and `FAMILY`, the registry's family (models/hf/families.py) whose key map is
+models/hf/moe_keys.py. Every command converts through it: `megazoo convert` both ways (--verify, --merge-lora),
+`eval --hf`, `generate --hf` and `model.from_hf`.
 
 Which family a megazoo config is written as follows from its fields (`hf_family`): experts with a gated shared
 expert are Qwen2-MoE; experts with per-head q/k norms Qwen3-MoE; experts without Mixtral (every layer MoE,
@@ -11,11 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from megazoo.models.config import ModelConfig
 from megazoo.models.hf import llama, moe_keys
-from megazoo.models.layout import parameter_layout
+from megazoo.models.hf.family import Entry, Family
 
 FAMILIES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
@@ -135,83 +135,20 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
     return getattr(transformers, config_class)(**fields)
 
 
-def hf_to_megazoo_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
-                        family: str | None = None) -> dict[str, torch.Tensor]:
-    """Full megazoo state (true vocabulary) from an HF state dict, hub or transformers-5 form (moe_keys.py)."""
-    family = family or hf_family(cfg)
-    full, used, missing = {}, set(), []
-    for spec in parameter_layout(cfg, vocab=cfg.vocab_size):
-        tensor, names = moe_keys.to_megazoo(family, cfg, spec.name, spec.shape, hf_state)
-        if tensor is None:
-            missing += names
-            continue
-        if tuple(tensor.shape) != spec.shape:
-            raise ValueError(f"HF tensor(s) {names[:4]} make shape {tuple(tensor.shape)}; model {cfg.name} expects "
-                             f"{spec.shape} for {spec.name}")
-        used.update(names)
-        full[spec.name] = tensor
-    if missing:
-        raise ValueError(f"HF state lacks {len(missing)} tensor(s) of model {cfg.name}, e.g. {missing[:8]}")
-    if cfg.tie_embeddings and "lm_head.weight" in hf_state:
-        used.add("lm_head.weight")
-    unexpected = sorted(n for n in set(hf_state) - used if not n.endswith(llama._IGNORED_SUFFIXES))
-    if unexpected:
-        raise ValueError(f"HF state has {len(unexpected)} tensor(s) model {cfg.name} does not hold, e.g. "
-                         f"{unexpected[:8]}")
-    return full
+def exports(cfg: ModelConfig) -> str | None:
+    """The model_type `cfg` is written as: None unless it has experts or q/k norms (GPT-2's and Llama's then)."""
+    if cfg.positions == "learned" or not (cfg.n_experts or cfg.qk_norm):
+        return None
+    return hf_family(cfg)
 
 
-def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The hub-form HF state dict (without a tied lm_head.weight) of a full megazoo state."""
-    family = hf_family(cfg)
-    expected = {p.name: p.shape for p in parameter_layout(cfg, vocab=cfg.vocab_size)}
-    if set(expected) != set(full_state):
-        raise ValueError(f"state does not match model {cfg.name}: missing {sorted(set(expected) - set(full_state))[:8]}"
-                         f", unexpected {sorted(set(full_state) - set(expected))[:8]}")
-    hf = {}
-    for name, tensor in full_state.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, model {cfg.name} expects {expected[name]}")
-        hf.update(moe_keys.to_hf(family, cfg, name, tensor))
-    return hf
+def entries(cfg: ModelConfig) -> list[Entry]:
+    return moe_keys.entries(hf_family(cfg), cfg)
 
 
-def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, full megazoo state) of an HF Mixtral / Qwen2-MoE / Qwen3-MoE / Qwen3 checkpoint directory."""
-    from transformers import AutoConfig
-
-    from megazoo.models.hf.gpt2 import read_hf_state_dict
-
-    hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
-    try:
-        hf_config = AutoConfig.from_pretrained(str(hf_dir))
-    except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
-        raise ValueError(f"cannot read HF config {hf_dir / 'config.json'}: {error}") from error
-    cfg = config_from_hf(hf_config, name=hf_dir.resolve().name)
-    return cfg, hf_to_megazoo_state(read_hf_state_dict(hf_dir), cfg, hf_config.model_type)
-
-
-def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                  tokenizer=None) -> Path:
-    """An HF checkpoint directory (config.json, generation_config.json, model.safetensors[, tokenizer]) of
-    `cfg`'s family that AutoModelForCausalLM.from_pretrained loads."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    from megazoo.models.hf.tokenizer_export import save_hf_tokenizer, special_ids
-
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_state = megazoo_to_hf_state(full_state, cfg)
-    config = config_to_hf(cfg, special_ids(tokenizer) if tokenizer is not None else None)
-    config.save_pretrained(str(out_dir))
-    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    if tokenizer is not None:
-        save_hf_tokenizer(tokenizer, out_dir, max_length=cfg.n_positions)
-    return out_dir
+FAMILY = Family(
+    name="MoE / Qwen3", model_types=tuple(FAMILIES), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    exports=exports, entries=entries,
+    tied_head=lambda cfg: ("lm_head.weight", llama.TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
+    ignored=llama._IGNORED_SUFFIXES,
+    fp32_in_hf=True)  # RMSNorm and rotary as llama.py's families
