@@ -62,7 +62,8 @@ class ModelConfig:
     sparse_seed: int = 0  # bigbird: the random blocks' seed (the same pattern in every layer and run)
     # Qwen3's attention (models/attention.py): the head width may differ from d_model / n_head, and q and k are
     # RMS-normalised per head (one weight of head_dim, shared by the heads) before the rotary positions.
-    head_dim: int = 0  # 0 means d_model // n_head
+    # head_width 0 (the default) keeps d_model / n_head, also across replace(d_model=...): `head_dim` reads it.
+    head_width: int = 0
     qk_norm: bool = False
     # Mixture of experts (models/moe/): the MLP of an MoE layer is n_experts routed SwiGLU experts (no biases), of
     # which each token uses moe_top_k, plus optional always-on shared experts. n_experts = 0: a dense model.
@@ -96,9 +97,6 @@ class ModelConfig:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.n_kv_head == 0:
             object.__setattr__(self, "n_kv_head", self.n_head)
-        heads_fill_d_model = self.head_dim == 0
-        if self.head_dim == 0 and isinstance(self.d_model, int) and isinstance(self.n_head, int) and self.n_head:
-            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
         if self.moe_d_ff == 0:
             object.__setattr__(self, "moe_d_ff", self.d_ff)
         if self.moe_shared_d_ff == 0:
@@ -106,11 +104,14 @@ class ModelConfig:
         if isinstance(self.moe_dense_layers, list):  # TOML arrays and checkpoints' JSON
             object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
         for field in ("n_layer", "n_head", "d_model", "n_positions", "vocab_size", "d_ff", "vocab_multiple",
-                      "n_kv_head", "head_dim"):
+                      "n_kv_head"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{field} = {value!r} is invalid: it must be a positive integer")
-        if self.d_model % self.n_head and heads_fill_d_model:
+        if not isinstance(self.head_width, int) or isinstance(self.head_width, bool) or self.head_width < 0:
+            raise ValueError(f"model.head_width = {self.head_width!r} is invalid: it must be an integer >= 0 (0: "
+                             "d_model / n_head)")
+        if self.d_model % self.n_head and not self.head_width:
             raise ValueError(f"model.d_model = {self.d_model} is not divisible by model.n_head = {self.n_head}")
         for field in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
@@ -165,6 +166,11 @@ class ModelConfig:
                              f"0..{self.sparse_local_blocks}")
 
     @property
+    def head_dim(self) -> int:
+        """The width of one attention head: head_width, or d_model / n_head."""
+        return self.head_width or self.d_model // self.n_head
+
+    @property
     def fused_qkv(self) -> bool:
         """Multi-head attention keeps GPT-2's fused [Q; K; V] projection (attn.c_attn); grouped-query attention
         has attn.c_q and attn.c_kv ([K; V], n_kv_head heads each), so K/V can be replicated where tp > n_kv_head.
@@ -204,9 +210,6 @@ class ModelConfig:
             changes["d_ff"] = 0  # the MLP width follows d_model (4x) unless it was set on its own
         if "n_head" in changes and "n_kv_head" not in changes and self.n_kv_head == self.n_head:
             changes["n_kv_head"] = 0  # multi-head attention stays multi-head
-        if ({"d_model", "n_head"} & set(changes) and "head_dim" not in changes
-                and self.head_dim * self.n_head == self.d_model):
-            changes["head_dim"] = 0  # the heads keep filling d_model unless their width was set on its own
         if "d_ff" in changes and "moe_d_ff" not in changes and self.moe_d_ff == self.d_ff:
             changes["moe_d_ff"] = 0
         if "moe_d_ff" in changes and "moe_shared_d_ff" not in changes and self.moe_shared_d_ff == self.moe_d_ff:
@@ -272,7 +275,7 @@ def check_moe(cfg: ModelConfig) -> None:
 
 # The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions", "n_kv_head", "norm",
-                       "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_dim",
+                       "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_width",
                        "qk_norm", "n_experts", "moe_d_ff", "moe_shared_experts", "moe_shared_d_ff",
                        "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers")
 # Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
@@ -290,9 +293,9 @@ def architecture_mismatches(saved: dict, mine: dict) -> list[str]:
     def value(config: dict, field: str):
         if field == "n_kv_head" and not config.get(field):  # not recorded (older checkpoints) or 0: n_head
             return config.get("n_head", missing)
-        if field == "head_dim":  # reported only where the heads do not fill d_model (else n_head / d_model say it)
+        if field == "head_width":  # reported only where the heads do not fill d_model (else n_head / d_model say it)
             d, n = config.get("d_model", 0), max(config.get("n_head", 1), 1)
-            hd = config.get(field) or d // n  # not recorded (older checkpoints): the heads fill d_model
+            hd = config.get(field) or d // n  # 0 or not recorded (older checkpoints): the heads fill d_model
             return hd if hd * n != d else "d_model / n_head"
         if field.startswith("moe_") and not config.get("n_experts"):  # a dense model has no experts to shape
             return "(dense)"

@@ -95,7 +95,7 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
         name=name or Path(getattr(hf_config, "name_or_path", "") or f"hf-{family}").name or f"hf-{family}",
         n_layer=hf_config.num_hidden_layers, n_head=heads, n_kv_head=hf_config.num_key_value_heads or heads,
         d_model=d, d_ff=hf_config.intermediate_size, n_positions=hf_config.max_position_embeddings,
-        head_dim=getattr(hf_config, "head_dim", None) or d // heads,
+        head_width=0 if (getattr(hf_config, "head_dim", None) or d // heads) * heads == d else hf_config.head_dim,
         vocab_size=hf_config.vocab_size, norm="rmsnorm", positions="rotary", mlp="swiglu", mlp_bias=False,
         layer_norm_eps=hf_config.rms_norm_eps, tie_embeddings=bool(hf_config.tie_word_embeddings),
         rope_theta=float(rope.get("rope_theta", 10000.0)), dropout=0.0,

@@ -1,6 +1,6 @@
 """Qwen3 dense, Qwen3-MoE and Qwen2-MoE presets.
 
-Qwen3: Llama-style blocks with 128-wide heads (head_dim, not d_model / n_head) and per-head q/k RMSNorm, no bias.
+Qwen3: Llama-style blocks with 128-wide heads (head_width, not d_model / n_head) and per-head q/k RMSNorm, no bias.
 Qwen3-MoE: the same attention, 128 routed experts in every layer (mlp_only_layers -> moe_dense_layers, empty in the
 published configs), top-8 renormalised. Qwen2-MoE: Qwen2's attention (q/k/v bias), 64 routed experts, top-8 not
 renormalised, and one shared expert of its own width scaled by a sigmoid gate.
@@ -16,7 +16,7 @@ from megazoo.models.config import ModelConfig
 _QWEN = dict(norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False, qkv_bias=False, proj_bias=False,
              mlp_bias=False, dropout=0.0, attn_dropout=0.0, init_std=0.02, layer_norm_eps=1e-6, vocab_size=151936,
              rope_theta=1000000.0)
-_QWEN3 = dict(_QWEN, head_dim=128, qk_norm=True, n_positions=40960)
+_QWEN3 = dict(_QWEN, head_width=128, qk_norm=True, n_positions=40960)
 _QWEN3_MOE = dict(_QWEN3, n_experts=128, moe_top_k=8, moe_norm_topk_prob=True, moe_aux_loss_coef=0.001)
 _QWEN2_MOE = dict(_QWEN, qkv_bias=True, n_positions=131072, n_experts=64, moe_top_k=8, moe_norm_topk_prob=False,
                   moe_shared_experts=1, moe_shared_gate=True, moe_aux_loss_coef=0.001)
@@ -34,7 +34,7 @@ PRESETS = (
     ModelConfig("qwen3-32b", n_layer=64, n_head=64, n_kv_head=8, d_model=5120, d_ff=25600, **_QWEN3),
     # A tiny Qwen3-MoE for tests and demos: 8 experts, top-2, one dense layer (mlp_only_layers = [1]).
     ModelConfig("qwen3-moe-tiny", n_layer=4, n_head=4, n_kv_head=2, d_model=64, d_ff=128,
-                **dict(_QWEN3_MOE, n_positions=256, head_dim=32, vocab_size=32000, n_experts=8, moe_top_k=2, moe_d_ff=32,
+                **dict(_QWEN3_MOE, n_positions=256, head_width=32, vocab_size=32000, n_experts=8, moe_top_k=2, moe_d_ff=32,
                        moe_dense_layers=(1,))),
     # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (every layer MoE: mlp_only_layers is [] in both).
     ModelConfig("qwen3-30b-a3b", n_layer=48, n_head=32, n_kv_head=4, d_model=2048, d_ff=6144, moe_d_ff=768,

@@ -152,7 +152,7 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         model_over["n_kv_head"] = 1 if cfg.n_kv_head == 1 else heads // 2  # split over tp <= 2 as in the recipe
     if cfg.attention == "sparse":
         model_over["sparse_block"] = 4  # 8 blocks of 4 in the shrunk sequence
-    model_over["head_dim"] = head_dim  # Qwen3's heads wider than d_model / n_head shrink like the others
+    model_over["head_width"] = 0  # Qwen3's heads wider than d_model / n_head shrink to d_model / n_head too
     if cfg.n_experts:  # a few small experts, routed as the recipe's; its dense-layer pattern where it still fits
         model_over.update(moe_experts(cfg, n_layer, d_model))
     model = replace(checkable.model, from_checkpoint=False, from_hf="", **model_over)

@@ -133,7 +133,7 @@ def test_architecture_fields_are_model_fields():
     assert set(ARCHITECTURE_FIELDS) <= set(model_fields())
     assert set(ARCHITECTURE_FIELDS) == {"n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions",
                                         "n_kv_head", "norm", "positions", "mlp", "tie_embeddings", "qkv_bias",
-                                        "proj_bias", "mlp_bias", "head_dim", "qk_norm", "n_experts", "moe_d_ff",
+                                        "proj_bias", "mlp_bias", "head_width", "qk_norm", "n_experts", "moe_d_ff",
                                         "moe_shared_experts", "moe_shared_d_ff", "moe_shared_gate",
                                         "moe_first_dense", "moe_every", "moe_dense_layers"}
 

@@ -18,7 +18,7 @@ from megazoo.parallel.topology import Topology
 CFG = ModelConfig("moe-parity", n_layer=3, n_head=4, n_kv_head=2, d_model=32, d_ff=48, n_positions=32,
                   vocab_size=96, vocab_multiple=8, norm="rmsnorm", positions="rotary", mlp="swiglu",
                   tie_embeddings=False, qkv_bias=False, proj_bias=False, mlp_bias=False, dropout=0.0,
-                  attn_dropout=0.0, head_dim=16, qk_norm=True, n_experts=4, moe_top_k=2, moe_d_ff=16,
+                  attn_dropout=0.0, head_width=16, qk_norm=True, n_experts=4, moe_top_k=2, moe_d_ff=16,
                   moe_shared_experts=2, moe_shared_d_ff=8, moe_shared_gate=True, moe_dense_layers=(1,),
                   moe_norm_topk_prob=False, moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01)
 IDS = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
