@@ -11,6 +11,8 @@ old file is left as it was.
 - `AtomicFile(path)`: the same, for writers that stream into the file over a long time and publish it later
   (`commit()`), or drop it (`discard()`), e.g. the indexed-dataset writer.
 - `write_new_file(path, data)`: all or nothing, and never over an existing file (hard link, not rename).
+- `staged_out_dir(out_dir)`: a whole output folder written beside it and renamed into place at the end (nothing
+  half-written after a failure); `check_out_dir` refuses a non-empty one first.
 - `file_sha256(path)`: hex SHA-256 of a file (or of its first `limit` bytes), read in 1 MiB blocks.
 
 Home: data/ is the lowest layer, so data/, models/, eval/ and recipes/ may all import it (tests/test_style.py).
@@ -22,6 +24,8 @@ import glob
 import hashlib
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,3 +158,46 @@ def file_sha256(path: str | Path, *, limit: int | None = None) -> str:
             if remaining is not None:
                 remaining -= len(block)
     return digest.hexdigest()
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse an existing non-empty `out_dir` (or a file there), so no earlier result is ever overwritten."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"output directory {out_dir} exists and is not empty: choose a new --out "
+                              "(nothing is overwritten)")
+    return out_dir
+
+
+def ensure_empty_out_dir(out_dir: str | Path) -> Path:
+    """`out_dir`, created if needed; refuses a non-empty one so no earlier result is ever overwritten."""
+    out_dir = check_out_dir(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def _plain_modes(folder: Path) -> None:
+    """Give `folder` and everything in it the modes a plain mkdir / open would under the user's umask:
+    mkdtemp makes the folder 0700 and safetensors writes its file 0600, which shared storage cannot read."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+@contextmanager
+def staged_out_dir(out_dir: str | Path):
+    """Yield a fresh temporary directory beside `out_dir`, renamed to `out_dir` only when the block succeeds:
+    an interrupted or failed conversion leaves no half-written output (the temporary one is removed)."""
+    out_dir = check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield staging
+        _plain_modes(staging)
+        check_out_dir(out_dir)  # nobody wrote there meanwhile
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (checked): replaced by the finished one
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -50,9 +50,8 @@ class ModelSection:
     d_model, n_positions, vocab_size, d_ff, dropout, ...; None keeps the preset's value)."""
 
     preset: str = "gpt2-tiny"
-    # true / an HF folder: the architecture from checkpoint.load / config.json (overrides: dropout, init only)
-    from_checkpoint: bool = False
-    from_hf: str = ""  # its weights too at step 0, each rank reading only its slices (models/hf/converter.py)
+    from_checkpoint: bool = False  # true: the architecture from checkpoint.load (overrides: dropout, init only)
+    from_hf: str = ""  # an HF folder: its architecture, and its weights at step 0 read per rank (models/hf/)
 
 
 @dataclass(frozen=True)
@@ -178,6 +177,7 @@ class CheckpointSection:
     # and publishes it with the same guarantees (parallel/checkpoint/async_save.py). The next save, the end of
     # training or a stop waits for it and raises its error. Stall per save: benchmarks/checkpoint_async.py.
     async_save: bool = False
+    export_hf: str = ""  # a new folder: the last checkpoint written there as an HF model (streamed, sharded, verified)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,9 @@ def run(res: Resolved, topo: Topology, stop: GracefulStop | None = None) -> Trai
         if result.checkpoint is not None:
             print(f"checkpoint: {result.checkpoint} (evaluate with megazoo eval --checkpoint, convert with "
                   f"megazoo convert megazoo-to-hf)")
+        if result.checkpoint is not None and recipe.checkpoint.export_hf:  # the run's output, usable as is
+            from megazoo.models.hf.convert_cli import export_run
+            export_run(result.checkpoint, recipe.checkpoint.export_hf, lora=recipe.lora.enabled)
         print(f"metrics: {Path(recipe.run.dir) / 'metrics.jsonl'}", flush=True)
         if result.losses:
             curve = plot_runs({Path(recipe.run.dir).name: read_metrics(recipe.run.dir)},
@@ -158,6 +161,12 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
         res = resolve(recipe, world_size=world_size)
         own_lock = rank == 0 and not lock_held and LOCK_HELD_ENV not in os.environ
         check_checkpoints(res.recipe.run.dir)
+        if res.recipe.checkpoint.export_hf and rank == 0:  # refused now, not after training
+            from megazoo.data.fileio import check_out_dir
+            try:
+                check_out_dir(res.recipe.checkpoint.export_hf)
+            except ValueError as err:
+                raise RecipeError(f"checkpoint.export_hf: {err}") from None
         lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends
     except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)

@@ -25,65 +25,19 @@ exit 1 and nothing is written.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from megazoo.models.config import ModelConfig
+from megazoo.data.fileio import check_out_dir, ensure_empty_out_dir, staged_out_dir  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # torch and the checkpoint modules load when a conversion runs, not for `megazoo convert --help`
     import torch
-
-
-def check_out_dir(out_dir: str | Path) -> Path:
-    """Refuse an existing non-empty `out_dir` (or a file there), so no earlier result is ever overwritten."""
-    from megazoo.parallel.checkpoint.io import CheckpointError
-
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise CheckpointError(f"output directory {out_dir} exists and is not empty: choose a new --out "
-                              "(nothing is overwritten)")
-    return out_dir
-
-
-def ensure_empty_out_dir(out_dir: str | Path) -> Path:
-    """`out_dir`, created if needed; refuses a non-empty one so no earlier result is ever overwritten."""
-    out_dir = check_out_dir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return out_dir
-
-
-def _plain_modes(folder: Path) -> None:
-    """Give `folder` and everything in it the modes a plain mkdir / open would under the user's umask:
-    mkdtemp makes the folder 0700 and safetensors writes its file 0600, which shared storage cannot read."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-@contextlib.contextmanager
-def staged_out_dir(out_dir: str | Path):
-    """Yield a fresh temporary directory beside `out_dir`, renamed to `out_dir` only when the block succeeds:
-    an interrupted or failed conversion leaves no half-written output (the temporary one is removed)."""
-    out_dir = check_out_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield staging
-        _plain_modes(staging)
-        check_out_dir(out_dir)  # nobody wrote there meanwhile
-        if out_dir.is_dir():
-            out_dir.rmdir()  # empty (checked): replaced by the finished one
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def save_consolidated(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path) -> Path:
@@ -279,6 +233,20 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_run(checkpoint: str | Path, out: str | Path, *, lora: bool) -> None:
+    """`checkpoint.export_hf`: a finished run's last checkpoint as an HF folder, as `megazoo convert megazoo-to-hf
+    --verify` writes it (a LoRA run's merged); a failure raises CheckpointError naming the command to retry."""
+    from megazoo.parallel.checkpoint.io import CheckpointError
+
+    args = argparse.Namespace(checkpoint=str(checkpoint), out=str(out), dtype="auto", max_shard_size="5GB",
+                              merge_lora=lora, peft_adapter=False, lora_base=None, tokenizer=None, verify=True,
+                              verify_data=None, verify_tokens=1024, verify_lambada=20)
+    if _run(_megazoo_to_hf)(args) != 0:
+        raise CheckpointError(f"checkpoint.export_hf = {out}: the HF export of {checkpoint} failed (above); the "
+                              f"checkpoint is intact: megazoo convert megazoo-to-hf {checkpoint} --out {out} "
+                              f"--verify{' --merge-lora' if lora else ''}")
+
+
 VERIFY_HELP = ("after converting, run a fixed sample through megazoo and through transformers (fp64) and compare "
                "logits and loss, and score a WikiText and a LAMBADA slice both ways (when the data is found); exit 1 "
                "and write nothing beyond the tolerance (models/hf/convert_verify.py, convert_slices.py)")
@@ -338,4 +306,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     to_hf.add_argument("--lora-base", default=None, metavar="CKPT", help="the LoRA base checkpoint (default: the "
                        "checkpoint.load its recipe recorded)")
     to_hf.set_defaults(func=_run(_megazoo_to_hf))
+    from megazoo.models.hf.convert_dcp import register_dcp
+
+    register_dcp(sub, _run)
     return convert

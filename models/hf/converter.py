@@ -198,3 +198,4 @@ def fill_views_from_hf(weights: HFWeights, family: Family, cfg: ModelConfig, vie
         view.tensor.copy_(last[1].to(view.tensor.dtype))
         filled += 1
     return filled
+

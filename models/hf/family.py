@@ -18,6 +18,7 @@ A family module (gpt2.py, llama.py, ...) declares `FAMILY = Family(...)` with:
                 a tied output head some HF files still carry: on reading it must equal the embedding (checked),
                 on writing it is left out, as transformers' save_pretrained does
   ignored       suffixes of HF tensors that hold no weights (rotary_emb.inv_freq, GPT-2's causal-mask buffers)
+  torchtitan    (optional) entries(cfg)'s counterpart in torchtitan's names, for its DCP checkpoints
   fp32_in_hf    transformers' implementation rounds to fp32 inside an fp64 model (RMSNorm, rotary): --verify then
                 takes its tolerance from the model's fp32 floor (convert_verify.py)
 
@@ -78,3 +79,4 @@ class Family:
     tied_head: Callable[[ModelConfig], tuple[str, str] | None]
     ignored: tuple[str, ...] = ()
     fp32_in_hf: bool = False
+    torchtitan: Callable[[ModelConfig], list[Entry]] | None = None

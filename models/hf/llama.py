@@ -23,6 +23,7 @@ everything else Llama (whose attention_bias puts a bias on all four projections)
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -244,10 +245,54 @@ def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     return Path(out_dir)
 
 
+
+# torchtitan's Llama 3 names (its torch.distributed.checkpoint folders): HF's tensors renamed, and the q / k rows of
+# each head in Meta's interleaved rotary order (pairs (2i, 2i+1)) rather than HF's rotate-half halves (i, i + hd/2).
+TORCHTITAN_NAMES = (("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "norm."), ("lm_head.", "output."),
+                    ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                    ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                    ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+                    ("mlp.down_proj", "feed_forward.w2"), ("input_layernorm", "attention_norm"),
+                    ("post_attention_layernorm", "ffn_norm"), ("model.layers.", "layers."))
+
+
+def interleaved(w: torch.Tensor, heads: int, back: bool = False) -> torch.Tensor:
+    """q / k rows per head from rotate-half order to interleaved pairs (back: the inverse)."""
+    half = w.shape[0] // heads // 2
+    view = (heads, half, 2) if back else (heads, 2, half)
+    return w.reshape(*view, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def torchtitan_entries(cfg: ModelConfig) -> list[Entry]:
+    """The key map of a torchtitan Llama 3 state dict (models/hf/family.py's Entry, names renamed, q / k reordered)."""
+    if cfg.qkv_bias or cfg.proj_bias or cfg.mlp_bias or cfg.tie_embeddings or cfg.sliding_window:
+        raise ValueError(f"model {cfg.name}: torchtitan's Llama 3 has no biases, tied head or sliding window")
+    out = []
+    for e in entries(cfg):
+        names = tuple(_torchtitan(n) for n in e.hf)
+        heads = [cfg.n_head if n.endswith(".wq.weight") else cfg.n_kv_head if n.endswith(".wk.weight") else 0
+                 for n in names]
+        if not any(heads):
+            out.append(dataclasses.replace(e, hf=names))
+            continue
+        out.append(dataclasses.replace(
+            e, hf=names,
+            join_fn=lambda ts, e=e, heads=heads: e.join([interleaved(t, h, back=True) if h else t
+                                                         for t, h in zip(ts, heads)]),
+            split_fn=lambda t, e=e, heads=heads: [interleaved(p, h) if h else p for p, h in zip(e.split(t), heads)]))
+    return out
+
+
+def _torchtitan(hf_name: str) -> str:
+    for ours, theirs in TORCHTITAN_NAMES:
+        hf_name = hf_name.replace(ours, theirs)
+    return hf_name
+
+
 FAMILY = Family(
     name="Llama", model_types=tuple(FAMILIES), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     exports=lambda cfg: None if cfg.positions == "learned" else hf_family(cfg), entries=entries,
     tied_head=lambda cfg: ("lm_head.weight", TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
     ignored=_IGNORED_SUFFIXES,
     # LlamaRMSNorm normalises in fp32 and the rotary embedding computes angles in fp32, even in an fp64 model
-    fp32_in_hf=True)
+    fp32_in_hf=True, torchtitan=torchtitan_entries)
