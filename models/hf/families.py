@@ -24,7 +24,7 @@ def families() -> tuple[Family, ...]:
     at call time, so a test may replace a module's FAMILY."""
     from megazoo.models.hf import gpt2, llama, moe_families
 
-    return (gpt2.FAMILY, moe_families.FAMILY, llama.FAMILY)
+    return (gpt2.FAMILY, llama.FAMILY, moe_families.FAMILY)
 
 
 def hf_model_type(hf_dir: str | Path) -> str:

@@ -1,11 +1,11 @@
 """`megazoo convert` for the MoE / Qwen3 families through the one registry (models/hf/families.py ->
-models/hf/moe_families.py's FAMILY, key map models/hf/moe_keys.py): tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and
-Qwen3 folders (transformers' own classes, saved locally with a tokenizer) convert hf-to-megazoo and back with
---verify passing (its fp64 transformers side runs the experts' per-expert loop: the grouped matmul refuses fp64
-on CPU), the checkpoint records the MoE fields, the tokenizer travels both ways, the folder written loads in transformers with its logits equal to the original's (1e-5, fp32) and its tensors equal,
-the streaming writer's shards split it across several files, and two experts swapped in the key map fail
---verify in either direction with nothing written. `eval --hf` reads a Qwen3-MoE folder as its converted
-checkpoint scores."""
+models/hf/moe_families.py's FAMILY and key map): tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3 folders
+(transformers' own classes, saved locally with a tokenizer) convert hf-to-megazoo and back with --verify passing
+(its fp64 transformers side runs the experts' per-expert loop: the grouped matmul refuses fp64 on CPU), the
+checkpoint records the MoE fields, the tokenizer travels both ways, the folder written loads in transformers with
+its logits equal to the original's (1e-5, fp32) and its tensors equal, the streaming writer's shards split it
+across several files, and two experts swapped in the key map fail --verify in either direction with nothing
+written. `eval --hf` reads a Qwen3-MoE folder as its converted checkpoint scores."""
 
 from __future__ import annotations
 
