@@ -291,7 +291,9 @@ def _torchtitan(hf_name: str) -> str:
 
 FAMILY = Family(
     name="Llama", model_types=tuple(FAMILIES), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    exports=lambda cfg: None if cfg.positions == "learned" else hf_family(cfg), entries=entries,
+    # experts or q/k norms: moe_families.py's FAMILY
+    exports=lambda cfg: None if cfg.positions == "learned" or cfg.n_experts or cfg.qk_norm else hf_family(cfg),
+    entries=entries,
     tied_head=lambda cfg: ("lm_head.weight", TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
     ignored=_IGNORED_SUFFIXES,
     # LlamaRMSNorm normalises in fp32 and the rotary embedding computes angles in fp32, even in an fp64 model

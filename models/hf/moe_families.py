@@ -1,21 +1,114 @@
 """Hugging Face MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / Qwen3ForCausalLM <-> megazoo:
-the configs both ways and whole state dicts through the key maps of models/hf/moe_keys.py.
+the configs both ways, the key map, and `FAMILY`, the registry's family (models/hf/families.py, family.py says
+what a family is). Every command converts through it: `megazoo convert` both ways (--verify, --merge-lora,
+--peft-adapter), `eval --hf`, `generate --hf`, `model.from_hf` and `checkpoint.export_hf`.
 
 Which family a megazoo config is written as follows from its fields (`hf_family`): experts with a gated shared
 expert are Qwen2-MoE; experts with per-head q/k norms Qwen3-MoE; experts without Mixtral (every layer MoE,
 renormalised top-k); per-head q/k norms without experts Qwen3. Anything else is refused with the field that no
 family computes. Attention, rotary and norms are llama.py's (the same HF arithmetic).
+
+Attention, norms, embedding, head and dense MLPs follow models/hf/llama.py's map (Qwen3 adds the per-head norms
+self_attn.q_norm / k_norm <-> attn.q_norm / k_norm). What is new is the MoE block (under model.layers.<i>.):
+
+    ours                        HF checkpoint files
+    mlp.router.weight           mixtral: block_sparse_moe.gate.weight ; qwen*_moe: mlp.gate.weight
+    mlp.experts.c_fc.weight     per expert e, rows [gate; up]:
+      (E, 2 f, d)               mixtral: block_sparse_moe.experts.<e>.w1 ; w3
+                                qwen*_moe: mlp.experts.<e>.gate_proj ; up_proj
+    mlp.experts.c_proj.weight   mixtral: block_sparse_moe.experts.<e>.w2
+      (E, d, f)                 qwen*_moe: mlp.experts.<e>.down_proj
+    mlp.shared.c_fc             qwen2_moe: [mlp.shared_expert.gate_proj; up_proj]
+    mlp.shared.c_proj           qwen2_moe: mlp.shared_expert.down_proj
+    mlp.shared_gate.weight      qwen2_moe: mlp.shared_expert_gate.weight
+
+The files hold one tensor per expert in every transformers version: transformers 5 fuses them into
+experts.gate_up_proj (E, 2 f, d) / experts.down_proj (E, d, f) only in memory, and its save_pretrained writes
+the per-expert form back (tests/models/moe/test_moe_hf.py compares our export with it), so the map reads and writes that form.
+An expert entry stacks its experts' tensors (its own join) and unstacks them (its own split).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.hf import llama, moe_keys
+from megazoo.models.hf import llama
+from megazoo.models.hf.family import Entry, Family
 from megazoo.models.layout import parameter_layout
+
+# The HF module prefix of the MoE block in the files, and the names of one expert's three matrices.
+MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+EXPERT_MATRICES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                   "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+# Non-expert modules of the MoE block: ours -> HF's (under model.layers.<i>.), as llama.BLOCK_MODULES.
+SHARED_MODULES = {"mlp.shared.c_fc": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+                  "mlp.shared.c_proj": ("mlp.shared_expert.down_proj",),
+                  "mlp.shared_gate": ("mlp.shared_expert_gate",)}
+QK_NORM_MODULES = {"attn.q_norm": ("self_attn.q_norm",), "attn.k_norm": ("self_attn.k_norm",)}
+EXPERT_MODULES = ("mlp.experts.c_fc", "mlp.experts.c_proj")
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    _, index, rest = name.split(".", 2)  # h.<i>.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return index, module, kind
+
+
+def hf_names(family: str, cfg: ModelConfig, name: str) -> list[str]:
+    """The HF tensor names that make our parameter `name` (stacked experts: expert by expert, gate before up)."""
+    if name in llama.TOP_LEVEL:
+        return [llama.TOP_LEVEL[name]]
+    index, module, kind = _split(name)
+    layer = f"model.layers.{index}."
+    if module == "mlp.router":
+        return [f"{layer}{MOE_PREFIX[family]}.gate.{kind}"]
+    if module in EXPERT_MODULES:
+        gate, up, down = EXPERT_MATRICES[family]
+        mats = (gate, up) if module.endswith("c_fc") else (down,)
+        return [f"{layer}{MOE_PREFIX[family]}.experts.{e}.{m}.{kind}" for e in range(cfg.n_experts) for m in mats]
+    modules = SHARED_MODULES.get(module) or QK_NORM_MODULES.get(module) or llama.BLOCK_MODULES[module]
+    return [f"{layer}{hf}.{kind}" for hf in modules]
+
+
+def _row_sizes(cfg: ModelConfig, module: str, rows: int) -> list[int]:
+    """Rows of each HF tensor inside a row-concatenated parameter of `rows` rows (hf_names' order); [] for a
+    lone tensor. q is n_head x head_dim rows, which Qwen3 lets differ from d_model."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    return {"attn.c_attn": [q, kv, kv], "attn.c_kv": [kv, kv], "mlp.c_fc": [rows // 2] * 2,
+            "mlp.shared.c_fc": [rows // 2] * 2}.get(module, [])
+
+
+def _join_experts(n_experts: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    per_expert = len(tensors) // n_experts  # [gate_e; up_e] rows of expert e, or its lone down_e, stacked over e
+    return torch.stack([torch.cat(tensors[e * per_expert:(e + 1) * per_expert]) for e in range(n_experts)])
+
+
+def _split_experts(per_expert: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [p.contiguous() for expert in tensor.unbind(0) for p in expert.chunk(per_expert)]
+
+
+def family_entries(family: str, cfg: ModelConfig) -> list[Entry]:
+    """Every megazoo parameter of `cfg` with the HF tensors of `family` it is made of (the module docstring)."""
+    out = []
+    for p in parameter_layout(cfg, vocab=cfg.vocab_size):
+        names = tuple(hf_names(family, cfg, p.name))
+        module = _split(p.name)[1] if p.name.startswith("h.") else ""
+        if module in EXPERT_MODULES:
+            per_expert = len(names) // cfg.n_experts
+            rows = p.shape[1] // per_expert
+            out.append(Entry(p.name, names, ((rows, p.shape[2]),) * len(names),
+                             join_fn=functools.partial(_join_experts, cfg.n_experts),
+                             split_fn=functools.partial(_split_experts, per_expert)))
+            continue
+        sizes = _row_sizes(cfg, module, p.shape[0])
+        shapes = tuple((size, *p.shape[1:]) for size in sizes) if sizes else (p.shape,)
+        out.append(Entry(p.name, names, shapes))
+    return out
+
 
 FAMILIES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
@@ -135,83 +228,20 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
     return getattr(transformers, config_class)(**fields)
 
 
-def hf_to_megazoo_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
-                        family: str | None = None) -> dict[str, torch.Tensor]:
-    """Full megazoo state (true vocabulary) from an HF state dict, hub or transformers-5 form (moe_keys.py)."""
-    family = family or hf_family(cfg)
-    full, used, missing = {}, set(), []
-    for spec in parameter_layout(cfg, vocab=cfg.vocab_size):
-        tensor, names = moe_keys.to_megazoo(family, cfg, spec.name, spec.shape, hf_state)
-        if tensor is None:
-            missing += names
-            continue
-        if tuple(tensor.shape) != spec.shape:
-            raise ValueError(f"HF tensor(s) {names[:4]} make shape {tuple(tensor.shape)}; model {cfg.name} expects "
-                             f"{spec.shape} for {spec.name}")
-        used.update(names)
-        full[spec.name] = tensor
-    if missing:
-        raise ValueError(f"HF state lacks {len(missing)} tensor(s) of model {cfg.name}, e.g. {missing[:8]}")
-    if cfg.tie_embeddings and "lm_head.weight" in hf_state:
-        used.add("lm_head.weight")
-    unexpected = sorted(n for n in set(hf_state) - used if not n.endswith(llama._IGNORED_SUFFIXES))
-    if unexpected:
-        raise ValueError(f"HF state has {len(unexpected)} tensor(s) model {cfg.name} does not hold, e.g. "
-                         f"{unexpected[:8]}")
-    return full
+def exports(cfg: ModelConfig) -> str | None:
+    """The model_type `cfg` is written as: None unless it has experts or q/k norms (GPT-2's and Llama's then)."""
+    if cfg.positions == "learned" or not (cfg.n_experts or cfg.qk_norm):
+        return None
+    return hf_family(cfg)
 
 
-def megazoo_to_hf_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The hub-form HF state dict (without a tied lm_head.weight) of a full megazoo state."""
-    family = hf_family(cfg)
-    expected = {p.name: p.shape for p in parameter_layout(cfg, vocab=cfg.vocab_size)}
-    if set(expected) != set(full_state):
-        raise ValueError(f"state does not match model {cfg.name}: missing {sorted(set(expected) - set(full_state))[:8]}"
-                         f", unexpected {sorted(set(full_state) - set(expected))[:8]}")
-    hf = {}
-    for name, tensor in full_state.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, model {cfg.name} expects {expected[name]}")
-        hf.update(moe_keys.to_hf(family, cfg, name, tensor))
-    return hf
+def entries(cfg: ModelConfig) -> list[Entry]:
+    return family_entries(hf_family(cfg), cfg)
 
 
-def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, full megazoo state) of an HF Mixtral / Qwen2-MoE / Qwen3-MoE / Qwen3 checkpoint directory."""
-    from transformers import AutoConfig
-
-    from megazoo.models.hf.gpt2 import read_hf_state_dict
-
-    hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"HF checkpoint directory {hf_dir} has no config.json")
-    try:
-        hf_config = AutoConfig.from_pretrained(str(hf_dir))
-    except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
-        raise ValueError(f"cannot read HF config {hf_dir / 'config.json'}: {error}") from error
-    cfg = config_from_hf(hf_config, name=hf_dir.resolve().name)
-    return cfg, hf_to_megazoo_state(read_hf_state_dict(hf_dir), cfg, hf_config.model_type)
-
-
-def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                  tokenizer=None) -> Path:
-    """An HF checkpoint directory (config.json, generation_config.json, model.safetensors[, tokenizer]) of
-    `cfg`'s family that AutoModelForCausalLM.from_pretrained loads."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    from megazoo.models.hf.tokenizer_export import save_hf_tokenizer, special_ids
-
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_state = megazoo_to_hf_state(full_state, cfg)
-    config = config_to_hf(cfg, special_ids(tokenizer) if tokenizer is not None else None)
-    config.save_pretrained(str(out_dir))
-    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    if tokenizer is not None:
-        save_hf_tokenizer(tokenizer, out_dir, max_length=cfg.n_positions)
-    return out_dir
+FAMILY = Family(
+    name="MoE / Qwen3", model_types=tuple(FAMILIES), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    exports=exports, entries=entries,
+    tied_head=lambda cfg: ("lm_head.weight", llama.TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
+    ignored=llama._IGNORED_SUFFIXES,
+    fp32_in_hf=True)  # RMSNorm and rotary as llama.py's families

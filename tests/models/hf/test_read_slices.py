@@ -51,3 +51,30 @@ def test_local_slices_equal_the_converted_shards(folder, tp):
                 assert torch.equal(got, want[start:stop]), (p.name, tp, rank, start, stop)
                 row = max(1, n // spec.local_shape[0]) if len(spec.local_shape) > 1 else 1
                 assert weights.bytes_read <= (stop - start + 2 * row) * 4, (p.name, weights.bytes_read)
+
+
+def test_moe_local_slices_equal_the_converted_shards(tmp_path):
+    """The MoE key map (stacked experts by the entry's own join) cut for every tp rank and flat range. Its expert
+    entries read the layer's whole expert tensors first (read_local's custom-join branch), so no byte bound."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=8,
+                                         shared_expert_intermediate_size=16, num_hidden_layers=1, num_experts=4,
+                                         num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=16)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path), max_shard_size="20KB")
+    family, cfg, _ = read_hf_config(tmp_path)
+    full = dict(megazoo_tensors(HFWeights(tmp_path), family, cfg))
+    entries = {e.ours: e for e in family.entries(cfg)}
+    assert entries["h.0.mlp.experts.c_fc.weight"].join_fn is not None
+    for tp in (1, 2):
+        for p in parameter_layout(cfg, tp):
+            tensor = full[p.name]
+            if tensor.shape[0] < p.shape[0]:
+                tensor = torch.cat([tensor, tensor.new_zeros(p.shape[0] - tensor.shape[0], *tensor.shape[1:])])
+            for rank in range(tp):
+                spec = ShardSpec(p.shape, p.tp_dim, p.sections, rank, tp) if p.tp_dim is not None else ShardSpec(p.shape)
+                want = shard_of(tensor, spec).reshape(-1)
+                n = want.numel()
+                for start, stop in [(0, n), (n // 3 + 1, n // 2 + 3)]:
+                    got = read_local(HFWeights(tmp_path), entries[p.name], spec, start, stop)
+                    assert torch.equal(got, want[start:stop]), (p.name, tp, rank, start, stop)

@@ -1,72 +1,145 @@
-"""`megazoo convert` both ways for the MoE families: an HF Mixtral / Qwen3-MoE / Qwen2-MoE / Qwen3 directory (as
-transformers saves it, with a tokenizer) -> megazoo checkpoint -> HF directory that transformers loads as the same
-class, with the same logits; the checkpoint records the MoE fields. The fp64 check `--verify` runs reads the MoE
-directory with transformers' per-expert loop (its grouped matmul refuses fp64 on CPU).
-
-Not `--verify` itself: its 1e-10 fp64 tolerance fails for every RMSNorm family, Llama's included, because
-transformers' RMSNorm computes in fp32 even in an fp64 model (5.9e-8 on a tiny Llama, 7.4e-8 on a tiny Mixtral)."""
+"""`megazoo convert` for the MoE / Qwen3 families through the one registry (models/hf/families.py ->
+models/hf/moe_families.py's FAMILY and key map): tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3 folders
+(transformers' own classes, saved locally with a tokenizer) convert hf-to-megazoo and back with --verify passing
+(its fp64 transformers side runs the experts' per-expert loop: the grouped matmul refuses fp64 on CPU), the
+checkpoint records the MoE fields, the tokenizer travels both ways, the folder written loads in transformers with
+its logits equal to the original's (1e-5, fp32) and its tensors equal, the streaming writer's shards split it
+across several files, and two experts swapped in the key map fail --verify in either direction with nothing
+written. `eval --hf` reads a Qwen3-MoE folder as its converted checkpoint scores."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import re
 
 import pytest
 import torch
 import transformers
+from hf_helpers import tiny_hf_tokenizer
+from safetensors import safe_open
 
-from megazoo.models.hf.convert_verify import hf_dir_logits_fn
-from megazoo.recipes import cli
+from cli_helpers import megazoo
+from megazoo.models.hf import moe_families
 
 V = 300
-COMMON = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5, num_hidden_layers=2)
+COMMON = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
-                                                     num_experts=4, num_experts_per_tok=2, head_dim=32,
-                                                     norm_topk_prob=True, mlp_only_layers=[0]),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
-                                                     shared_expert_intermediate_size=48, num_experts=4,
-                                                     num_experts_per_tok=2),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, intermediate_size=96, head_dim=32),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=16, num_hidden_layers=2,
+                                                  num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
+                                                     num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                                     head_dim=16, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
+                                                     shared_expert_intermediate_size=24, num_hidden_layers=2,
+                                                     num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, intermediate_size=48, num_hidden_layers=2, head_dim=16,
+                                              tie_word_embeddings=True),
 }
-IDS = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(1))
+IDS = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
-def tiny_tokenizer():
-    """A byte-level BPE of fewer than V ids with bos / eos, as an HF fast tokenizer (trained here, no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+@functools.lru_cache(maxsize=None)
+def _model(family: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="eager")
+    with torch.no_grad():  # random biases, norms and routers (HF initialises some to 0 / 1), wide enough to show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "gate" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def main():\n    return tokens\n", "the quick brown fox jumps"] * 20, trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+def _save(family: str, path):
+    _model(family).save_pretrained(str(path))
+    return path
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager",
+                                                             experts_implementation="eager").eval()
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_convert_both_ways(family, tmp_path, capsys):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "gate" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    source, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
-    model.save_pretrained(str(source))
-    tiny_tokenizer().save_pretrained(str(source))
-    assert cli.main(["convert", "hf-to-megazoo", str(source), "--out", str(ckpt)]) == 0
-    assert f"converted HF {family}" in capsys.readouterr().out
+def test_convert_both_ways_verified_sharded_and_loadable(family, tmp_path, capsys):
+    hf, ckpt, back = _save(family, tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "back"
+    tiny_hf_tokenizer().save_pretrained(str(hf))
+    assert megazoo(["convert", "hf-to-megazoo", hf, "--out", ckpt, "--verify"]) == 0
     (common,) = ckpt.rglob("common.json")
     recorded = json.loads(common.read_text())["model"]
     assert recorded["n_experts"] == (0 if family == "qwen3" else 4) and recorded["qk_norm"] == family.startswith("qwen3")
-    assert cli.main(["convert", "megazoo-to-hf", str(ckpt), "--out", str(back)]) == 0
-    assert "with its tokenizer" in capsys.readouterr().out
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
-    assert type(reloaded) is type(model)
+    assert megazoo(["convert", "megazoo-to-hf", ckpt, "--out", back, "--verify", "--max-shard-size", "40KB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("logits (max abs difference)") == 2 and "FAIL" not in out, out
+    assert f"converted HF {family}" in out and "with its tokenizer" in out
+    assert (back / "tokenizer.json").is_file()
+    assert json.loads((back / "config.json").read_text())["model_type"] == family
+    assert len(list(back.glob("*.safetensors"))) > 2 and (back / "model.safetensors.index.json").is_file()
+    theirs, ours = _tensors(hf), _tensors(back)
+    if family == "qwen3":  # the tied head: save_pretrained leaves it out, as our writer does
+        theirs.pop("lm_head.weight", None)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    if family != "qwen3":
+        assert any(".experts.3." in name for name in ours)  # the files' per-expert form
+    loaded = _load(back)
+    assert type(loaded) is type(_model(family))
     with torch.no_grad():
-        assert (reloaded(IDS).logits - model(IDS).logits).abs().max().item() < 1e-5
-    fp64 = hf_dir_logits_fn(back)(IDS)  # what --verify compares: transformers in fp64
-    assert fp64.dtype == torch.float64 and (fp64 - model(IDS).logits.double()).abs().max().item() < 1e-5
+        deviation = (loaded(IDS).logits - _model(family)(IDS).logits).abs().max().item()
+    assert deviation < 1e-5, deviation
+
+
+def _swapped_experts(direction: str):
+    """The MoE family with experts 0 and 1 of layer 0's stacked c_fc swapped on the side `direction` runs."""
+    family = moe_families.FAMILY
+    swap = [1, 0, 2, 3]
+
+    def entries(cfg):
+        out = []
+        for e in moe_families.entries(cfg):
+            if e.ours == "h.0.mlp.experts.c_fc.weight" and direction == "hf-to-megazoo":
+                e = dataclasses.replace(e, join_fn=lambda ts, e=e: e.join(ts)[swap])
+            elif e.ours == "h.0.mlp.experts.c_fc.weight":
+                e = dataclasses.replace(e, split_fn=lambda t, e=e: e.split(t[swap]))
+            out.append(e)
+        return out
+    return dataclasses.replace(family, entries=entries)
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megazoo", "megazoo-to-hf"])
+def test_swapped_experts_fail_verify(direction, tmp_path, capsys, monkeypatch):
+    hf, ckpt, out_dir = _save("mixtral", tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "out"
+    if direction == "megazoo-to-hf":
+        assert megazoo(["convert", "hf-to-megazoo", hf, "--out", ckpt]) == 0
+    monkeypatch.setattr(moe_families, "FAMILY", _swapped_experts(direction))
+    source = [hf] if direction == "hf-to-megazoo" else [ckpt, "--tokenizer", "none"]
+    assert megazoo(["convert", direction, *source, "--out", out_dir, "--verify"]) == 1
+    captured = capsys.readouterr()
+    line = next(line for line in captured.out.splitlines() if "logits (max abs difference)" in line)
+    deviation, tolerance = (float(x) for x in re.split(r"\s+", line.strip())[-3:-1])
+    assert line.endswith("FAIL") and deviation > 100 * tolerance, line
+    assert not out_dir.exists()
+
+
+def test_eval_hf_reads_a_qwen3_moe_folder(tmp_path, data_dir):
+    hf, ckpt = _save("qwen3_moe", tmp_path / "hf"), tmp_path / "ckpt"
+    tiny_hf_tokenizer().save_pretrained(str(hf))
+    assert megazoo(["convert", "hf-to-megazoo", hf, "--out", ckpt]) == 0
+    data = data_dir / "lambada/lambada_test.jsonl"
+    scores = []
+    for source in (["--hf", hf], ["--checkpoint", ckpt]):
+        out = tmp_path / f"{len(scores)}.json"
+        assert megazoo(["eval", "lambada", *source, "--data", data, "--limit", 3, "--json", out]) == 0
+        scores.append(json.loads(out.read_text()))
+    key = "nll_sum" if "nll_sum" in scores[0] else "ppl"
+    assert scores[0][key] > 0 and scores[0][key] == scores[1][key], scores
+    assert scores[0]["num_examples"] == scores[1]["num_examples"] == 3

@@ -1,8 +1,9 @@
 """HF MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / Qwen3ForCausalLM <-> megazoo: logits equal
 transformers' own from tiny random configs (no download) to 1e-5 in fp32 at tp = 1 and tp = 2 (plain and with
 sequence parallelism, on gloo), the load-balancing aux loss equals transformers' `aux_loss`, greedy generation
-equals transformers' token for token, the hub-form export loads into transformers with the same logits, and the
-conversion round trip gives identical tensors.
+equals transformers' token for token, and the export (the registry's family and the one streaming writer) loads
+into transformers with the same logits and the same tensors as transformers' own save_pretrained. Models are read
+from the folder transformers' save_pretrained writes, as the converter reads them (families.read_hf_dir).
 
 The configs exercise what each family adds: Mixtral's renormalised top-2 of 4 experts in every layer; Qwen3-MoE's
 q/k norms, heads wider than d_model / n_head, un-renormalised top-2 and a dense layer in the middle
@@ -13,6 +14,8 @@ head_dim with a tied head.
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +24,11 @@ from harness import run_distributed
 
 from megazoo.models.generation.generate import decode
 from megazoo.models.hf.gpt2 import gpt_from_full_state
-from megazoo.models.hf.moe_families import (config_from_hf, config_to_hf, export_hf_dir, hf_family,
-                                            hf_to_megazoo_state, megazoo_to_hf_state)
+from safetensors import safe_open
+
+from megazoo.models.hf.converter import write_hf_folder
+from megazoo.models.hf.families import family_of_config, read_hf_dir
+from megazoo.models.hf.moe_families import FAMILY, config_from_hf, config_to_hf, hf_family
 from megazoo.models.moe import load_balancing_loss
 from megazoo.parallel.tensor import gather_from_tp_region
 from megazoo.parallel.topology import Topology
@@ -63,10 +69,23 @@ def hf_out(family: str):
         return hf_model(family)(IDS, output_router_logits=family != "qwen3")
 
 
+@functools.lru_cache(maxsize=None)
+def hf_dir(family: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=f"moe-hf-{family}-")) / f"tiny-{family}"
+    hf_model(family).save_pretrained(str(path))
+    return path
+
+
 def converted(family: str):
-    model = hf_model(family)
-    cfg = config_from_hf(model.config, name=f"tiny-{family}")
-    return cfg, hf_to_megazoo_state(model.state_dict(), cfg)
+    return read_hf_dir(hf_dir(family))
+
+
+def _files(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
 
 
 def _ours(topo: Topology, cfg, full):
@@ -80,7 +99,7 @@ def _ours(topo: Topology, cfg, full):
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_config_maps_each_family(family):
     cfg, _ = converted(family)
-    assert hf_family(cfg) == family
+    assert hf_family(cfg) == family and family_of_config(cfg) is FAMILY
     hf = hf_model(family)
     assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
     assert config_from_hf(config_to_hf(cfg), name=cfg.name) == cfg
@@ -119,14 +138,14 @@ def test_greedy_generation_equals_transformers(family):
 
 
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
-def test_round_trip_and_hub_export_load_into_transformers(family, tmp_path):
+def test_export_equals_save_pretrained_and_loads_into_transformers(family, tmp_path):
     cfg, full = converted(family)
-    hub = megazoo_to_hf_state(full, cfg)
-    if cfg.n_experts:  # the hub form names every expert: expert 3's down projection of layer 0, say
-        assert any(".experts.3." in name for name in hub)
-    back = hf_to_megazoo_state(hub, cfg)
-    assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full)
-    export_hf_dir(full, cfg, tmp_path / "hf")
+    write_hf_folder(tmp_path / "hf", FAMILY, cfg, full.__getitem__, torch.float32)
+    ours, theirs = _files(tmp_path / "hf"), _files(hf_dir(family))
+    theirs.pop("lm_head.weight", None) if cfg.tie_embeddings else None
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    if cfg.n_experts:  # the files name every expert: expert 3's down projection of layer 0, say
+        assert any(".experts.3." in name for name in ours)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
     with torch.no_grad():
         logits = loaded.eval()(IDS).logits

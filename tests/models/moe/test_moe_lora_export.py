@@ -11,7 +11,8 @@ import torch
 import transformers
 from recipe_helpers import tiny_recipe
 
-from megazoo.models.hf.moe_families import export_hf_dir
+from megazoo.models.hf.converter import write_hf_folder
+from megazoo.models.hf.families import family_of_config
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import full_state_dict, init_weights
 from megazoo.parallel.checkpoint.consolidate import write_full_checkpoint
@@ -38,7 +39,7 @@ def test_lora_on_moe_attention_exports_merged_and_as_peft(tmp_path):
     init_weights(base, seed=99)
     state = full_state_dict(base)
     write_full_checkpoint(state, dataclasses.asdict(res.model), tmp_path / "base")
-    export_hf_dir(state, res.model, tmp_path / "hf-base")
+    write_hf_folder(tmp_path / "hf-base", family_of_config(res.model), res.model, state.__getitem__, torch.float64)
     res = resolve(tiny_recipe(model=MODEL, train={"steps": 2, "warmup_steps": 1, "lr": 3e-2}, lora=LORA,
                               run={"dir": str(tmp_path / "run")},
                               checkpoint={"load": str(tmp_path / "base"), "at_end": True}))
@@ -53,7 +54,7 @@ def test_lora_on_moe_attention_exports_merged_and_as_peft(tmp_path):
     merged = _hf(tmp_path / "merged")
     assert type(merged) is transformers.Qwen3MoeForCausalLM
     with torch.no_grad():
-        torch.testing.assert_close(merged(IDS).logits, ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(merged(IDS).logits.float(), ours, rtol=0, atol=1e-5)
         assert (_hf(tmp_path / "hf-base")(IDS).logits - ours).abs().max() > 1e-3  # the adapters matter
     assert cli.main(["convert", "megazoo-to-hf", checkpoints, "--peft-adapter", "--out", str(tmp_path / "adapter")]) == 0
     model = peft.PeftModel.from_pretrained(_hf(tmp_path / "hf-base"), str(tmp_path / "adapter")).eval()
