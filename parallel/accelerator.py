@@ -243,6 +243,11 @@ def device_name(device: torch.device) -> str | None:
     return runtime().device_name(torch.device(device)) if _cuda(device) else None
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability (major, minor), None for the CPU (FP8 needs 8.9+: parallel/tensor/fp8.py)."""
+    return torch.cuda.get_device_capability(torch.device(device)) if _cuda(device) else None
+
+
 def multi_processor_count(device: torch.device) -> int | None:
     """Streaming multiprocessors of the GPU, None for the CPU."""
     return runtime().multi_processor_count(torch.device(device)) if _cuda(device) else None

@@ -48,11 +48,10 @@ class Resolved:
 
     @property
     def fused_loss(self) -> bool:
-        """train.fused_loss resolved: "auto" is on unless a zero-bubble pipeline's split backward rules it out, or
-        fp16 (with loss scaling at dp 2 its losses rose while the plain loss's fell: refused until that is found)."""
-        par, mode = self.recipe.parallel, self.recipe.train.fused_loss
-        return mode == "on" or (mode == "auto" and not (par.pp > 1 and par.schedule in SPLIT_BACKWARD)
-                                and self.recipe.train.precision != "fp16")
+        """train.fused_loss resolved: "on" only, for now. "auto" stays the plain head + loss until the planner counts
+        the fused path at scale (its head-gradient term put the 405B recipe's last stage at 0.86 of the plan) and
+        fp16 is found (with loss scaling at dp 2 its losses rose while the plain loss's fell: refused)."""
+        return self.recipe.train.fused_loss == "on"
 
     @property
     def lr_decay_steps(self) -> int:

@@ -35,7 +35,7 @@ def hf_model_type(hf_dir: str | Path) -> str:
     try:
         return str(json.loads(config.read_text())["model_type"])
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"cannot read model_type from HF config {config}: {error!r}") from error
+        raise ValueError(f"cannot read HF config {config} (its model_type): {error!r}") from error
 
 
 def model_types() -> list[str]:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazoo.parallel import accelerator
 from megazoo.parallel.collectives import all_reduce
 
 RECIPES = ("tensorwise", "rowwise")
@@ -121,10 +122,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def check_fp8_device(device: torch.device) -> None:
     """FP8 matmuls need sm_89+ on CUDA; elsewhere they are emulated. A clear error before the first step."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = accelerator.device_capability(device)
         if (major, minor) < (8, 9):
             raise RuntimeError(f"train.fp8 needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, "
-                               f"Blackwell); {torch.cuda.get_device_name(device)} has {major}.{minor}. Set "
+                               f"Blackwell); {accelerator.device_name(device)} has {major}.{minor}. Set "
                                "train.fp8 = \"none\"")
 
 

@@ -141,7 +141,8 @@ class Trainer:
         world = self.topo.world_size
         if per_rank is not None and world > 1:  # each rank's (compute, wait) seconds in its own two slots
             slots = torch.zeros(2 * world, dtype=f64, device=device)
-            slots[2 * self.topo.rank], slots[2 * self.topo.rank + 1] = per_rank  # fills: no host-to-device copy
+            for k, seconds in enumerate(per_rank):  # fill_ with a Python number: a kernel, no host-to-device copy
+                slots.narrow(0, 2 * self.topo.rank + k, 1).fill_(seconds)
             packed = torch.cat([packed, slots])
         if world > 1:
             dist.all_reduce(packed)

@@ -75,7 +75,7 @@ def test_one_process_training_takes_the_local_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(train, "local_device", lambda r: asked.append(r) or torch.device("cpu"))
-    monkeypatch.setattr(train, "run", lambda res, topo, stop=None: ran.append(topo) or TrainResult())
+    monkeypatch.setattr(train, "run", lambda res, topo, stop=None, group=None: ran.append(topo) or TrainResult())
     assert train.main([str(recipe)]) == 0
     assert asked == [3] and ran[0].device == torch.device("cpu") and ran[0].world_size == 1
 

@@ -46,8 +46,9 @@ def test_training_fused_equals_plain_in_parallel(parallel, zero):
     _same(*(run_distributed(_layout, 2, mode, parallel, zero)[0] for mode in ("on", "off")))
 
 
-def test_auto_is_on_except_under_split_backward():
-    assert tiny_resolved().fused_loss
+def test_on_is_taken_and_refused_under_split_backward():
+    assert not tiny_resolved().fused_loss  # auto: the plain head + loss for now (Resolved.fused_loss says why)
+    assert tiny_resolved(train={"fused_loss": "on"}).fused_loss
     assert not tiny_resolved(train={"fused_loss": "off"}).fused_loss
     split = {"pp": 2, "schedule": "zb_h1"}
     assert not tiny_resolved(parallel=split, train={"grad_accum": 2}).fused_loss
@@ -84,9 +85,10 @@ def test_fp8_refusals_name_the_reason():
 
 def test_fp16_keeps_the_plain_loss_until_its_fused_divergence_is_found():
     """fp16 with dynamic loss scaling at dp 2: the fused head + loss's losses rose (5.821, 5.825, 5.827) while the
-    plain loss's fell as one process's (5.821, 5.814, 5.795). Until that is found, `auto` is off in fp16 and `on`
-    is refused with the reason; bf16 and fp32 keep it on."""
+    plain loss's fell as one process's (5.821, 5.814, 5.795). Until that is found `on` is refused in fp16 with the
+    reason; `auto` is the plain loss everywhere for now."""
     assert not tiny_resolved(train={"precision": "fp16"}).fused_loss
-    assert tiny_resolved(train={"precision": "bf16"}).fused_loss
+    assert not tiny_resolved(train={"precision": "bf16"}).fused_loss  # auto: plain for now (Resolved.fused_loss)
+    assert tiny_resolved(train={"precision": "bf16", "fused_loss": "on"}).fused_loss
     with pytest.raises(RecipeError, match="fused_loss = 'on' with train.precision = 'fp16'"):
         tiny_resolved(train={"precision": "fp16", "fused_loss": "on"})
