@@ -19,6 +19,8 @@ import pytest
 import torch
 import transformers
 from harness import run_distributed
+from hf_helpers import DENSE_FAMILIES as FAMILIES, FAMILY_VOCAB as V
+from hf_helpers import tiny_family_config, tiny_family_model, tiny_hf_tokenizer
 
 from megazoo.models.hf.gpt2 import gpt_from_full_state
 from megazoo.models.hf.llama import (config_from_hf, config_to_hf, hf_family, hf_to_megazoo_state,
@@ -26,31 +28,13 @@ from megazoo.models.hf.llama import (config_from_hf, config_to_hf, hf_family, hf
 from megazoo.parallel.tensor import gather_from_tp_region
 from megazoo.parallel.topology import Topology
 
-V = 300
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
-HF_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16)),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True,
-                                              rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
-    "mistral": lambda: transformers.MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=6,
-                                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
-}
 TOL = 1e-5
 IDS = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
 @functools.lru_cache(maxsize=None)
 def hf_model(family: str):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family](), attn_implementation="eager")
-    with torch.no_grad():  # random biases and norm weights too (HF initialises them to 0 / 1)
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return tiny_family_model(family)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,7 +55,7 @@ def converted(family: str):
     return cfg, hf_to_megazoo_state(model.state_dict(), cfg)
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_config_maps_each_family(family):
     cfg, full = converted(family)
     assert hf_family(cfg) == family
@@ -82,7 +66,7 @@ def test_config_maps_each_family(family):
     assert cfg.num_parameters() == sum(p.numel() for p in hf_model(family).parameters())
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logits_equal_transformers(family, tp):
     cfg, full = converted(family)
@@ -96,7 +80,7 @@ def test_logits_equal_transformers(family, tp):
         assert deviation < TOL, f"{family} tp={tp}: max |logit difference| {deviation:.2e}"
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_gives_identical_tensors(family):
     model = hf_model(family)
     cfg, full = converted(family)
@@ -110,11 +94,18 @@ def test_round_trip_gives_identical_tensors(family):
     assert again == cfg
 
 
+def _llama_config(**changes):
+    config = tiny_family_config("llama")
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
 def test_unsupported_variants_are_refused():
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
-        config_from_hf(transformers.LlamaConfig(**COMMON, hidden_act="gelu"))
+        config_from_hf(_llama_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="rope type 'yarn'"):
-        config_from_hf(transformers.LlamaConfig(**COMMON, rope_parameters=dict(
+        config_from_hf(_llama_config(rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=32)))
     cfg, full = converted("llama")
     del full["h.1.mlp.c_fc.weight"]
@@ -124,19 +115,6 @@ def test_unsupported_variants_are_refused():
     state.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\).*model.layers.1.mlp.up_proj.weight"):
         hf_to_megazoo_state(state, cfg)
-
-
-def tiny_tokenizer():
-    """A byte-level BPE of fewer than V ids with bos / eos, as an HF fast tokenizer (trained here, no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def main():\n    return tokens\n", "the quick brown fox jumps"] * 20, trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
 def _cli(argv):
@@ -158,7 +136,7 @@ def test_convert_cli_round_trip(family, tmp_path, capsys):
 
     source, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
     hf_model(family).save_pretrained(str(source))
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_hf_tokenizer()
     tokenizer.save_pretrained(str(source))
     assert _cli(["convert", "hf-to-megazoo", str(source), "--out", str(ckpt)]) == 0
     assert f"converted HF {family}" in capsys.readouterr().out
@@ -201,7 +179,7 @@ def _pp2_logits(cfg, full):
         return last(first(IDS))[..., :V]
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_stages_equal_transformers(family):
     cfg, full = converted(family)
     deviation = (_pp2_logits(cfg, full) - hf_logits(family)).abs().max().item()

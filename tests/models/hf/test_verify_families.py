@@ -12,31 +12,14 @@ import re
 
 import pytest
 import torch
-import transformers
+from hf_helpers import DENSE_FAMILIES, tiny_family_model
 
 from megazoo.models.hf import llama
 from megazoo.recipes import cli
 
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16)),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True,
-                                              rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-    "mistral": lambda: transformers.MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=6),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=DENSE_FAMILIES)
 def hf_dir(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
-    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: random ones, so a mistake there shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = tiny_family_model(request.param, vocab=512, positions=128)
     path = tmp_path_factory.mktemp("hf") / request.param
     model.save_pretrained(str(path))
     return path

@@ -17,39 +17,18 @@ import re
 import pytest
 import torch
 import transformers
-from hf_helpers import tiny_hf_tokenizer
+from hf_helpers import FAMILY_VOCAB as V, MOE_FAMILIES as FAMILIES, tiny_family_model, tiny_hf_tokenizer
 from safetensors import safe_open
 
 from cli_helpers import megazoo
 from megazoo.models.hf import moe_families
 
-V = 300
-COMMON = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=16, num_hidden_layers=2,
-                                                  num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
-                                                     num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
-                                                     head_dim=16, norm_topk_prob=False, mlp_only_layers=[1]),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
-                                                     shared_expert_intermediate_size=24, num_hidden_layers=2,
-                                                     num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, intermediate_size=48, num_hidden_layers=2, head_dim=16,
-                                              tie_word_embeddings=True),
-}
 IDS = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
 @functools.lru_cache(maxsize=None)
 def _model(family: str):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="eager")
-    with torch.no_grad():  # random biases, norms and routers (HF initialises some to 0 / 1), wide enough to show
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "gate" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
+    return tiny_family_model(family, noise=0.3, width=32)
 
 
 def _save(family: str, path):
@@ -70,7 +49,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_convert_both_ways_verified_sharded_and_loadable(family, tmp_path, capsys):
     hf, ckpt, back = _save(family, tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "back"
     tiny_hf_tokenizer().save_pretrained(str(hf))

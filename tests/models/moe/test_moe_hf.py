@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from harness import run_distributed
+from hf_helpers import FAMILY_VOCAB as V, MOE_FAMILIES as FAMILIES, tiny_family_model
 
 from megazoo.models.generation.generate import decode
 from megazoo.models.hf.gpt2 import gpt_from_full_state
@@ -33,34 +34,13 @@ from megazoo.models.moe import load_balancing_loss
 from megazoo.parallel.tensor import gather_from_tp_region
 from megazoo.parallel.topology import Topology
 
-V = 300
-COMMON = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-HF_CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=32, num_hidden_layers=2,
-                                                  num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
-                                                     num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
-                                                     head_dim=32, norm_topk_prob=False, mlp_only_layers=[1]),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
-                                                     shared_expert_intermediate_size=48, num_hidden_layers=4,
-                                                     num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, intermediate_size=96, num_hidden_layers=2, head_dim=32,
-                                              tie_word_embeddings=True),
-}
 TOL = 1e-5
 IDS = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
 @functools.lru_cache(maxsize=None)
 def hf_model(family: str):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family](), attn_implementation="eager")
-    with torch.no_grad():  # random biases, norm weights and router rows (HF initialises some to 0 / 1)
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or ".gate." in name or name.endswith("gate.weight"):
-                p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
+    return tiny_family_model(family, noise=0.3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,7 +76,7 @@ def _ours(topo: Topology, cfg, full):
     return logits, aux
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_config_maps_each_family(family):
     cfg, _ = converted(family)
     assert hf_family(cfg) == family and family_of_config(cfg) is FAMILY
@@ -109,7 +89,7 @@ def test_config_maps_each_family(family):
     assert [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")] == expected
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2-sp"])
 def test_logits_and_aux_loss_equal_transformers(family, layout):
     cfg, full = converted(family)
@@ -126,7 +106,7 @@ def test_logits_and_aux_loss_equal_transformers(family, layout):
             assert abs(aux.item() - ref.aux_loss.item()) < 1e-6, (aux.item(), ref.aux_loss.item())
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_equals_transformers(family):
     cfg, full = converted(family)
     model = gpt_from_full_state(cfg, full, Topology.solo())
@@ -137,7 +117,7 @@ def test_greedy_generation_equals_transformers(family):
     assert ours == theirs[0].tolist() and len(ours) == 16
 
 
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_export_equals_save_pretrained_and_loads_into_transformers(family, tmp_path):
     cfg, full = converted(family)
     write_hf_folder(tmp_path / "hf", FAMILY, cfg, full.__getitem__, torch.float32)
