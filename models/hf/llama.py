@@ -156,6 +156,31 @@ def _rope_parameters(hf_config) -> dict:
     return rope
 
 
+def decoder_fields_from_hf(hf_config, family: str, name: str | None, rope: dict) -> dict:
+    """The ModelConfig fields every RMSNorm + rotary + SwiGLU family reads alike from its HF config (Llama-style
+    and the MoE families): sizes, norms, tying, rope theta, dropout, init; the caller adds its family's own."""
+    heads = hf_config.num_attention_heads
+    return dict(
+        name=name or Path(getattr(hf_config, "name_or_path", "") or f"hf-{family}").name or f"hf-{family}",
+        n_layer=hf_config.num_hidden_layers, n_head=heads, n_kv_head=hf_config.num_key_value_heads or heads,
+        d_model=hf_config.hidden_size, d_ff=hf_config.intermediate_size, n_positions=hf_config.max_position_embeddings,
+        vocab_size=hf_config.vocab_size, norm="rmsnorm", positions="rotary", mlp="swiglu",
+        layer_norm_eps=hf_config.rms_norm_eps, tie_embeddings=bool(hf_config.tie_word_embeddings),
+        rope_theta=float(rope.get("rope_theta", 10000.0)), dropout=0.0,
+        attn_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0), init_std=hf_config.initializer_range)
+
+
+def decoder_fields_to_hf(cfg: ModelConfig, architecture: str, rope: dict,
+                         special: dict[str, int | None] | None = None) -> dict:
+    """decoder_fields_from_hf's way back: the HF config fields of `cfg` every such family writes alike."""
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                hidden_act="silu", max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.layer_norm_eps,
+                initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+                attention_dropout=cfg.attn_dropout, rope_parameters=rope, architectures=[architecture],
+                **(special or {}))
+
+
 def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
     """ModelConfig of an HF LlamaConfig / Qwen2Config / MistralConfig; refuses what our decoder does not compute."""
     family = hf_config.model_type
@@ -192,17 +217,9 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
                        rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
                        rope_original_positions=int(rope["original_max_position_embeddings"]))
-    return ModelConfig(
-        name=name or Path(getattr(hf_config, "name_or_path", "") or f"hf-{family}").name or f"hf-{family}",
-        n_layer=hf_config.num_hidden_layers, n_head=heads, n_kv_head=hf_config.num_key_value_heads or heads,
-        d_model=d, d_ff=hf_config.intermediate_size, n_positions=hf_config.max_position_embeddings,
-        vocab_size=hf_config.vocab_size, norm="rmsnorm", positions="rotary", mlp="swiglu",
-        layer_norm_eps=hf_config.rms_norm_eps, tie_embeddings=bool(hf_config.tie_word_embeddings),
-        qkv_bias=family == "qwen2" or attention_bias, proj_bias=attention_bias,
-        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)), sliding_window=window,
-        rope_theta=float(rope.get("rope_theta", 10000.0)), dropout=0.0,
-        attn_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        init_std=hf_config.initializer_range, **scaling)
+    return ModelConfig(**decoder_fields_from_hf(hf_config, family, name, rope),
+                       qkv_bias=family == "qwen2" or attention_bias, proj_bias=attention_bias,
+                       mlp_bias=bool(getattr(hf_config, "mlp_bias", False)), sliding_window=window, **scaling)
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None):
@@ -216,12 +233,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
         rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_positions)
-    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-                  num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-                  num_key_value_heads=cfg.n_kv_head, hidden_act="silu", max_position_embeddings=cfg.n_positions,
-                  rms_norm_eps=cfg.layer_norm_eps, initializer_range=cfg.init_std,
-                  tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attn_dropout,
-                  rope_parameters=rope, architectures=[architecture], **(special or {}))
+    fields = decoder_fields_to_hf(cfg, architecture, rope, special)
     if family == "llama":
         fields.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, head_dim=cfg.head_dim)
     elif family == "mistral":

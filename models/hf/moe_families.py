@@ -31,7 +31,6 @@ An expert entry stacks its experts' tensors (its own join) and unstacks them (it
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
@@ -184,16 +183,9 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
                       moe_shared_gate=True)
     if family != "qwen3":
         fields["moe_aux_loss_coef"] = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
-    return ModelConfig(
-        name=name or Path(getattr(hf_config, "name_or_path", "") or f"hf-{family}").name or f"hf-{family}",
-        n_layer=hf_config.num_hidden_layers, n_head=heads, n_kv_head=hf_config.num_key_value_heads or heads,
-        d_model=d, d_ff=hf_config.intermediate_size, n_positions=hf_config.max_position_embeddings,
-        head_width=0 if (getattr(hf_config, "head_dim", None) or d // heads) * heads == d else hf_config.head_dim,
-        vocab_size=hf_config.vocab_size, norm="rmsnorm", positions="rotary", mlp="swiglu", mlp_bias=False,
-        layer_norm_eps=hf_config.rms_norm_eps, tie_embeddings=bool(hf_config.tie_word_embeddings),
-        rope_theta=float(rope.get("rope_theta", 10000.0)), dropout=0.0,
-        attn_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        init_std=hf_config.initializer_range, **fields)
+    head_dim = getattr(hf_config, "head_dim", None) or d // heads
+    return ModelConfig(**llama.decoder_fields_from_hf(hf_config, family, name, rope),
+                       head_width=0 if head_dim * heads == d else head_dim, mlp_bias=False, **fields)
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None):
@@ -202,13 +194,9 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
 
     family = hf_family(cfg)
     config_class, architecture = FAMILIES[family]
-    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-                  num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-                  head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.n_positions,
-                  rms_norm_eps=cfg.layer_norm_eps, initializer_range=cfg.init_std,
-                  tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attn_dropout,
-                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                  architectures=[architecture], **(special or {}))
+    fields = llama.decoder_fields_to_hf(cfg, architecture, {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                                        special)
+    fields["head_dim"] = cfg.head_dim
     if family == "mixtral":
         fields.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
                       intermediate_size=cfg.moe_d_ff, sliding_window=None)
