@@ -76,6 +76,7 @@ class MoE(nn.Module):
             raise ValueError(f"model.moe_seq_aux_loss_coef = {cfg.moe_seq_aux_loss_coef} is not built for context "
                              f"parallelism (cp = {topo.cp} splits each sequence); set it to 0 or cp = 1")
         self.stats: RouterStats | None = None
+        self.aux_grad_scale = 1.0  # the "layer"-scope losses' backward scale (losses.AuxLossScaler), set per step
 
     def _replicated(self, param: torch.Tensor) -> torch.Tensor:
         # read at call time: decoding suspends sequence parallelism for the whole model
@@ -111,7 +112,7 @@ class MoE(nn.Module):
         if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
             n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
             out = AuxLossScaler.apply(out, layer_losses(stats, cfg.n_experts, cfg.moe_aux_loss_coef,
-                                                        cfg.moe_z_loss_coef, n_moe))
+                                                        cfg.moe_z_loss_coef, n_moe), self.aux_grad_scale)
         if cfg.moe_shared_experts:
             shared = self.shared(x)
             if cfg.moe_shared_gate:
