@@ -88,6 +88,19 @@ def test_layouts_report_the_reference_figures(reference, parallel):
             assert_same_moe_fields(got, ref)
 
 
+def test_pipeline_stages_report_every_layer():
+    """pp 2 (one MoE layer per stage, the "layer" scope): each stage's layers and losses reach every rank's record."""
+    model = {"moe_aux_loss_scope": "layer", "moe_first_dense": 0, "n_layer": 2}
+    ref = _metrics(_res({}, 4, 2, model))
+    for rank_metrics in _on_ranks(_res({"pp": 2}, 4, 2, model)):
+        for got, want in zip(rank_metrics, ref):
+            assert got["moe_layers"] == [0, 1]
+            for key in FIELDS:
+                if key in want:
+                    torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
+                                               torch.tensor(want[key], dtype=torch.float64), rtol=1e-10, atol=0)
+
+
 def test_dropped_tokens_at_ep2_equal_one_process():
     """A capacity factor drops per micro-batch of a rank: ep 2 (dp 2, micro 4) drops what one process running the
     same micro-batches one after another drops; loads are counted before dropping."""
