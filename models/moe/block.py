@@ -90,7 +90,8 @@ class MoE(nn.Module):
         weights, indices, scores = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob,
                                     bias=self.router.expert_bias, n_group=cfg.moe_n_group,
                                     topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor)
-        done = self.dispatcher(rows, weights, indices, self.experts)
+        # training: every rank routes as many rows (a capacity factor's padded splits are then static)
+        done = self.dispatcher(rows, weights, indices, self.experts, same_shapes=self.training)
         stats = RouterStats.of(logits, done.counts, done.dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
             group = self.sequence_parallel.group  # the sums: all-reduce forward, identity backward
