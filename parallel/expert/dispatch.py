@@ -121,6 +121,16 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tens
     return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
 
 
+def host_row_counts(counts: torch.Tensor, rows: int) -> list[int]:
+    """The rows of each expert as host integers (a per-expert loop's split sizes: one host read), or, on the dry
+    run's fake tensors (no values to read), `rows` split evenly: the uniform routing the planner assumes, as the
+    all-to-all's splits above."""
+    if has_values(counts):
+        return counts.tolist()
+    n = counts.numel()
+    return [rows // n + (e < rows % n) for e in range(n)]
+
+
 def local_expert_range(num_experts: int, group=None) -> range:
     """The global ids of the experts this rank of `group` holds: a contiguous block of num_experts / ep."""
     n = check_expert_split(num_experts, group_size(group))

@@ -52,7 +52,8 @@ class MoEStepMetrics:
         self.losses = torch.zeros(3, dtype=torch.float64, device=device)  # aux, z, seq-aux sums over micro-batches
         ours = [j for blocks in self.blocks for j, _ in blocks] if topo.tp_rank == 0 and topo.grad_rank == 0 else []
         self.ours = torch.zeros(len(self.layers), dtype=torch.bool, device=device)
-        self.ours[ours] = True  # the layers whose load this rank reports (built once: no copy in the step)
+        for j in ours:  # the layers whose load this rank reports; a fill per layer: no host-to-device copy
+            self.ours[j] = True
         self.hooks = [chunk.register_forward_hook(self._add(blocks)) for chunk, blocks in zip(chunks, self.blocks)]
 
     def _add(self, blocks):

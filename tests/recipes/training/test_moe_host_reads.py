@@ -70,3 +70,22 @@ def test_step_reads_the_host_within_budget(parallel, model, per_layer_forward):
         expected["parallel/expert/dispatch.py"] = per_layer_forward * 2 * 2  # layers x micro-batches
     for got in _reads(parallel, model):
         assert got == expected
+
+
+def test_per_expert_loop_runs_on_fake_tensors():
+    """The loop's split sizes are its one host read; the dry run's fake tensors hold no counts, so the rows split
+    evenly (parallel/expert.host_row_counts), as the all-to-all's do there: forward and backward shapes hold (this
+    was moe-demo's failure on fake CUDA: bf16 with moe_d_ff 172 takes the loop, whose fake counts read as 0)."""
+    from megazoo.models.moe.experts import expert_ffn
+    from megazoo.parallel.expert import host_row_counts
+    from megazoo.parallel.simulation.fake_world import fake_tensors
+
+    assert host_row_counts(torch.tensor([3, 0, 1]), 4) == [3, 0, 1]
+    with fake_tensors():
+        tokens = torch.empty(10, 8, requires_grad=True)
+        w_fc, w_proj = torch.empty(4, 12, 8, requires_grad=True), torch.empty(4, 8, 6, requires_grad=True)
+        counts = torch.zeros(4, dtype=torch.int64)
+        assert host_row_counts(counts, 10) == [3, 3, 2, 2]
+        out = expert_ffn(tokens, counts, w_fc, w_proj, impl="loop")
+        out.sum().backward()
+        assert out.shape == (10, 8) and w_fc.grad.shape == w_fc.shape
