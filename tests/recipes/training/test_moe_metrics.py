@@ -81,9 +81,11 @@ def reference():
     return _metrics(_res({}, 8, 1))
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2, "ep": 2}, {"dp": 2}], ids=["ep2", "ep1-dp2"])
-def test_layouts_report_the_reference_figures(reference, parallel):
-    for rank_metrics in _on_ranks(_res(parallel, 4, 1)):
+@pytest.mark.parametrize("parallel, micro_batch", [
+    ({"dp": 2, "ep": 2}, 4), ({"dp": 2}, 4), ({"tp": 2, "sequence_parallel": True}, 8), ({"tp": 2}, 8),
+    ({"cp": 2, "ep": 2}, 8)], ids=["ep2", "ep1-dp2", "tp2-sp", "tp2", "cp2-ep2"])
+def test_layouts_report_the_reference_figures(reference, parallel, micro_batch):
+    for rank_metrics in _on_ranks(_res(parallel, micro_batch, 1)):
         for got, ref in zip(rank_metrics, reference):
             assert_same_moe_fields(got, ref)
 
