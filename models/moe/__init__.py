@@ -34,9 +34,13 @@ The block never moves tokens itself: it calls a token dispatcher, an object with
         counts   (E,) int64  assignments routed to each global expert (before any dropping): the load statistic
         dropped  ()   int64  assignments dropped by the capacity factor (0 when dropless)
 
-    It is differentiable in x and weights (and, through `experts`, in the experts' weights); it reads no tensor
-    on the host in the dropless path (a capacity factor selects the kept rows with a boolean mask). The combine
-    adds each token's contributions in expert order (as transformers' loop does).
+        same_shapes  (keyword, default False) every rank of the ep group routes as many rows (the block passes
+                 its training flag): a capacity factor's padded splits are then known on every rank
+    It is differentiable in x and weights (and, through `experts`, in the experts' weights). At ep = 1 it reads
+    no tensor on the host (a capacity factor pads every expert to its capacity: static shapes); at ep > 1 the
+    uneven all-to-all reads its split sizes once per layer forward (parallel/expert/dispatch.exchange_rows), none
+    with a capacity factor in training. The combine adds each token's contributions in expert order (as
+    transformers' loop does).
 
 `make_dispatcher(cfg, topo)` (dispatch.py) is the one place that chooses it: LocalDispatcher at ep = 1; the
 all-to-all dispatcher of parallel/expert/ plugs in there with the same interface.

@@ -76,6 +76,7 @@ class MoE(nn.Module):
             raise ValueError(f"model.moe_seq_aux_loss_coef = {cfg.moe_seq_aux_loss_coef} is not built for context "
                              f"parallelism (cp = {topo.cp} splits each sequence); set it to 0 or cp = 1")
         self.stats: RouterStats | None = None
+        self.aux_grad_scale = 1.0  # the "layer"-scope losses' backward scale (losses.AuxLossScaler), set per step
 
     def _replicated(self, param: torch.Tensor) -> torch.Tensor:
         # read at call time: decoding suspends sequence parallelism for the whole model
@@ -89,7 +90,8 @@ class MoE(nn.Module):
         weights, indices, scores = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob,
                                     bias=self.router.expert_bias, n_group=cfg.moe_n_group,
                                     topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor)
-        done = self.dispatcher(rows, weights, indices, self.experts)
+        # training: every rank routes as many rows (a capacity factor's padded splits are then static)
+        done = self.dispatcher(rows, weights, indices, self.experts, same_shapes=self.training)
         stats = RouterStats.of(logits, done.counts, done.dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
             group = self.sequence_parallel.group  # the sums: all-reduce forward, identity backward
@@ -111,7 +113,7 @@ class MoE(nn.Module):
         if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
             n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
             out = AuxLossScaler.apply(out, layer_losses(stats, cfg.n_experts, cfg.moe_aux_loss_coef,
-                                                        cfg.moe_z_loss_coef, n_moe))
+                                                        cfg.moe_z_loss_coef, n_moe), self.aux_grad_scale)
         if cfg.moe_shared_experts:
             shared = self.shared(x)
             if cfg.moe_shared_gate:

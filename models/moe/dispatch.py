@@ -7,10 +7,11 @@ models/moe/__init__.py. LocalDispatcher, for T tokens each routed to k experts:
        expert), so expert e's rows are one contiguous block; counts = assignments per expert (bincount);
     2. capacity factor (optional): an expert keeps its first `capacity` rows in token order and drops the rest
        (their contribution is 0, as GShard / Switch; the token still has the residual and the shared experts);
+       the kept rows sit in `capacity` padded slots per expert (static shapes: the experts compute the padding);
     3. the experts run on the sorted rows (one grouped matmul, experts.py);
     4. combine: out[t] += weight(t, e) * y(t, e), added in expert order per token (transformers' order).
 
-Nothing is read on the host in the dropless path; the capacity path selects the kept rows with a boolean mask.
+Nothing is read on the host, dropless or with a capacity factor (its padded slots have a static shape).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class TokenDispatcher(Protocol):
     local_experts: range
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                 experts: Experts) -> Dispatched: ...
+                 experts: Experts, same_shapes: bool = False) -> Dispatched: ...
 
 
 def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +56,12 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return torch.argsort(flat, stable=True), counts
 
 
-def within_capacity(sorted_experts: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:
-    """(T k,) bool over the sorted assignments: True for the first `cap` rows of each expert."""
+def capacity_slots(sorted_experts: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:
+    """(T k,) int64 over the sorted assignments: the slot of each row in a buffer of n_experts x cap rows (expert
+    e's first `cap` rows, in token order, at e x cap ...), or n_experts x cap (one past the end) for a dropped row."""
     starts = torch.cumsum(counts, 0) - counts  # first sorted row of each expert
     rank = torch.arange(sorted_experts.numel(), device=sorted_experts.device) - starts[sorted_experts]
-    return rank < cap
+    return torch.where(rank < cap, sorted_experts * cap + rank, counts.numel() * cap)
 
 
 class LocalDispatcher:
@@ -70,28 +72,39 @@ class LocalDispatcher:
         self.local_experts = range(n_experts)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                 experts: Experts) -> Dispatched:
+                 experts: Experts, same_shapes: bool = False) -> Dispatched:
         k = indices.shape[1]
         order, counts = sort_by_expert(indices, self.n_experts)
         token = order // k  # (T k,) the token of each sorted row
         weight = weights.reshape(-1)[order]
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        kept_counts = counts
+        kept_counts, cap = counts, None
         if self.capacity_factor:
+            # Static shapes (no host read, fake tensors too): every expert gets `cap` slots, as GShard's and
+            # Megatron's padded capacity; its kept rows fill the first ones in token order, the rest are padding
+            # (token 0 at weight 0: adds exactly nothing, gets no gradient); a dropped row goes to a slot past the
+            # end, cut off.
             cap = capacity(self.capacity_factor, x.shape[0], k, self.n_experts)
-            keep = within_capacity(indices.reshape(-1)[order], counts, cap)
-            token, weight = token[keep], weight[keep]
-            kept_counts = counts.clamp(max=cap)
-            dropped = counts.sum() - kept_counts.sum()
-        y = experts(x[token], kept_counts)  # (N, d), sorted by expert
+            slots = self.n_experts * cap
+            slot = capacity_slots(indices.reshape(-1)[order], counts, cap)
+            token = torch.zeros(slots + 1, dtype=token.dtype, device=x.device).scatter(0, slot, token)[:slots]
+            weight = weight.new_zeros(slots + 1).scatter(0, slot, weight)[:slots]
+            kept_counts = torch.full_like(counts, cap)
+            dropped = counts.sum() - counts.clamp(max=cap).sum()
+        y = self._experts(experts, x[token], kept_counts, cap if same_shapes else None)  # (N, d), by expert
         out = torch.zeros_like(x).index_add_(0, token, (y * weight[:, None]).to(x.dtype))
         return Dispatched(out, counts, dropped)
+
+    def _experts(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor, cap: int | None) -> torch.Tensor:
+        return experts(rows, counts)
 
 
 class ExpertParallelDispatcher(LocalDispatcher):
     """ep > 1: this rank holds local_experts of the ep group's split; sorting, dropping and the combine are the
     local dispatcher's, and the sorted rows travel to their experts' ranks and back in between (parallel/expert:
-    counts exchanged, all-to-all with uneven splits, the local experts, the inverse all-to-all)."""
+    counts exchanged, all-to-all with uneven splits, the local experts, the inverse all-to-all). With a capacity
+    factor and `same_shapes` (training: every ep rank routes as many rows, so has the same capacity) the padded
+    slots make every split known: no count exchange and no host read (exchange_rows' rows_per_expert)."""
 
     def __init__(self, n_experts: int, capacity_factor: float, group):
         super().__init__(n_experts, capacity_factor)
@@ -99,10 +112,8 @@ class ExpertParallelDispatcher(LocalDispatcher):
         self.local_experts = local_expert_range(n_experts, group)
         self.comm = CommLedger()  # this layer's all-to-all bytes (parallel/expert/comms.py)
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                 experts: Experts) -> Dispatched:
-        return super().__call__(x, weights, indices,
-                                lambda rows, counts: exchange_rows(rows, counts, experts, self.group, self.comm))
+    def _experts(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor, cap: int | None) -> torch.Tensor:
+        return exchange_rows(rows, counts, experts, self.group, self.comm, rows_per_expert=cap)
 
 
 def make_dispatcher(cfg: ModelConfig, topo: Topology) -> TokenDispatcher:

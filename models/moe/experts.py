@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazoo.parallel.expert import host_row_counts
+
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -65,9 +67,10 @@ def grouped_swiglu(tokens: torch.Tensor, counts: torch.Tensor, w_fc: torch.Tenso
 
 def looped_swiglu(tokens: torch.Tensor, counts: torch.Tensor, w_fc: torch.Tensor,
                   w_proj: torch.Tensor) -> torch.Tensor:
-    """The reference: one SwiGLU per expert on its rows (reads the counts on the host)."""
+    """The reference: one SwiGLU per expert on its rows (reads the counts on the host; on the dry run's fake
+    tensors, which hold no counts, the rows split evenly: parallel/expert.host_row_counts)."""
     outs = []
-    for e, rows in enumerate(tokens.split(counts.tolist())):
+    for e, rows in enumerate(tokens.split(host_row_counts(counts, tokens.shape[0]))):
         gate, up = F.linear(rows, w_fc[e]).chunk(2, dim=-1)
         outs.append(F.linear(F.silu(gate) * up, w_proj[e]))
     return torch.cat(outs) if outs else tokens.new_zeros(0, w_proj.shape[1])

@@ -100,17 +100,21 @@ def z_loss(stats: list[RouterStats]) -> torch.Tensor:
 
 
 class AuxLossScaler(torch.autograd.Function):
-    """y = x in forward; backward passes dy to x and gradient 1 to `loss` (a scalar already weighted by its
-    coefficient), so the loss is minimised without being added to the value the trainer backpropagates."""
+    """y = x in forward; backward passes dy to x and gradient `scale` to `loss` (a scalar already weighted by its
+    coefficient), so the loss is minimised without being added to the value the trainer backpropagates. `scale`
+    is the factor the trainer backpropagates the main loss with (loss scale / micro-batches of the step: set on
+    the block by the Trainer, recipes/training/moe_metrics.set_aux_grad_scale), so the injected gradient weighs as
+    the loss added to the main loss would."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype, ctx.scale = loss.shape, loss.dtype, scale
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+        # torch.full, not ones x scale: no host-to-device copy of a Python number
+        return grad, torch.full(ctx.loss_shape, ctx.scale, dtype=ctx.loss_dtype, device=grad.device), None
 
 
 def layer_losses(stats: RouterStats, n_experts: int, aux_coef: float, z_coef: float, n_moe_layers: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ data-parallel group (ExpertSplitZero).
 from megazoo.parallel.collectives import CommLedger  # what the dispatch counts its all-to-all bytes into
 from megazoo.parallel.expert.comms import all_to_all_bytes, all_to_all_uneven, exchange_counts
 from megazoo.parallel.expert.dispatch import (ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine,
-                                             exchange_rows, local_expert_range)
+                                             exchange_rows, host_row_counts, local_expert_range)
 
 __all__ = ["CommLedger", "ExpertDispatcher", "ExpertsFn", "all_to_all_bytes", "all_to_all_uneven", "check_expert_split",
-           "dispatch_combine", "exchange_counts", "exchange_rows", "local_expert_range"]
+           "dispatch_combine", "exchange_counts", "exchange_rows", "host_row_counts", "local_expert_range"]

@@ -7,7 +7,8 @@ The num_experts experts are split over the ep ranks in contiguous blocks: ep ran
 1. permute: the T * k (token, expert) pairs sorted by expert (a stable sort: pairs of one expert keep token
    order, so every layout feeds an expert the same rows in the same order), which also sorts them by rank;
 2. exchange counts: one all-to-all of the [num_experts] pair counts, so each rank learns how many rows each
-   other rank sends to each of its n experts (the one host read of the layer: the receive sizes);
+   other rank sends to each of its n experts (the one host read of the layer: the split sizes; none when a
+   capacity factor pads every expert to the same number of rows, exchange_rows' rows_per_expert);
 3. all-to-all the rows (uneven splits); what arrives is ordered (source rank, local expert) and is regrouped
    to (local expert, source rank), so each local expert's rows are contiguous;
 4. the local experts run on them: `experts_fn(rows, counts)` with one count per local expert (a grouped matmul
@@ -52,40 +53,54 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _rank_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
-    """received [ep, n] row counts (source rank, local expert), laid out rank-major in the receive buffer ->
-    the permutation of the buffer's rows that makes it expert-major (local expert, then source rank)."""
+def _rank_major_to_expert_major(received: torch.Tensor, total: int) -> torch.Tensor:
+    """received [ep, n] row counts (source rank, local expert), laid out rank-major in the receive buffer, `total`
+    their sum (a host integer: the output sizes below are given, so nothing is read back) -> the permutation of the
+    buffer's rows that makes it expert-major (local expert, then source rank)."""
     lengths = received.t().reshape(-1)  # segments in expert-major order
     starts = (torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)).view(received.shape).t().reshape(-1)
-    total = int(lengths.sum())
     seg_starts_out = torch.cumsum(lengths, 0) - lengths
-    within = torch.arange(total, device=received.device) - torch.repeat_interleave(seg_starts_out, lengths)
-    return torch.repeat_interleave(starts, lengths) + within
+    within = torch.arange(total, device=received.device) - torch.repeat_interleave(seg_starts_out, lengths,
+                                                                                  output_size=total)
+    return torch.repeat_interleave(starts, lengths, output_size=total) + within
 
 
 def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsFn, group=None,
-                  ledger: CommLedger | None = None) -> torch.Tensor:
+                  ledger: CommLedger | None = None, rows_per_expert: int | None = None) -> torch.Tensor:
     """rows [N, d] sorted by global expert, counts [num_experts] (rows per expert) -> [N, d_out]: each row through
     its expert, wherever that expert lives, in the same order (steps 2-5 above without the combine). This is the
     experts callable of a dispatcher that sorts and combines itself (models/moe/dispatch.py). `ledger` counts the
-    rows' all-to-all bytes (comms.py)."""
+    rows' all-to-all bytes (comms.py).
+
+    Host reads: the uneven all-to-all needs its split sizes on the host, so a layer reads its counts and the
+    exchanged ones once, in one `.tolist()` (as torchtitan's and Megatron-core's all-to-all dispatchers do: one
+    device-to-host copy per MoE layer forward; backward reuses the sizes). Everything after it is sized from those
+    host integers. `rows_per_expert` (a capacity factor's padded slots, the same on every ep rank): every split is
+    known without looking, so there is no count exchange and no host read at all."""
     ep = group_size(group)
     num_experts = counts.numel()
     n_local = check_expert_split(num_experts, ep)
     if group is None:
         return experts_fn(rows, counts)
+    if rows_per_expert is not None:  # static: every rank sends every expert exactly rows_per_expert rows
+        split = [n_local * rows_per_expert] * ep
+        arrived = all_to_all_uneven(rows, split, split, group, ledger)
+        received = torch.full((ep, n_local), rows_per_expert, dtype=counts.dtype, device=counts.device)
+        regroup = _rank_major_to_expert_major(received, ep * n_local * rows_per_expert)
+        computed = experts_fn(arrived.index_select(0, regroup), received.sum(0))
+        return all_to_all_uneven(computed.index_select(0, _inverse(regroup)), split, split, group, ledger)
     received = exchange_counts(counts, group)  # [ep * n]: rows each rank sends to my experts
     if not has_values(rows):  # the dry run's fake tensors: no routing to read, so uniform routing (the planner's)
         even = [rows.shape[0] // ep + (r < rows.shape[0] % ep) for r in range(ep)]
         arrived = all_to_all_uneven(rows, even, even, group, ledger)
         computed = experts_fn(arrived, received.view(ep, n_local).sum(0))
         return all_to_all_uneven(computed, even, even, group, ledger)
-    host = torch.cat([counts, received]).tolist()  # one device-to-host read for every split
+    host = torch.cat([counts, received]).tolist()  # the layer's one device-to-host read: every split size
     send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
     recv = [sum(host[num_experts + r * n_local:num_experts + (r + 1) * n_local]) for r in range(ep)]
     arrived = all_to_all_uneven(rows, recv, send, group, ledger)  # (source rank, local expert) order
     received = received.view(ep, n_local)
-    regroup = _rank_major_to_expert_major(received)
+    regroup = _rank_major_to_expert_major(received, sum(recv))
     computed = experts_fn(arrived.index_select(0, regroup), received.sum(0))
     return all_to_all_uneven(computed.index_select(0, _inverse(regroup)), send, recv, group, ledger)
 
@@ -104,6 +119,16 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tens
     out = exchange_rows(rows, counts, experts_fn, group, ledger)
     pairs = out.index_select(0, _inverse(order))  # back to pair order: [T * k, d_out]
     return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
+
+
+def host_row_counts(counts: torch.Tensor, rows: int) -> list[int]:
+    """The rows of each expert as host integers (a per-expert loop's split sizes: one host read), or, on the dry
+    run's fake tensors (no values to read), `rows` split evenly: the uniform routing the planner assumes, as the
+    all-to-all's splits above."""
+    if has_values(counts):
+        return counts.tolist()
+    n = counts.numel()
+    return [rows // n + (e < rows % n) for e in range(n)]
 
 
 def local_expert_range(num_experts: int, group=None) -> range:

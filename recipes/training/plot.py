@@ -2,7 +2,9 @@
 
 Four panels per step, every run overlaid (one colour per run): training loss with the validation loss as
 markers, learning rate, tokens/s, and peak memory per rank (GB; GPU: the caching allocator's peak reserved
-bytes, CPU: peak RSS). matplotlib, headless (Agg), no display needed. A run directory that does not exist or
+bytes, CPU: peak RSS). When a run is a mixture of experts (its records hold moe_load_max), two more: the expert
+load of every MoE layer (the most loaded expert's share max/mean solid, the least loaded's min/mean dashed; one
+shade of the run's colour per layer) and the router's aux loss (recipes/training/moe_metrics.py). matplotlib, headless (Agg), no display needed. A run directory that does not exist or
 holds no metrics.jsonl lines ends the command with exit 2 naming it, before anything is drawn.
 recipes/cli.py wires `register(subparsers)` in; `main(argv)` runs it alone (`python -m megazoo.recipes.training.plot`).
 """
@@ -16,6 +18,8 @@ from pathlib import Path
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
           ("peak_memory_bytes", "peak memory per rank (GB)"))
+MOE_PANELS = (("moe_load_max", "expert load per MoE layer (max/mean solid, min/mean dashed)"),
+              ("moe_aux_loss", "router aux loss"))
 
 
 class PlotError(Exception):
@@ -48,13 +52,16 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def plot_runs(runs: dict[str, list[dict]], out: str | Path, dpi: int = 80) -> Path:
+def figure(runs: dict[str, list[dict]]):
+    """The matplotlib Figure of the runs (module docstring); MoE panels only when a run has them."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 6.5), layout="constrained")
-    axes = [ax for row in fig.subplots(2, 2) for ax in row]
+    moe = any("moe_load_max" in r for records in runs.values() for r in records)
+    panels = PANELS + (MOE_PANELS if moe else ())
+    fig = Figure(figsize=(10, 6.5 if not moe else 9.5), layout="constrained")
+    axes = [ax for row in fig.subplots(len(panels) // 2, 2) for ax in row]
     for i, (label, records) in enumerate(runs.items()):
         colour = f"C{i % 10}"
         for ax, (key, _) in zip(axes, PANELS):
@@ -65,13 +72,36 @@ def plot_runs(runs: dict[str, list[dict]], out: str | Path, dpi: int = 80) -> Pa
         steps, values = _series(records, "val_loss")
         if steps:
             axes[0].plot(steps, values, "o--", color=colour, ms=5, lw=1, label=f"{label} validation")
-    for ax, (_, title) in zip(axes, PANELS):
+        if moe:
+            _moe_panels(axes[4], axes[5], label, records, colour)
+    for ax, (_, title) in zip(axes, panels):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     if len(runs) > 1:
         axes[1].legend(fontsize=8)
+    if moe:
+        axes[4].legend(fontsize=7)
+    return fig
+
+
+def _moe_panels(load_ax, aux_ax, label: str, records: list[dict], colour: str) -> None:
+    rows = [r for r in records if isinstance(r.get("moe_load_max"), list)]
+    if not rows:
+        return
+    steps, layers = [r["step"] for r in rows], rows[-1].get("moe_layers") or list(range(len(rows[-1]["moe_load_max"])))
+    for j, layer in enumerate(layers):
+        shade = 1.0 - 0.6 * j / max(len(layers) - 1, 1)
+        load_ax.plot(steps, [r["moe_load_max"][j] for r in rows], color=colour, alpha=shade, lw=1.2,
+                     label=f"{label} layer {layer}")
+        load_ax.plot(steps, [r["moe_load_min"][j] for r in rows], "--", color=colour, alpha=shade, lw=1)
+    steps, values = _series(records, "moe_aux_loss")
+    aux_ax.plot(steps, values, color=colour, lw=1.2, label=label)
+
+
+def plot_runs(runs: dict[str, list[dict]], out: str | Path, dpi: int = 80) -> Path:
+    fig = figure(runs)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)

@@ -38,6 +38,7 @@ from megazoo.recipes.training import checkpointing
 from megazoo.recipes.training.data_setup import Samples, TrainData, load_data
 from megazoo.recipes.training.sample import generate
 from megazoo.recipes.training.metrics import MetricsLog, peak_memory_bytes
+from megazoo.recipes.training.moe_metrics import MoEStepMetrics, progress_fields, set_aux_grad_scale
 from megazoo.models.flops import model_flops_per_token
 from megazoo.recipes.gpus import peak_flops
 from megazoo.recipes.training.model_setup import Precision, build_model, build_optimizer, configure_matmuls, run_kernels
@@ -95,6 +96,8 @@ class Trainer:
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
         self.rank_times: tuple[list[float], list[float]] | None = None  # the last step's per-rank compute / wait
         self.stragglers = straggler_watch(res.recipe.fault_tolerance, topo)
+        # MoE: the routing figures of each step (moe_metrics.py), read with the loss
+        self.moe = MoEStepMetrics(self.chunks, res.model, topo) if res.model.n_experts else None
 
     def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
         """The micro-batch's mean token loss; SFT rows pass (targets, weight): its share of the step's mean."""
@@ -125,11 +128,13 @@ class Trainer:
         return out
 
     def _host_values(self, total: torch.Tensor, stop: bool = False, norm: torch.Tensor | None = None,
-                     per_rank: tuple[float, float] | None = None) -> tuple[float, bool, float]:
+                     per_rank: tuple[float, float] | None = None,
+                     extra: torch.Tensor | None = None) -> tuple[float, bool, float]:
         """The step's host reads, in one place and one collective: the loss averaged over dp x cp (only the last
         pipeline stage computed it; tp ranks hold copies, so tp rank 0 speaks for them), whether any rank asked
         to stop (SIGTERM may reach ranks at different steps) and the gradient norm (the same on every rank:
-        rank 0's is taken). Collective: one all-reduce (sum) over all ranks, then one device-to-host read."""
+        rank 0's is taken); `extra`: more float64 slots summed over all ranks (MoE routing figures), their sums
+        left in self.extra_values. Collective: one all-reduce (sum) over all ranks, then one device-to-host read."""
         f64, device = torch.float64, total.device
         share = (total.to(f64) / self.topo.grad_size if self.topo.tp_rank == 0
                  else torch.zeros((), dtype=f64, device=device))
@@ -138,6 +143,8 @@ class Trainer:
         # torch.full, not torch.tensor: a tensor built from a Python number on CUDA is a blocking host-to-device copy
         # (measured on an H100 by tests/gpu/test_host_syncs_cuda.py: two syncs per step instead of one).
         packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
+        if extra is not None:
+            packed = torch.cat([packed, extra.to(device, f64)])
         world = self.topo.world_size
         if per_rank is not None and world > 1:  # each rank's (compute, wait) seconds in its own two slots
             slots = torch.zeros(2 * world, dtype=f64, device=device)
@@ -147,6 +154,8 @@ class Trainer:
         if world > 1:
             dist.all_reduce(packed)
         loss, stops, grad_norm, *slots_ = packed.tolist()
+        n_extra = 0 if extra is None else extra.numel()
+        self.extra_values, slots_ = slots_[:n_extra], slots_[n_extra:]
         self.rank_times = (slots_[0::2], slots_[1::2]) if slots_ else None
         return loss, stops > 0, grad_norm
 
@@ -171,7 +180,9 @@ class Trainer:
         self._enter(step, "loading batches")
         batches = self._batches(self.data.train, self.sampler.indices_for_step(step), step)
         self._enter(step, "forward/backward (pipeline schedule, gradient reduction)")
-        losses = self.engine.run(batches, self.plan, loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        set_aux_grad_scale(self.chunks, loss_scale / len(batches))  # "layer"-scope router losses: as the loss's
+        losses = self.engine.run(batches, self.plan, loss_scale=loss_scale,
                                  autocast=self.autocast, before_backward=lambda last: zero.begin_micro_batch(last))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for loss in losses:
@@ -192,7 +203,8 @@ class Trainer:
         self._enter(step, "step metrics (loss, norm and stop all-reduce)")
         busy = time.perf_counter() - start
         loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm,
-                                                        per_rank=(busy - outcome.wait_s, outcome.wait_s))
+                                                        per_rank=(busy - outcome.wait_s, outcome.wait_s),
+                                                        extra=None if self.moe is None else self.moe.slots(len(batches)))
         if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
                                      f"(try a lower train.lr or train.grad_clip)")
@@ -201,6 +213,8 @@ class Trainer:
                    "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
                    "peak_memory_bytes": peak_memory_bytes(self.topo.device),
                    "comm_bytes": zero.comm.summary()["total_bytes"], "stop": stop}
+        if self.moe is not None:
+            metrics.update(self.moe.read(self.extra_values))
         if self.peak_flops:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
@@ -330,7 +344,8 @@ class Trainer:
             if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
                 result.checkpoint = self.save_checkpoint(step + 1)
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                **progress_fields(metrics))
                 bar.update(1)
             if stop:
                 result.stopped_at = step + 1

@@ -71,3 +71,21 @@ def test_train_step_syncs_only_for_its_metrics(tmp_path, stage, cross_entropy):
     assert len(syncs) >= 1, "the step reads its loss on the host: the counter must see at least that"
     assert len(syncs) <= METRIC_READS, f"{len(syncs)} host syncs in one step, budget {METRIC_READS}:\n" + \
         "\n".join(syncs)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_moe_train_step_syncs_only_for_its_metrics(tmp_path, capacity_factor):
+    """An MoE model at ep 1 (grouped matmul in bf16): routing, sorting, capacity's padded slots and the step's MoE
+    figures (recipes/training/moe_metrics.py, read with the loss) add no sync. (ep > 1 adds one per MoE layer
+    forward, the all-to-all's split sizes: tests/recipes/training/test_moe_host_reads.py counts it on CPU.)"""
+    moe = {"preset": "llama-tiny", "n_layer": 2, "n_experts": 4, "moe_top_k": 2, "moe_d_ff": 64,
+           "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001, "moe_capacity_factor": capacity_factor}
+    res = tiny_resolved(model=moe, train={"precision": "bf16", "micro_batch": 4, "grad_accum": GRAD_ACCUM},
+                        run={"dir": str(tmp_path)}, kernels={"adamw": "torch"})
+    trainer = Trainer(res, Topology.solo(torch.device("cuda", 0)))
+    for step in range(2):
+        trainer.train_step(step)
+    metrics = {}
+    syncs = count_syncs(lambda: metrics.update(trainer.train_step(2)))
+    print(f"\nMoE ({capacity_factor=}): {len(syncs)} host syncs in one step:\n" + "\n".join(syncs))
+    assert len(metrics["moe_load_max"]) == 2 and 1 <= len(syncs) <= METRIC_READS, "\n".join(syncs)

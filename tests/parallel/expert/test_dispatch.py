@@ -135,7 +135,7 @@ def test_local_dispatch_equals_dense():
 def test_regroup_is_expert_major():
     received = torch.tensor([[2, 0, 1], [1, 3, 0]])  # rows from rank 0: e0 x2, e2 x1; from rank 1: e0, e1 x3
     # buffer rows: [r0e0, r0e0, r0e2, r1e0, r1e1, r1e1, r1e1] -> expert-major: e0 (r0, r0, r1), e1 (r1 x3), e2
-    assert _rank_major_to_expert_major(received).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert _rank_major_to_expert_major(received, 7).tolist() == [0, 1, 3, 4, 5, 6, 2]
 
 
 def test_expert_split_is_checked():

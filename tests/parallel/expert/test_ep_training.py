@@ -96,17 +96,36 @@ def test_ep2_with_tp2(reference, sp, zero):
         assert_same_training(got, reference)
 
 
-NO_ROUTER_LOSSES = {"moe_aux_loss_coef": 0.0, "moe_z_loss_coef": 0.0}
+LAYER_SCOPE = {"moe_aux_loss_scope": "layer"}  # pipeline stages: each layer's own router losses
+
+
+def _reference_of_ranks(dp: int, micro_batch: int, grad_accum: int, model: dict):
+    """One process running what dp ranks of `micro_batch` x `grad_accum` run together: its k-th micro-batch is
+    every rank's k-th (the router losses' counts pool over dp x cp per micro-batch, and the sampler gives a rank
+    consecutive samples), so accumulation steps pool the same rows as the layout's."""
+    res = _res({}, dp * micro_batch, grad_accum, model=model)
+    trainer = Trainer(res, Topology.solo())
+    per_rank = micro_batch * grad_accum
+
+    def interleaved(step: int) -> list[list[int]]:
+        g = trainer.sampler.global_indices_for_step(step)
+        return [[i for r in range(dp) for i in g[r * per_rank + k * micro_batch:r * per_rank + (k + 1) * micro_batch]]
+                for k in range(grad_accum)]
+
+    trainer.sampler.indices_for_step = interleaved
+    result = trainer.fit()
+    return {"losses": result.losses, "norms": result.grad_norms, "val": result.val_loss,
+            "params": trainer.full_state_dict()}
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_ep2_with_pp2(schedule):
-    """The all-to-all inside pipeline stages (zb_h1: the experts' weight gradients in the deferred W pass). The
-    router losses are off here: pp needs moe_aux_loss_scope = "layer", whose injected gradient is not yet scaled
-    by 1 / grad_accum (the same at ep 1: a model-side gap, not expert parallelism's)."""
+    """The all-to-all inside pipeline stages (zb_h1: the experts' weight gradients in the deferred W pass), with
+    the router losses on in the pipeline's scope ("layer", injected in backward scaled as the loss: 1 / the
+    step's micro-batches) and two accumulation steps."""
     for got in _on_ranks({"dp": 2, "pp": 2, "ep": 2, "schedule": schedule}, 2, 2, {"stage": 1},
-                         model=NO_ROUTER_LOSSES):
-        assert_same_training(got, _reference(4, NO_ROUTER_LOSSES))
+                         model=LAYER_SCOPE):
+        assert_same_training(got, _reference_of_ranks(2, 2, 2, LAYER_SCOPE))
 
 
 @pytest.mark.parametrize("parallel, micro_batch, grad_accum, reference_micro", [
