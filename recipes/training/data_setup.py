@@ -76,7 +76,21 @@ def repeat_warning(res: Resolved, samples: Samples) -> str | None:
             f"{needed / corpus:,.1f} times over (epochs); add data or shorten train.steps")
 
 
+def check_validation_split(val, topo: Topology) -> None:
+    """Validation splits its samples over the dp ranks (Trainer.evaluate): each rank needs one at least."""
+    if val is not None and topo.dp > 1 and len(val) < topo.dp:
+        raise RecipeError(f"the validation data holds {len(val)} sample(s), fewer than the {topo.dp} data-parallel "
+                          f"ranks that evaluate it; valid: at least {topo.dp} validation samples (more validation "
+                          "data, a longer data.val_fraction / sft.valid_path) or no validation data")
+
+
 def load_data(res: Resolved, topo: Topology) -> TrainData:
+    data = _load_data(res, topo)
+    check_validation_split(data.val, topo)
+    return data
+
+
+def _load_data(res: Resolved, topo: Topology) -> TrainData:
     """The recipe's corpus as fixed-length samples. Rank 0 builds the caches under run.dir (tokenizer and tokens
     for the stdlib corpus, sample indices for indexed data) first; the other ranks then load them."""
     data, train = res.recipe.data, res.recipe.train

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from recipe_helpers import TINY, tiny_resolved
 
@@ -47,3 +48,20 @@ def test_the_run_log_names_a_llama_models_own_kernels(tmp_path, capsys):
     run(resolve(from_dict(Recipe, table)), Topology.solo())
     kernels = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("kernels: ")]
     assert kernels == ["rms_norm", "attention", "swiglu", "cross_entropy", "adamw"]
+
+
+def test_validation_smaller_than_dp_is_refused_by_name():
+    """Trainer.evaluate gives each dp rank its own validation samples: with fewer samples than ranks the last
+    ranks would index past the end (found evaluating an MoE run at ep 2); refused up front with what is valid."""
+    from types import SimpleNamespace
+
+    from megazoo.data.token_dataset import TokenSamples
+    from megazoo.recipes.config import RecipeError
+    from megazoo.recipes.training.data_setup import check_validation_split
+
+    one_sample = TokenSamples(torch.arange(9), 8)
+    assert len(one_sample) == 1
+    check_validation_split(one_sample, SimpleNamespace(dp=1))
+    check_validation_split(None, SimpleNamespace(dp=4))
+    with pytest.raises(RecipeError, match=r"holds 1 sample\(s\), fewer than the 2 data-parallel ranks.*at least 2"):
+        check_validation_split(one_sample, SimpleNamespace(dp=2))
