@@ -92,19 +92,24 @@ def _onebit_mean(x, worker_error, server_error):
     return torch.cat(out)
 
 
-def reference(compression: str, buckets, steps: int = STEPS):
-    """Losses (mean over groups) and each group's parameters, by the algorithm above."""
+def reference(compression: str, buckets, steps: int = STEPS, per_group: int = 1):
+    """Losses (mean over groups) and each group's parameters, by the algorithm above; a group of `per_group`
+    ranks reads their micro-batches as one (the ranks' mean loss and gradient)."""
     # ZeRO-1 on one rank: the run's bucket layout and flat AdamW, so the deltas are bitwise the run's (sign and
     # rounding compressors are discontinuous: a 1e-17 difference in a near-zero delta, e.g. the attention key's
     # bias whose gradient is zero up to rounding, flips its sign bit)
-    res = tiny_resolved(train={"steps": STEPS, "micro_batch": MICRO}, zero={"stage": 1})
+    res = tiny_resolved(train={"steps": STEPS, "micro_batch": MICRO * per_group}, zero={"stage": 1})
     trainers = []
     for g in range(GROUPS):
         torch.manual_seed(0)
         t = Trainer(res, Topology.solo())
-        t.sampler = GlobalBatchSampler(len(t.data.train), MICRO * GROUPS, MICRO, 1, g, GROUPS, seed=res.recipe.train.seed)
+        t.sampler = GlobalBatchSampler(len(t.data.train), MICRO * per_group * GROUPS, MICRO * per_group, 1, g, GROUPS,
+                                       seed=res.recipe.train.seed)
         trainers.append(t)
     params = [dict(t.model.named_parameters()) for t in trainers]
+
+    if buckets is None:  # plain averaging is elementwise: any layout, here one "bucket" per parameter
+        buckets = [([name], [0], p.numel()) for name, p in params[0].items()]
 
     def flats(g):
         out = []
@@ -171,6 +176,30 @@ def test_the_groups_talk_only_every_h_steps(runs, compression):
     expected = [per_sync if (step + 1) % H == 0 else 0 for step in range(STEPS)]
     for rank in runs:
         assert rank[compression]["calls"] == expected
+
+
+def test_two_groups_of_two_zero2_ranks_equal_the_reference():
+    """HSDP's sharded layout: each node's 2 ranks own half of every bucket (ZeRO-2), and each rank's outer step
+    runs on its own chunk with the chunk's owner on the other node."""
+    res = tiny_resolved(parallel={"dp": 4, "node_size": 2}, zero={"stage": 2, "shard_group": "node"},
+                        train={"steps": STEPS, "micro_batch": MICRO}, diloco=OUTER)
+
+    def work():
+        topo = Topology.build(4, node_size=2)
+        torch.manual_seed(0)
+        trainer = Trainer(res, topo)
+        losses = [trainer.train_step(step)["loss"] for step in range(STEPS)]
+        owned = [b.owned.stop - b.owned.start for b in trainer.zero.buckets]
+        return {"losses": losses, "params": trainer.full_state_dict(), "owned": owned,
+                "numel": [b.numel for b in trainer.zero.buckets]}
+
+    runs = run_distributed(work, 4)
+    ref_losses, ref_params = reference("none", None, per_group=2)
+    for rank, got in enumerate(runs):
+        assert got["owned"] == [n // 2 for n in got["numel"]]  # sharded inside the node
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-10, atol=0)
+        for name, value in ref_params[rank // 2].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
 
 
 def test_checkpoint_resumes_the_outer_state_exactly(tmp_path):
