@@ -61,12 +61,14 @@ def runs():
         for name, res in resolved.items():
             torch.manual_seed(0)
             trainer = Trainer(res, topo)
-            losses, calls = [], []
+            losses, calls, outer = [], [], []
             for step in range(STEPS):
                 before = counter[0]
-                losses.append(trainer.train_step(step)["loss"])
+                metrics = trainer.train_step(step)
+                losses.append(metrics["loss"])
+                outer.append(metrics["diloco_outer_steps"])
                 calls.append(counter[0] - before)
-            out[name] = {"losses": losses, "calls": calls, "params": trainer.full_state_dict(),
+            out[name] = {"losses": losses, "calls": calls, "outer": outer, "params": trainer.full_state_dict(),
                          "buckets": [(list(b.names), list(b.offsets), b.numel) for b in trainer.zero.buckets]}
         return out
 
@@ -176,6 +178,7 @@ def test_the_groups_talk_only_every_h_steps(runs, compression):
     expected = [per_sync if (step + 1) % H == 0 else 0 for step in range(STEPS)]
     for rank in runs:
         assert rank[compression]["calls"] == expected
+        assert rank[compression]["outer"] == [(step + 1) // H for step in range(STEPS)]  # metrics.jsonl's count
 
 
 def test_two_groups_of_two_zero2_ranks_equal_the_reference():
