@@ -150,8 +150,15 @@ class DiLoCo:
     def state_views(self):
         return self.inner.state_views()
 
+    @torch.no_grad()
     def after_load(self) -> None:
+        """Loaded weights (also weights only: no load_rank_state follows) are the new last sync point."""
         self.inner.after_load()
+        for anchor, master in zip(self.anchors, self.inner.masters):
+            anchor.copy_(master)
+        self.outer = self._outer_optimizer()
+        self._fresh_errors()
+        self.since_sync, self.outer_steps = 0, 0
 
     def memory_bytes(self) -> dict[str, int]:
         out = dict(self.inner.memory_bytes())
@@ -191,12 +198,7 @@ class DiLoCo:
         if mine is not None and (mine["groups"] != self.groups
                                  or [t.numel() for t in mine["anchors"]] != [a.numel() for a in self.anchors]):
             mine = None
-        self.outer = self._outer_optimizer()
-        self._fresh_errors()
-        if mine is None:
-            for anchor, master in zip(self.anchors, self.inner.masters):
-                anchor.copy_(master)
-            self.since_sync, self.outer_steps = 0, 0
+        if mine is None:  # after_load already made the loaded state the last sync point
             return
         ensure_adam_state(self.optimizer, self.inner.masters)
         for k, master in enumerate(self.inner.masters):

@@ -229,15 +229,19 @@ def test_checkpoint_resumes_the_outer_state_exactly(tmp_path):
         same_state = all(torch.equal(a, b) for key in ("anchors", "momentum", "worker_error", "server_error",
                                                        "masters", "exp_avg", "exp_avg_sq")
                          for a, b in zip(saved[key], loaded[key]))
+        weights_only = Trainer(res, topo)  # a fine-tune's start: the loaded weights are the last sync point
+        weights_only.load_checkpoint(path, load_optimizer=False)
+        z = weights_only.zero
+        anchored = all(torch.equal(a, m) for a, m in zip(z.anchors, z.inner.masters)) and z.since_sync == 0
         more = [resumed.train_step(step)["loss"] for step in range(start, STEPS)]
         a, b = straight.full_state_dict(), resumed.full_state_dict()
-        return {"start": start, "since_sync": loaded["since_sync"], "same_state": same_state,
+        return {"start": start, "since_sync": loaded["since_sync"], "same_state": same_state, "anchored": anchored,
                 "momentum_set": all(m is not None and bool(m.abs().sum() > 0) for m in saved["momentum"]),
                 "losses": losses[4:] == more, "params": all(torch.equal(a[n], b[n]) for n in a)}
 
     for rank in run_distributed(work, GROUPS):
         assert rank == {"start": 4, "since_sync": 1, "same_state": True, "momentum_set": True, "losses": True,
-                        "params": True}
+                        "params": True, "anchored": True}
 
 
 @pytest.mark.parametrize("diloco, more, message", [
