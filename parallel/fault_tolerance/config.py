@@ -88,7 +88,7 @@ DILOCO_COMPRESSION = ("none", "onebit", "int8")
 @dataclass(frozen=True)
 class DiLoCoConfig:
     """`[diloco]` (parallel/fault_tolerance/diloco.py): each node's dp ranks are one group training alone for
-    `inner_steps` steps (the recipe's AdamW and ZeRO stage inside the node), then one outer step across the nodes:
+    `inner_steps` steps (the recipe's AdamW and ZeRO stage 0-2 inside the node), then one outer step across the nodes:
     the groups' average of (parameters at the last sync - parameters now) is the outer gradient of an SGD step
     with Nesterov momentum from the last sync's parameters, and every group continues from the result."""
 
@@ -131,10 +131,10 @@ def check_diloco(d: DiLoCoConfig, *, dp: int, tp: int, cp: int, ep: int, node_si
         raise ValueError(f"diloco with parallel.node_size = {node_size} puts all of parallel.dp = {dp} on one node "
                          f"(1 group); valid: a node size whose node_size / (tp x cp = {tp * cp}) is a proper divisor "
                          f"of dp = {dp} (2 or more groups to average)")
-    if zero_stage not in (1, 2):
-        raise ValueError(f"diloco with zero.stage = {zero_stage} is not supported; valid: 1, 2 (the outer step runs "
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"diloco with zero.stage = {zero_stage} is not supported; valid: 0, 1, 2 (the outer step runs "
                          "on each rank's owned fp32 master chunk inside its node)")
-    if shard_group != "node":
+    if zero_stage and shard_group != "node":
         raise ValueError(f"diloco with zero.shard_group = {shard_group!r} is invalid; valid: \"node\" (each node is "
                          "one group: ZeRO shards inside it, only the outer step crosses nodes)")
     for field_name, value, valid in (("zero.offload", offload, "none"),

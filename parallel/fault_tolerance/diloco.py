@@ -3,7 +3,8 @@
 `[diloco]` (config.py). The groups are HSDP's nodes (zero.shard_group = "node", parallel.node_size): inside a
 node the recipe's ZeRO stage 1 or 2 runs as usual (reduce-scatter of the gradients over the node's dp ranks,
 AdamW on each rank's owned fp32 master chunk, all-gather), but the gradients never cross nodes
-(build_zero(replica_reduce=False)). Every H-th applied inner step, between the AdamW update and the all-gather
+(build_zero(replica_reduce=False)); stage 0 (zero.shard_group "dp") all-reduces them over the node's dp ranks and
+its "chunks" are the whole parameters. Every H-th applied inner step, between the AdamW update and the all-gather
 (ZeroStage12.after_update), each rank runs the outer step on its owned chunk:
 
   outer gradient   delta = anchor - master (anchor: the chunk at the last outer step), averaged over the ranks
@@ -44,12 +45,13 @@ INT8_KIND = "diloco_int8_all_gather"
 
 
 class DiLoCo:
-    """A ZeroOptimizer (parallel/zero/interface.py) wrapping a ZeRO stage 1-2 whose gradients stay in the node;
+    """A ZeroOptimizer (parallel/zero/interface.py) wrapping a ZeRO stage 0-2 whose gradients stay in the node;
     the one optimizer step stays interface.optimizer_step's, the outer step runs inside the stage's step()."""
 
     def __init__(self, inner, topo: Topology, settings: DiLoCoConfig):
-        if not hasattr(inner, "after_update") or inner.groups.replica_group is not None:
-            raise ValueError("DiLoCo needs a ZeRO stage 1-2 optimizer built with replica_reduce=False (its "
+        node_only = inner.node_only if hasattr(inner, "node_only") else inner.groups.replica_group is None
+        if not hasattr(inner, "after_update") or not node_only:
+            raise ValueError("DiLoCo needs a ZeRO stage 0-2 optimizer built with replica_reduce=False (its "
                              "gradients averaged inside the node only)")
         if topo.dp_inter_group is None or topo.dp_nodes < 2:
             raise ValueError(f"diloco needs 2 or more nodes of dp ranks (groups); this layout has {topo.dp_nodes}: "
@@ -80,7 +82,7 @@ class DiLoCo:
                 self.worker_error.append(torch.zeros(padded, dtype=a.dtype, device=a.device))
                 self.server_error.append(torch.zeros(padded // g, dtype=a.dtype, device=a.device))
             elif kind == "int8":
-                self.error.append(torch.zeros_like(a))
+                self.error.append(torch.zeros(a.numel(), dtype=a.dtype, device=a.device))
 
     # ---- the outer step ---------------------------------------------------------------------------------------
     def _after_inner_update(self) -> None:
@@ -92,7 +94,7 @@ class DiLoCo:
     def outer_step(self) -> None:
         """Average (anchor - master) over the groups, one outer SGD step on the anchors, masters = anchors."""
         for k, (anchor, master) in enumerate(zip(self.anchors, self.inner.masters)):
-            anchor.grad = self._average(k, torch.sub(anchor, master))
+            anchor.grad = self._average(k, torch.sub(anchor, master).view(-1)).view_as(anchor)  # stage 0: 2-D
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
         for anchor, master in zip(self.anchors, self.inner.masters):
@@ -214,7 +216,7 @@ class DiLoCo:
             mine_e.copy_(saved)
         self.since_sync, self.outer_steps = int(mine["since_sync"]), int(mine["outer_steps"])
         inner = self.inner
-        for i, b in enumerate(inner.buckets):  # this group's parameters from its own masters
+        for i, b in enumerate(getattr(inner, "buckets", ())):  # stages 1-2: this group's parameters from its masters
             owned = b.flat_params[b.owned]
             inner.write_owned(i, owned)
             if inner.group is not None:

@@ -36,7 +36,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 or 1.
     `shard_group` "node" (HSDP) and `hpz` (stage 3): the node-aware partitions of groups.py; `quantized_weights`
     (stage 3): qwZ, the gathers in int8 blocks (quantized.py); `quantized_gradients` "int8" | "int4" (stages
-    1-3): qgZ, the hierarchical quantized gradient reduce (qgz.py). `replica_reduce=False` with HSDP: the
+    1-3): qgZ, the hierarchical quantized gradient reduce (qgz.py). `replica_reduce=False` (stage 0, or HSDP): the
     gradients are averaged inside the node only (DiLoCo, parallel/fault_tolerance/diloco.py, crosses nodes in its
     outer step instead); the other nodes' ranks still never write the owned states of a checkpoint."""
     adamw = adamw or _torch_adamw
@@ -59,7 +59,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
         if offload != "none":
             raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")
         return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tied=tied,
-                                 adamw=adamw, bucket_elements=bucket_elements)
+                                 adamw=adamw, bucket_elements=bucket_elements, node_only=not replica_reduce)
     if stage in (1, 2):
         return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of,

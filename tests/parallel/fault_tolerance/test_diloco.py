@@ -28,8 +28,9 @@ OUTER = {"enabled": True, "inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0
 COMPRESSIONS = ("none", "onebit", "int8")
 
 
-def _res(compression: str, **more):
-    return tiny_resolved(parallel={"dp": GROUPS, "node_size": 1}, zero={"stage": 1, "shard_group": "node"},
+def _res(compression: str, stage: int = 1, **more):
+    zero = {"stage": stage, "shard_group": "node" if stage else "dp"}
+    return tiny_resolved(parallel={"dp": GROUPS, "node_size": 1}, zero=zero,
                          train={"steps": STEPS, "micro_batch": MICRO, **more.pop("train", {})},
                          diloco={**OUTER, "compression": compression}, **more)
 
@@ -52,7 +53,7 @@ def _count_inter_collectives(topo: Topology, counter: list[int]) -> None:
 
 @pytest.fixture(scope="module")
 def runs():
-    resolved = {c: _res(c) for c in COMPRESSIONS}
+    resolved = {**{c: _res(c) for c in COMPRESSIONS}, **{f"stage0-{c}": _res(c, stage=0) for c in COMPRESSIONS}}
 
     def work():
         topo = Topology.build(GROUPS, node_size=1)
@@ -68,8 +69,10 @@ def runs():
                 losses.append(metrics["loss"])
                 outer.append(metrics["diloco_outer_steps"])
                 calls.append(counter[0] - before)
+            buckets = getattr(trainer.zero.inner, "buckets", None)  # stage 0: one chunk per parameter
             out[name] = {"losses": losses, "calls": calls, "outer": outer, "params": trainer.full_state_dict(),
-                         "buckets": [(list(b.names), list(b.offsets), b.numel) for b in trainer.zero.buckets]}
+                         "buckets": buckets and [(list(b.names), list(b.offsets), b.numel) for b in buckets],
+                         "chunks": len(trainer.zero.anchors)}
         return out
 
     return run_distributed(work, GROUPS)
@@ -94,13 +97,13 @@ def _onebit_mean(x, worker_error, server_error):
     return torch.cat(out)
 
 
-def reference(compression: str, buckets, steps: int = STEPS, per_group: int = 1):
+def reference(compression: str, buckets, steps: int = STEPS, per_group: int = 1, stage: int = 1):
     """Losses (mean over groups) and each group's parameters, by the algorithm above; a group of `per_group`
     ranks reads their micro-batches as one (the ranks' mean loss and gradient)."""
     # ZeRO-1 on one rank: the run's bucket layout and flat AdamW, so the deltas are bitwise the run's (sign and
     # rounding compressors are discontinuous: a 1e-17 difference in a near-zero delta, e.g. the attention key's
     # bias whose gradient is zero up to rounding, flips its sign bit)
-    res = tiny_resolved(train={"steps": STEPS, "micro_batch": MICRO * per_group}, zero={"stage": 1})
+    res = tiny_resolved(train={"steps": STEPS, "micro_batch": MICRO * per_group}, zero={"stage": stage})
     trainers = []
     for g in range(GROUPS):
         torch.manual_seed(0)
@@ -110,7 +113,7 @@ def reference(compression: str, buckets, steps: int = STEPS, per_group: int = 1)
         trainers.append(t)
     params = [dict(t.model.named_parameters()) for t in trainers]
 
-    if buckets is None:  # plain averaging is elementwise: any layout, here one "bucket" per parameter
+    if buckets is None:  # stage 0's chunks, and any layout for plain averaging (elementwise): each parameter
         buckets = [([name], [0], p.numel()) for name, p in params[0].items()]
 
     def flats(g):
@@ -158,27 +161,28 @@ def reference(compression: str, buckets, steps: int = STEPS, per_group: int = 1)
     return losses, [t.full_state_dict() for t in trainers]
 
 
+@pytest.mark.parametrize("stage", [1, 0])
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_diloco_equals_the_single_process_reference(runs, compression):
-    ref_losses, ref_params = reference(compression, runs[0][compression]["buckets"])
+def test_diloco_equals_the_single_process_reference(runs, compression, stage):
+    name = compression if stage else f"stage0-{compression}"
+    ref_losses, ref_params = reference(compression, runs[0][name]["buckets"], stage=stage)
     for g, rank in enumerate(runs):
-        got = rank[compression]
+        got = rank[name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-10, atol=0)
         assert got["params"].keys() == ref_params[g].keys()
-        for name, value in ref_params[g].items():
-            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
+        for param, value in ref_params[g].items():
+            torch.testing.assert_close(got["params"][param], value, rtol=0, atol=1e-10, msg=param)
     # the last step was an inner one: the groups trained apart (a run that averaged every step would not differ)
-    assert any(not torch.equal(runs[0][compression]["params"][n], runs[1][compression]["params"][n])
-               for n in ref_params[0])
+    assert any(not torch.equal(runs[0][name]["params"][n], runs[1][name]["params"][n]) for n in ref_params[0])
 
 
-@pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_the_groups_talk_only_every_h_steps(runs, compression):
-    per_sync = len(runs[0][compression]["buckets"]) * (1 if compression == "none" else 2)
+@pytest.mark.parametrize("name", [*COMPRESSIONS, *(f"stage0-{c}" for c in COMPRESSIONS)])
+def test_the_groups_talk_only_every_h_steps(runs, name):
+    per_sync = runs[0][name]["chunks"] * (1 if name.endswith("none") else 2)
     expected = [per_sync if (step + 1) % H == 0 else 0 for step in range(STEPS)]
     for rank in runs:
-        assert rank[compression]["calls"] == expected
-        assert rank[compression]["outer"] == [(step + 1) // H for step in range(STEPS)]  # metrics.jsonl's count
+        assert rank[name]["calls"] == expected
+        assert rank[name]["outer"] == [(step + 1) // H for step in range(STEPS)]  # metrics.jsonl's count
 
 
 def test_two_groups_of_two_zero2_ranks_equal_the_reference():
@@ -205,11 +209,12 @@ def test_two_groups_of_two_zero2_ranks_equal_the_reference():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-10, msg=name)
 
 
-def test_checkpoint_resumes_the_outer_state_exactly(tmp_path):
-    """Saved after 4 steps (one outer step, one inner step past it: anchor, Nesterov momentum, 1-bit error
-    buffers and each group's own inner state all in play), loaded into a fresh run that finishes: bitwise the
-    run that never stopped."""
-    res = _res("onebit", run={"dir": str(tmp_path / "run")})
+@pytest.mark.parametrize("stage, compression", [(1, "onebit"), (0, "int8")])
+def test_checkpoint_resumes_the_outer_state_exactly(tmp_path, stage, compression):
+    """Saved after 4 steps (one outer step, one inner step past it: anchor, Nesterov momentum, the compressor's
+    error buffers and each group's own inner state all in play), loaded into a fresh run that finishes: bitwise
+    the run that never stopped."""
+    res = _res(compression, stage=stage, run={"dir": str(tmp_path / "run")})
 
     def work():
         topo = Topology.build(GROUPS, node_size=1)
@@ -226,9 +231,11 @@ def test_checkpoint_resumes_the_outer_state_exactly(tmp_path):
         resumed = Trainer(res, topo)
         start = resumed.load_checkpoint(path)
         loaded = resumed.zero.rank_state()["diloco"]
-        same_state = all(torch.equal(a, b) for key in ("anchors", "momentum", "worker_error", "server_error",
-                                                       "masters", "exp_avg", "exp_avg_sq")
-                         for a, b in zip(saved[key], loaded[key]))
+        keys = ("anchors", "momentum", "worker_error", "server_error", "error", "masters", "exp_avg", "exp_avg_sq")
+        same_state = all(len(saved[key]) == len(loaded[key]) for key in keys) and all(
+            torch.equal(a, b) for key in keys for a, b in zip(saved[key], loaded[key]))
+        errors = saved["worker_error"] + saved["error"]
+        same_state &= bool(errors) and all(bool(e.abs().sum() > 0) for e in errors)  # feedback is in play
         weights_only = Trainer(res, topo)  # a fine-tune's start: the loaded weights are the last sync point
         weights_only.load_checkpoint(path, load_optimizer=False)
         z = weights_only.zero
@@ -249,7 +256,7 @@ def test_checkpoint_resumes_the_outer_state_exactly(tmp_path):
     ({"outer_lr": -1.0}, {}, "diloco.outer_lr = -1.0 is invalid; valid: a number > 0"),
     ({"outer_momentum": 1.0}, {}, "diloco.outer_momentum = 1.0 is invalid; valid: 0 <= momentum < 1"),
     ({"compression": "int4"}, {}, "diloco.compression = 'int4' is invalid; valid: 'none', 'onebit', 'int8'"),
-    ({}, {"zero": {"stage": 3, "shard_group": "node"}}, "diloco with zero.stage = 3 is not supported; valid: 1, 2"),
+    ({}, {"zero": {"stage": 3, "shard_group": "node"}}, "diloco with zero.stage = 3 is not supported; valid: 0, 1, 2"),
     ({}, {"zero": {"stage": 1, "shard_group": "dp"}}, "diloco with zero.shard_group = 'dp' is invalid"),
     ({}, {"parallel": {"dp": 2, "node_size": 2}}, "diloco with parallel.node_size = 2 puts all of parallel.dp = 2"),
     ({}, {"parallel": {"dp": 2, "node_size": 0}}, "diloco with parallel.node_size = 0 is invalid"),
