@@ -20,7 +20,7 @@ from megazoo.data.published.catalog import CATALOG, find_item
 from megazoo.models.config import ModelConfig
 from megazoo.models.lora.config import LoRAConfig  # `[lora]`: rank, alpha, dropout, targets (models/lora/adapters.py)
 from megazoo.parallel.pipeline.schedules import CHUNKS
-from megazoo.parallel.fault_tolerance.config import FaultToleranceConfig  # `[fault_tolerance]`: torchft replica groups
+from megazoo.parallel.fault_tolerance.config import DiLoCoConfig, FaultToleranceConfig  # torchft groups; DiLoCo
 from megazoo.recipes.sft_section import SFTSection
 
 
@@ -174,9 +174,8 @@ class CheckpointSection:
     # Every rank re-reads what it wrote against the sha256 it meant to write, before the oldest checkpoint rotates away;
     # a mismatch keeps the older ones, sets the new one aside as bad-step_N, stops the run. false: skip it (cost below)
     verify_on_save: bool = True  # damage is otherwise found at load; cost: benchmarks/checkpoint_verify.py
-    # true: the saving step returns once the state is copied to host memory; a background thread writes, verifies
-    # and publishes it with the same guarantees (parallel/checkpoint/async_save.py). The next save, the end of
-    # training or a stop waits for it and raises its error. Stall per save: benchmarks/checkpoint_async.py.
+    # true: the save returns once the state is in host memory; a thread writes, verifies and publishes it
+    # (parallel/checkpoint/async_save.py); the next save, the end or a stop waits for it (benchmarks/checkpoint_async)
     async_save: bool = False
     export_hf: str = ""  # a new folder: the last checkpoint written there as an HF model (streamed, sharded, verified)
 
@@ -240,6 +239,7 @@ class Recipe:
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: off (full fine-tuning)
     sft: SFTSection = field(default_factory=SFTSection)  # recipes/sft_section.py: fine-tuning on chat data
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)  # off: every step averages gradients over dp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -17,7 +17,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.presets import get_preset
 from megazoo.models.layout import check_parallel_compat
 from megazoo.models.lora.config import check_lora
-from megazoo.parallel.fault_tolerance.config import check_fault_tolerance
+from megazoo.parallel.fault_tolerance.config import check_diloco, check_fault_tolerance
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.recipes.checkpoint_model import (check_against_checkpoint, checkpoint_model, from_checkpoint,
                                               missing_load)
@@ -208,6 +208,10 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
     try:  # before the process count: with fault tolerance each replica group's processes are one job
         check_fault_tolerance(ft, dp=par.dp, zero_stage=recipe.zero.stage, shard_group=recipe.zero.shard_group,
                               optimizer=recipe.optimizer.name)
+        z = recipe.zero
+        check_diloco(recipe.diloco, dp=par.dp, tp=par.tp, cp=par.cp, ep=par.ep, node_size=par.node_size,
+                     zero_stage=z.stage, shard_group=z.shard_group, offload=z.offload,
+                     quantized_gradients=z.quantized_gradients, optimizer=recipe.optimizer.name, ft_enabled=ft.enabled)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     if ft.enabled and world_size is not None and world_size not in (layout, layout // ft.replica_groups):

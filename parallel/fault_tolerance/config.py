@@ -80,3 +80,70 @@ def check_fault_tolerance(ft: FaultToleranceConfig, *, dp: int, zero_stage: int,
     if optimizer != "adamw":
         raise ValueError(f"fault_tolerance with optimizer.name = {optimizer!r} is invalid; valid: \"adamw\" (the "
                          "compressed optimizers run their own data-parallel exchange, outside torchft's quorum)")
+
+
+DILOCO_COMPRESSION = ("none", "onebit", "int8")
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """`[diloco]` (parallel/fault_tolerance/diloco.py): each node's dp ranks are one group training alone for
+    `inner_steps` steps (the recipe's AdamW and ZeRO stage 0-2 inside the node), then one outer step across the nodes:
+    the groups' average of (parameters at the last sync - parameters now) is the outer gradient of an SGD step
+    with Nesterov momentum from the last sync's parameters, and every group continues from the result."""
+
+    enabled: bool = False
+    inner_steps: int = 8  # H: optimizer steps inside a group between two outer steps
+    outer_lr: float = 0.7  # the outer SGD's learning rate (DiLoCo, Douillard et al. 2023: 0.7)
+    outer_momentum: float = 0.9  # the outer SGD's momentum; 0: none
+    nesterov: bool = True  # Nesterov momentum (the paper's outer optimizer); false: heavy-ball
+    # The outer gradients on the wire: "none" (fp32 all-reduce), "onebit" (1-bit Adam's sign compression with
+    # worker and server error feedback, parallel/compressed/comms.py) or "int8" (qwZ's int8 blocks with error
+    # feedback, parallel/zero/quantized.py)
+    compression: str = "none"
+
+
+def diloco_groups(node_size: int, dp: int, tp: int, cp: int) -> int:
+    """How many DiLoCo groups (nodes of dp ranks) the layout has: dp / the dp ranks one node holds."""
+    return dp // max(1, min(node_size // (tp * cp), dp))
+
+
+def check_diloco(d: DiLoCoConfig, *, dp: int, tp: int, cp: int, ep: int, node_size: int, zero_stage: int,
+                 shard_group: str, offload: str, quantized_gradients: str, optimizer: str, ft_enabled: bool) -> None:
+    """Raise ValueError naming the field, the value and what is valid, when `d` cannot run this layout."""
+    if d.inner_steps < 1:
+        raise ValueError(f"diloco.inner_steps = {d.inner_steps} is invalid; valid: an integer >= 1 (optimizer steps "
+                         "inside a group between outer steps)")
+    if not (math.isfinite(d.outer_lr) and d.outer_lr > 0):
+        raise ValueError(f"diloco.outer_lr = {d.outer_lr} is invalid; valid: a number > 0")
+    if not (math.isfinite(d.outer_momentum) and 0 <= d.outer_momentum < 1):
+        raise ValueError(f"diloco.outer_momentum = {d.outer_momentum} is invalid; valid: 0 <= momentum < 1")
+    if d.compression not in DILOCO_COMPRESSION:
+        raise ValueError(f"diloco.compression = {d.compression!r} is invalid; valid: "
+                         f"{', '.join(map(repr, DILOCO_COMPRESSION))}")
+    if not d.enabled:
+        return
+    if node_size < 1:
+        raise ValueError(f"diloco with parallel.node_size = {node_size} is invalid; valid: the processes per node "
+                         "(> 0): DiLoCo's groups are the nodes, so their size must be known before the start")
+    groups = diloco_groups(node_size, dp, tp, cp)
+    if groups < 2:
+        raise ValueError(f"diloco with parallel.node_size = {node_size} puts all of parallel.dp = {dp} on one node "
+                         f"(1 group); valid: a node size whose node_size / (tp x cp = {tp * cp}) is a proper divisor "
+                         f"of dp = {dp} (2 or more groups to average)")
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"diloco with zero.stage = {zero_stage} is not supported; valid: 0, 1, 2 (the outer step runs "
+                         "on each rank's owned fp32 master chunk inside its node)")
+    if zero_stage and shard_group != "node":
+        raise ValueError(f"diloco with zero.shard_group = {shard_group!r} is invalid; valid: \"node\" (each node is "
+                         "one group: ZeRO shards inside it, only the outer step crosses nodes)")
+    for field_name, value, valid in (("zero.offload", offload, "none"),
+                                     ("zero.quantized_gradients", quantized_gradients, "none"),
+                                     ("optimizer.name", optimizer, "adamw")):
+        if value != valid:
+            raise ValueError(f"diloco with {field_name} = {value!r} is not supported; valid: {valid!r}")
+    if ep > 1:
+        raise ValueError(f"diloco with parallel.ep = {ep} is not supported; valid: 1")
+    if ft_enabled:
+        raise ValueError("diloco with fault_tolerance.enabled = true is not supported; valid: one of them (DiLoCo's "
+                         "groups are the nodes of one job, not torchft replica groups)")

@@ -5,6 +5,7 @@ Every returned object implements `ZeroOptimizer` (interface.py); `optimizer_step
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -26,7 +27,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
                units: Sequence[nn.Module] = (), init_fn: InitFn | None = None,
                tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
                adamw: Callable | None = None, compression=None, shard_group: str = "dp", hpz: bool = False,
-               quantized_weights: bool = False, quantized_gradients: str = "none"):
+               quantized_weights: bool = False, quantized_gradients: str = "none", replica_reduce: bool = True):
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
     a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
     parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
@@ -35,13 +36,17 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     `compression` (parallel/compressed/schedule.py CompressionSettings): 1-bit / 0-1 Adam, stage 0 or 1.
     `shard_group` "node" (HSDP) and `hpz` (stage 3): the node-aware partitions of groups.py; `quantized_weights`
     (stage 3): qwZ, the gathers in int8 blocks (quantized.py); `quantized_gradients` "int8" | "int4" (stages
-    1-3): qgZ, the hierarchical quantized gradient reduce (qgz.py)."""
+    1-3): qgZ, the hierarchical quantized gradient reduce (qgz.py). `replica_reduce=False` (stage 0, or HSDP): the
+    gradients are averaged inside the node only (DiLoCo, parallel/fault_tolerance/diloco.py, crosses nodes in its
+    outer step instead); the other nodes' ranks still never write the owned states of a checkpoint."""
     adamw = adamw or _torch_adamw
     check_shard_choice(shard_group, hpz, stage, topo.cp, quantized_weights, quantized_gradients, offload)
     if compression is not None and quantized_gradients != "none":
         raise ValueError(f"zero.quantized_gradients = {quantized_gradients!r} with optimizer {compression.name!r} "
                          "is not supported (it compresses its own gradient exchange); valid: 'none'")
     groups = shard_groups(topo, shard_group, hpz, stage, quantized_gradients) if stage else None
+    if groups is not None and not replica_reduce:
+        groups = dataclasses.replace(groups, replica_group=None, replica_size=1)
     if compression is not None:
         from megazoo.parallel.compressed.optimizer import CompressedAdam  # imports stage0: not at module level
         from megazoo.parallel.compressed.zero1 import CompressedAdamZero1
@@ -54,7 +59,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
         if offload != "none":
             raise ValueError("zero.offload = 'cpu' needs zero.stage >= 1 (the optimizer states must be partitioned)")
         return DataParallelAdamW(named, topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tied=tied,
-                                 adamw=adamw, bucket_elements=bucket_elements)
+                                 adamw=adamw, bucket_elements=bucket_elements, node_only=not replica_reduce)
     if stage in (1, 2):
         return ZeroStage12(named, topo, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            bucket_elements=bucket_elements, offload=offload, tied=tied, group_of=group_of,

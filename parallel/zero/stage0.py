@@ -23,9 +23,15 @@ from megazoo.parallel.zero.partitioned import TiedParameters
 class DataParallelAdamW(NothingToGather):
     def __init__(self, named: list[tuple[str, torch.nn.Parameter, ShardSpec]], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float,
-                 tied: TiedParameters = TiedParameters(), adamw=None, bucket_elements: int = BUCKET_ELEMENTS):
+                 tied: TiedParameters = TiedParameters(), adamw=None, bucket_elements: int = BUCKET_ELEMENTS,
+                 node_only: bool = False):
         self.named, self.topo, self.tied = named, topo, tied
         self.params = [p for _, p, _ in named if p.requires_grad]
+        self.masters = self.params  # what AdamW updates (DiLoCo's outer step works on the same tensors)
+        # DiLoCo (parallel/fault_tolerance/diloco.py): gradients averaged over the node's dp ranks only, and its
+        # outer step run by step() right after AdamW
+        self.node_only = node_only
+        self.after_update = None
         groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
         # No weight decay on biases and LayerNorm parameters (every 1-D tensor), as GPT-2.
@@ -36,7 +42,8 @@ class DataParallelAdamW(NothingToGather):
         # ends, maybe left out of the norm) or not.
         sharded = {p: spec.dim is not None and spec.size > 1 for _, p, spec in named}
         tied_params = {p for name, p, _ in named if name in tied.names}
-        self.reducer = GradientAllReducer(self.params, topo.grad_group, bucket_elements, self.comm,
+        self.reducer = GradientAllReducer(self.params, topo.dp_cp_intra_group if node_only else topo.grad_group,
+                                          bucket_elements, self.comm,
                                           key=lambda p: (sharded[p], p in tied_params))
 
     def begin_micro_batch(self, last: bool) -> None:
@@ -72,6 +79,8 @@ class DataParallelAdamW(NothingToGather):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.after_update is not None:
+            self.after_update()
         self.reducer.zero_()
 
     def state_views(self) -> list[StateView]:

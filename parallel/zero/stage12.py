@@ -64,6 +64,7 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
                          weight_decay=weight_decay, offload=offload, tied=tied,
                          specs={name: spec for name, _, spec in named}, adamw=adamw, groups=groups)
         self.stage = stage
+        self.after_update: Callable[[], None] | None = None  # run by step() between the update and the gathers
         # Frozen parameters (LoRA's base weights) are in no bucket: held whole on every rank, no optimizer state.
         self.frozen_bytes = sum(p.numel() * p.element_size() for _, p, _ in named if not p.requires_grad)
         # stage 1 keeps full-size gradient buffers for the whole step; stage 2 allocates one per reduction.
@@ -187,6 +188,8 @@ class ZeroStage12(NothingToGather, PartitionedOptimizer):
         waited: the gathers queue back to back; in place when the master aliases the bucket's chunk)."""
         self._wait_gathers()
         self.update_owned(lr)
+        if self.after_update is not None:  # DiLoCo's outer step: on the updated masters, before they are gathered
+            self.after_update()
         for i in reversed(range(len(self.buckets))):  # buckets are in backward order: the forward needs the last first
             b = self.buckets[i]
             mine = b.flat_params[b.owned]

@@ -18,6 +18,7 @@ from megazoo.models.moe.dispatch import expert_parameter_names
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.expert.zero import JointLedger, build_expert_split
+from megazoo.parallel.fault_tolerance.diloco import DiLoCo
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor import named_shards
@@ -176,8 +177,11 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         shard_group=zero.shard_group, hpz=zero.hpz,  # HSDP / ZeRO++ hpZ (parallel/zero/groups.py)
         quantized_weights=zero.quantized_weights,  # ZeRO++ qwZ (parallel/zero/quantized.py)
         quantized_gradients=zero.quantized_gradients,  # ZeRO++ qgZ (parallel/zero/qgz.py)
+        replica_reduce=not res.recipe.diloco.enabled,  # DiLoCo: gradients stay in the node, its outer step crosses
         init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
     if topo.ep > 1 and isinstance(zero.comm, JointLedger):  # the step's traffic includes the MoE all-to-alls
         zero.comm.ledgers += [m.dispatcher.comm for chunk in chunks for m in chunk.modules()
                               if hasattr(getattr(m, "dispatcher", None), "comm")]
+    if res.recipe.diloco.enabled:  # the outer step across nodes every diloco.inner_steps steps
+        zero = DiLoCo(zero, topo, res.recipe.diloco)
     return zero

@@ -225,6 +225,8 @@ class Trainer:
                 metrics["stragglers"] = named
                 if self.topo.rank == 0:
                     print("\n".join(f"megazoo: {line}" for line in named), flush=True)
+        if isinstance(getattr(zero, "outer_steps", None), int):  # DiLoCo: outer steps taken so far, this one's included
+            metrics["diloco_outer_steps"] = zero.outer_steps
         if self.replicas is not None:  # live groups, the global batch they trained, commit, heal
             metrics.update(self.replicas.step_metrics(t.micro_batch, t.grad_accum))
         if self.topo.pp > 1:  # this rank's pipeline stage: compute vs waiting within the schedule
