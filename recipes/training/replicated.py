@@ -58,6 +58,15 @@ def replica_setup(recipe: Recipe, environ: Mapping[str, str]) -> tuple[Recipe, R
     return replace(recipe, run=run), ReplicaSpec(index, ft.replica_groups, lighthouse, store, restarted)
 
 
+def heal_state(trainer: Trainer) -> HealState:
+    """Everything of this rank's that a healed group must receive (see HealState): the optimizer's views, the
+    routing-bias buffers the checkpoints also save, the loss scaler and the random streams."""
+    buffers = [(name, buf) for chunk in trainer.chunks for name, buf in chunk.named_buffers()
+               if name.endswith("router.expert_bias")]
+    return HealState(trainer.zero, trainer.scaler, tp_rng=trainer.model.rng, device=trainer.topo.device,
+                     buffers=buffers)
+
+
 def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, start_step: int,
                 stop_requested: Callable[[], bool] | None, progress: bool = False) -> TrainResult:
     """Join torchft's quorum as replica group `spec.index` and train (`fit_replicated`). A lost lighthouse ends
@@ -70,7 +79,7 @@ def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, sta
         store = ("localhost", own_store.port)
     rank0 = trainer.topo.rank == 0
     replicas = ReplicaGroup(trainer.res.recipe.fault_tolerance, trainer.topo, group=spec.index,
-                            lighthouse=spec.lighthouse, store=store, heal=HealState(trainer.zero, trainer.scaler))
+                            lighthouse=spec.lighthouse, store=store, heal=heal_state(trainer))
     try:
         return fit_replicated(trainer, replicas, log=log, start_step=start_step, stop_requested=stop_requested,
                               report=print if rank0 else (lambda *_: None), restarted=spec.restarted,
