@@ -89,7 +89,7 @@ class HealState:
                                f"this group's ({len(names)} views): the groups must run the same recipe and layout")
         targets = [v.tensor for v in self.zero.state_views()] + [b for _, b in self.buffers]
         for target, tensor in zip(targets, state["tensors"]):
-            target.copy_(tensor.to(target.device))
+            target.copy_(tensor)  # from host memory straight into the buffer: no device-side temporary
         self.zero.after_load()
         set_optimizer_steps(self.zero.optimizer, state["optimizer_steps"])
         if self.scaler is not None and state["scaler"] is not None:
