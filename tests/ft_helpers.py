@@ -57,7 +57,7 @@ def _hold(trainer: Trainer, hold: tuple[int, str]) -> None:
 
 
 def _group_main(group: int, sections: dict, address: str, out: str, resume: bool, restarted: bool,
-                hold: tuple[int, str] | None, ready: str | None) -> None:
+                hold: tuple[int, str] | None, ready: str | None, progress: bool) -> None:
     torch.set_num_threads(1)
     import faulthandler
     crash = open(out + ".crash", "w")
@@ -76,7 +76,7 @@ def _group_main(group: int, sections: dict, address: str, out: str, resume: bool
             _hold(trainer, hold)
         if ready is not None:
             Path(ready).touch()
-        result = replica_fit(trainer, spec, log, start, None)
+        result = replica_fit(trainer, spec, log, start, None, progress=progress)
         views = trainer.zero.state_views()
         torch.save({"names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
                     "tensors": [v.tensor.clone() for v in views], "optimizer_steps": optimizer_steps(trainer.optimizer),
@@ -98,11 +98,12 @@ def _warm_up() -> None:
 
 
 def start_group(group: int, sections: dict, address: str, out: Path, resume: bool = False, restarted: bool = False,
-                hold: tuple[int, Path] | None = None, ready: Path | None = None) -> mp.Process:
+                hold: tuple[int, Path] | None = None, ready: Path | None = None, progress: bool = False) -> mp.Process:
     _warm_up()
     hold_arg = (hold[0], str(hold[1])) if hold is not None else None
     proc = mp.get_context("fork").Process(target=_group_main, args=(group, sections, address, str(out), resume,
-                                                                    restarted, hold_arg, ready and str(ready)))
+                                                                    restarted, hold_arg, ready and str(ready),
+                                                                    progress))
     proc.start()
     return proc
 
