@@ -111,7 +111,7 @@ class ReplicaGroup:
     TCPStore (torchrun's MASTER_ADDR / MASTER_PORT), where rank 0 publishes torchft's manager address."""
 
     def __init__(self, ft: FaultToleranceConfig, topo: Topology, *, group: int, lighthouse: str,
-                 store: tuple[str, int], heal: HealState, replica_id: str | None = None):
+                 store: tuple[str, int], heal: HealState, replica_id: str | None = None, hostname: str | None = None):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -126,7 +126,7 @@ class ReplicaGroup:
             timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=ft.timeout_s), rank=topo.rank, world_size=topo.world_size,
             store_addr=store[0], store_port=store[1], lighthouse_addr=lighthouse,
-            replica_id=replica_id or f"group{group}", hostname=socket.gethostname(),
+            replica_id=replica_id or f"group{group}", hostname=hostname or socket.gethostname(),
             init_sync=False)  # every group initialises the same weights from the seed: no sync at step 0
         self.healed_at: int | None = None  # the step of the last heal (this group received the state)
         self.join_quorums = 0  # quorums the first join took
