@@ -166,7 +166,8 @@ def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None) -> None:
 def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str,
                      options: dict) -> None:
     """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives.
-    options: restarted (bool), die (see _arm), hold / ready (see _hold; ready is touched once the rank is up)."""
+    options: restarted (bool), die (see _arm), holds: [(step, file)] / ready (see _hold; ready is touched once the
+    rank is up)."""
     torch.set_num_threads(1)
     try:
         from dataclasses import replace
@@ -183,8 +184,8 @@ def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: 
         topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
         trainer = Trainer(res, topo, replica_group=group)
         _arm(trainer, rank, options.get("die"))
-        if options.get("hold") is not None:
-            _hold(trainer, options["hold"])
+        for hold in options.get("holds") or ():
+            _hold(trainer, hold)
         if options.get("ready") is not None:
             Path(options["ready"]).touch()
         result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
@@ -202,8 +203,7 @@ def start_group_of_two(group: int, port: int, sections: dict, address: str, outs
                        **options) -> list[mp.Process]:
     _warm_up()
     ctx = mp.get_context("fork")
-    hold = options.get("hold")
-    options = {**options, "hold": (hold[0], str(hold[1])) if hold is not None else None,
+    options = {**options, "holds": [(step, str(path)) for step, path in options.get("holds") or ()],
                "ready": str(options["ready"]) if options.get("ready") is not None else None}
     procs = [ctx.Process(target=_group_rank_main, args=(group, r, port, sections, address, str(outs[r]), options))
              for r in range(2)]

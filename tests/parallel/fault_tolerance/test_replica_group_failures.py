@@ -64,13 +64,19 @@ LAYOUTS = {  # name: (parallel, zero, train) of the whole job; 2 replica groups 
 @pytest.mark.parametrize("layout,kill_during_heal", [("zero2-dp2", True), ("tp2", False), ("pp2", False)])
 def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, layout, kill_during_heal):
     parallel, zero, train = LAYOUTS[layout]
+    # keep every checkpoint (none rotated away); a restarted group's first quorum may wait for group 0 to finish a
+    # held step on this loaded machine: 30 s before the lighthouse's quorum is given up (only failures wait)
     sections = ft_sections(tmp_path, STEPS, parallel=parallel, zero=zero, train=train,
-                           checkpoint={"every": EVERY, "keep": STEPS})  # keep all: none rotated away
+                           checkpoint={"every": EVERY, "keep": STEPS}, fault_tolerance={"quorum_timeout_s": 30.0})
     outs = [[tmp_path / f"g{g}r{r}.pt" for r in range(2)] for g in range(2)]
-    ready = tmp_path / "restarted-group-is-up"
+    ready, first_ready = tmp_path / "restarted-group-is-up", tmp_path / "group-dying-in-its-heal-is-up"
+    # group 0 waits (before a step, never inside one) until each restarted group is up, so that it is still
+    # training when that group asks to join: at step KILL_AT + 3 for the one that dies in its heal, STEPS - 5 for
+    # the last one
+    holds = [(KILL_AT + 3, first_ready)] * kill_during_heal + [(STEPS - 5, ready)]
     house = lighthouse()
     try:
-        group0 = start_group_of_two(0, free_port(), sections, house.address, outs[0], hold=(STEPS - 5, ready))
+        group0 = start_group_of_two(0, free_port(), sections, house.address, outs[0], holds=holds)
         group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], die=(1, "step", KILL_AT))
         _killed(group1)
         before = _files(tmp_path, 1)
@@ -79,7 +85,7 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
         wait_for(lambda: _alone(tmp_path) >= 2, 60, "group 0 to train 2 steps alone")
         if kill_during_heal:  # the restarted group dies while applying the state a live group sent it
             _killed(start_group_of_two(1, free_port(), sections, house.address, outs[1], restarted=True,
-                                       die=(0, "heal", 0)))
+                                       die=(0, "heal", 0), ready=first_ready))
             alone = _alone(tmp_path)
             wait_for(lambda: _alone(tmp_path) > alone, 60, "group 0 to go on after the failed heal")
         group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], restarted=True, ready=ready)
