@@ -141,8 +141,13 @@ def finish(procs: list[mp.Process], outs: list[Path], timeout_s: float = 60.0) -
 def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None) -> None:
     """Test scaffolding for a failure at a chosen point: rank `die[0]` SIGKILLs itself in the middle of step
     `die[2]` (after its forward and backward, before the optimizer step: gradients half reduced) when die[1] is
-    "step", or while it applies the state a live group sent it (the heal) when die[1] is "heal"."""
+    "step", while it applies the state a live group sent it (the heal) when "heal", or inside torchft's transfer
+    of that state (the sender serving it) when "transfer"."""
     if die is None or die[0] != rank:
+        return
+    if die[1] == "transfer":
+        from torchft.checkpointing.http_transport import HTTPTransport
+        HTTPTransport.recv_checkpoint = lambda *_, **__: os.kill(os.getpid(), signal.SIGKILL)  # this fork's only
         return
     if die[1] == "heal":
         from megazoo.parallel.fault_tolerance import replica

@@ -2,8 +2,8 @@
 a group is SIGKILLed in the middle of a step; the test then plays torchrun (it ends the group's other rank) and the
 launcher (it restarts the group). The other group never stops; the restarted group rejoins at its first quorums and
 heals from the live one; after the heal every rank of every group holds bitwise the same parameters, fp32 masters,
-Adam moments and update count. Inside a group: ZeRO-2 over dp 2 (also with a second SIGKILL during the heal
-itself), tp 2, pp 2. Nothing a group wrote to disk before its failure is lost or overwritten."""
+Adam moments and update count. Inside a group: ZeRO-2 over dp 2, tp 2, pp 2; with ZeRO-2 and tp 2 the restarted
+group is SIGKILLed again during its heal (applying the state; inside the transfer), and the next restart heals. Nothing a group wrote to disk before its failure is lost or overwritten."""
 
 from __future__ import annotations
 
@@ -61,8 +61,11 @@ LAYOUTS = {  # name: (parallel, zero, train) of the whole job; 2 replica groups 
 }
 
 
-@pytest.mark.parametrize("layout,kill_during_heal", [("zero2-dp2", True), ("tp2", False), ("pp2", False)])
-def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, layout, kill_during_heal):
+@pytest.mark.parametrize("layout,heal_death", [("zero2-dp2", "heal"), ("tp2", "transfer"), ("pp2", None)])
+def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, layout, heal_death):
+    """heal_death: the first restart of the group dies again during its heal, while applying the received state
+    ("heal") or inside torchft's transfer of it ("transfer"); the second restart heals."""
+    kill_during_heal = heal_death is not None
     parallel, zero, train = LAYOUTS[layout]
     # keep every checkpoint (none rotated away); a restarted group's first quorum may wait for group 0 to finish a
     # held step on this loaded machine: 30 s before the lighthouse's quorum is given up (only failures wait)
@@ -83,9 +86,9 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
         lines_before = metrics(tmp_path, 1)
         # the launcher's restart takes seconds; meanwhile group 0's step counter keeps rising, alone
         wait_for(lambda: _alone(tmp_path) >= 2, 60, "group 0 to train 2 steps alone")
-        if kill_during_heal:  # the restarted group dies while applying the state a live group sent it
+        if kill_during_heal:  # the restarted group dies during its heal (in the transfer, or applying the state)
             _killed(start_group_of_two(1, free_port(), sections, house.address, outs[1], restarted=True,
-                                       die=(0, "heal", 0), ready=first_ready))
+                                       die=(0, heal_death, 0), ready=first_ready))
             alone = _alone(tmp_path)
             wait_for(lambda: _alone(tmp_path) > alone, 60, "group 0 to go on after the failed heal")
         group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], restarted=True, ready=ready)
