@@ -4,6 +4,11 @@
     megazoo launch RECIPE --nnodes N --node-rank R --master HOST:PORT [--nproc-per-node G] [--set k=v ...]
     # or let Slurm start them (recipes/launch/slurm.py renders the script):
     megazoo launch --slurm RECIPE --nodes N --gpus-per-node G [--partition P --time HH:MM:SS --account A --out F]
+    # or a Kubernetes JobSet (recipes/launch/kubernetes.py):
+    megazoo launch --kubernetes RECIPE --nodes N --gpus-per-node G --image IMG --pvc CLAIM [--out F]
+    # [fault_tolerance] recipes: the lighthouse, and each node in its replica group (recipes/launch/replica_groups.py)
+    megazoo launch RECIPE --lighthouse-only [--lighthouse-port 29510]
+    megazoo launch RECIPE --replica-group G --nnodes M --node-rank R --master HOST:PORT --lighthouse http://H:P
 
 The recipe is checked on the launching machine before any process starts (exit 2 naming the values): it must
 resolve, and nnodes x nproc-per-node must equal dp x tp x pp. One node then runs
