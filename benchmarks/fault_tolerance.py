@@ -72,6 +72,12 @@ def _worker_pid(group: int, local_rank: int) -> int | None:
     return None
 
 
+def _tail(log, chars: int = 5000) -> str:
+    log.flush()
+    log.seek(0)
+    return "\n".join(line for line in log.read().splitlines() if "[INFO]" not in line)[-chars:]
+
+
 def _rate(lines: list[dict]) -> float | None:
     if len(lines) < 2:
         return None
@@ -88,16 +94,27 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="megazoo-ft-") as tmp:
         run_dir, recipe = Path(tmp) / "run", Path(tmp) / "ft.toml"
         recipe.write_text(RECIPE.format(dp=2 * args.ranks_per_group, stage=args.stage, steps=args.steps))
+        # the job's log to a file, not a pipe: torchft logs every quorum, and a pipe nobody reads until the end
+        # fills up and blocks the workers' writes (and with them the run)
+        log = open(Path(tmp) / "job.log", "w+")
         job = subprocess.Popen([sys.executable, "-m", "megazoo.recipes.cli", "train", str(recipe),
-                                "--set", f"run.dir={run_dir}"], stderr=subprocess.PIPE, text=True)
+                                "--set", f"run.dir={run_dir}"], stderr=log, stdout=log, text=True)
         while len(_metrics(run_dir, 1)) < args.kill_at:
             if job.poll() is not None:
-                raise SystemExit(f"the job ended before step {args.kill_at}:\n{job.stderr.read()}")
+                raise SystemExit(f"the job ended before step {args.kill_at}:\n{_tail(log)}")
             time.sleep(0.05)
+        old = {_worker_pid(1, r) for r in range(args.ranks_per_group)}  # group 1's workers before the kill
         pid = _worker_pid(1, args.ranks_per_group - 1)
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        err = job.communicate()[1]
+        respawned_at = None  # when the launcher's restart of group 1 has a worker process again
+        while job.poll() is None and respawned_at is None:
+            new = _worker_pid(1, 0)
+            if new is not None and new not in old:
+                respawned_at = time.time()
+            time.sleep(0.2)  # /proc scans: cheap enough at this rate
+        job.wait()
+        err = _tail(log, 1 << 20)
         m0, m1 = _metrics(run_dir, 0), _metrics(run_dir, 1)
     healed = next((m for m in m1 if "healed_at_step" in m), None)
     if healed is None:  # the restart took longer than group 0's remaining steps: ask for more steps
@@ -105,16 +122,29 @@ def main(argv: list[str] | None = None) -> dict:
     before = [m for m in m0 if m["time"] < killed_at]
     alone = [m for m in m0 if m["replicas_live"] == 1]
     after = [m for m in m0 if m["step"] >= healed["healed_at_step"]]
+    heal_line = next(m for m in m0 if m["step"] == healed["healed_at_step"])  # group 0's step that sent the state
+    median_after = sorted(m["step_time_s"] for m in after[1:])[len(after[1:]) // 2] if len(after) > 1 else None
     out = {"ranks_per_group": args.ranks_per_group, "zero_stage": args.stage, "exit_code": job.returncode,
            "steps_per_s_before": _rate(before), "steps_per_s_alone": _rate(alone), "steps_per_s_after": _rate(after),
            "steps_alone": len(alone), "kill_to_heal_s": healed["time"] - killed_at,
-           "healed_at_step": healed["healed_at_step"], "launcher": [l for l in err.splitlines() if "replica" in l],
+           # the timeline: kill -> group 0's first step alone ends -> the restarted group has a process again ->
+           # its first (healed) step ends; and what sending the state cost group 0's step
+           "kill_to_first_step_alone_s": alone[0]["time"] - killed_at if alone else None,
+           "kill_to_respawn_s": respawned_at - killed_at if respawned_at else None,
+           "respawn_to_heal_s": healed["time"] - respawned_at if respawned_at else None,
+           "heal_join_quorums": healed.get("join_quorums"),
+           "group0_heal_step_s": heal_line["step_time_s"], "group0_heal_step_ft_wait_s": heal_line["ft_wait_s"],
+           "group0_median_step_s_after": median_after,
+           "healed_at_step": healed["healed_at_step"], "launcher": [l for l in err.splitlines() if l.startswith("megazoo:") and "replica group" in l],
            # the restarted group's lines from before the failure are kept (nothing on disk is lost)
            "group1_steps_kept_before_kill": sum(m["step"] < healed["healed_at_step"] for m in m1)}
     print(json.dumps(out, indent=1))
-    print("| groups x ranks | steps/s before | alone | after heal | kill -> heal (s) | steps alone |")
+    print("| groups x ranks | steps/s before | alone | after heal | kill -> heal (s) | kill -> restarted process (s) "
+          "| steps alone |")
+    respawn = out["kill_to_respawn_s"]
     print(f"| 2 x {args.ranks_per_group} | {out['steps_per_s_before']:.2f} | {out['steps_per_s_alone']:.2f} | "
-          f"{out['steps_per_s_after']:.2f} | {out['kill_to_heal_s']:.1f} | {out['steps_alone']} |")
+          f"{out['steps_per_s_after']:.2f} | {out['kill_to_heal_s']:.1f} | "
+          f"{'-' if respawn is None else f'{respawn:.1f}'} | {out['steps_alone']} |")
     return out
 
 

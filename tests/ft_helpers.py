@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -56,7 +57,7 @@ def _hold(trainer: Trainer, hold: tuple[int, str]) -> None:
 
 
 def _group_main(group: int, sections: dict, address: str, out: str, resume: bool, restarted: bool,
-                hold: tuple[int, str] | None, ready: str | None) -> None:
+                hold: tuple[int, str] | None, ready: str | None, progress: bool) -> None:
     torch.set_num_threads(1)
     import faulthandler
     crash = open(out + ".crash", "w")
@@ -75,7 +76,7 @@ def _group_main(group: int, sections: dict, address: str, out: str, resume: bool
             _hold(trainer, hold)
         if ready is not None:
             Path(ready).touch()
-        result = replica_fit(trainer, spec, log, start, None)
+        result = replica_fit(trainer, spec, log, start, None, progress=progress)
         views = trainer.zero.state_views()
         torch.save({"names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
                     "tensors": [v.tensor.clone() for v in views], "optimizer_steps": optimizer_steps(trainer.optimizer),
@@ -97,11 +98,12 @@ def _warm_up() -> None:
 
 
 def start_group(group: int, sections: dict, address: str, out: Path, resume: bool = False, restarted: bool = False,
-                hold: tuple[int, Path] | None = None, ready: Path | None = None) -> mp.Process:
+                hold: tuple[int, Path] | None = None, ready: Path | None = None, progress: bool = False) -> mp.Process:
     _warm_up()
     hold_arg = (hold[0], str(hold[1])) if hold is not None else None
     proc = mp.get_context("fork").Process(target=_group_main, args=(group, sections, address, str(out), resume,
-                                                                    restarted, hold_arg, ready and str(ready)))
+                                                                    restarted, hold_arg, ready and str(ready),
+                                                                    progress))
     proc.start()
     return proc
 
@@ -136,8 +138,41 @@ def finish(procs: list[mp.Process], outs: list[Path], timeout_s: float = 60.0) -
     return results
 
 
-def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str) -> None:
-    """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives."""
+def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None) -> None:
+    """Test scaffolding for a failure at a chosen point: rank `die[0]` SIGKILLs itself in the middle of step
+    `die[2]` (after its forward and backward, before the optimizer step: gradients half reduced) when die[1] is
+    "step", while it applies the state a live group sent it (the heal) when "heal", or inside torchft's transfer
+    of that state (the sender serving it) when "transfer"."""
+    if die is None or die[0] != rank:
+        return
+    if die[1] == "transfer":
+        from torchft.checkpointing.http_transport import HTTPTransport
+        HTTPTransport.recv_checkpoint = lambda *_, **__: os.kill(os.getpid(), signal.SIGKILL)  # this fork's only
+        return
+    if die[1] == "heal":
+        from megazoo.parallel.fault_tolerance import replica
+        replica.HealState.load_state_dict = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # this fork's class only
+        return
+    step_fn, run, at = trainer.train_step, trainer.engine.run, die[2]
+    current = [-1]
+
+    def step(step: int, stop: bool = False) -> dict:
+        current[0] = step
+        return step_fn(step, stop)
+
+    def engine_run(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if current[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    trainer.train_step, trainer.engine.run = step, engine_run
+
+
+def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str,
+                     options: dict) -> None:
+    """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives.
+    options: restarted (bool), die (see _arm), holds: [(step, file)] / ready (see _hold; ready is touched once the
+    rank is up)."""
     torch.set_num_threads(1)
     try:
         from dataclasses import replace
@@ -148,22 +183,34 @@ def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: 
         store = TCPStore("localhost", port, 2, is_master=rank == 0, wait_for_workers=False)
         init_distributed(rank, 2, store, timeout_s=60)
         env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
-               "MASTER_PORT": str(port)}
+               "MASTER_PORT": str(port), RESTART_ENV: "1" if options.get("restarted") else "0"}
         recipe, spec = replica_setup(tiny_recipe(**sections), env)
         res = resolve(recipe, world_size=2)
         topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
         trainer = Trainer(res, topo, replica_group=group)
+        _arm(trainer, rank, options.get("die"))
+        for hold in options.get("holds") or ():
+            _hold(trainer, hold)
+        if options.get("ready") is not None:
+            Path(options["ready"]).touch()
         result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
-        torch.save({"losses": result.losses, "full": trainer.full_state_dict()}, out)
+        views = trainer.zero.state_views()
+        torch.save({"losses": result.losses, "full": trainer.full_state_dict(),
+                    "names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
+                    "tensors": [v.tensor.clone() for v in views],
+                    "optimizer_steps": optimizer_steps(trainer.optimizer)}, out)
     except BaseException:  # noqa: BLE001 - the test reads it
         torch.save({"error": traceback.format_exc()}, out)
     os._exit(0)
 
 
-def start_group_of_two(group: int, port: int, sections: dict, address: str, outs: list[Path]) -> list[mp.Process]:
+def start_group_of_two(group: int, port: int, sections: dict, address: str, outs: list[Path],
+                       **options) -> list[mp.Process]:
     _warm_up()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_group_rank_main, args=(group, r, port, sections, address, str(outs[r])))
+    options = {**options, "holds": [(step, str(path)) for step, path in options.get("holds") or ()],
+               "ready": str(options["ready"]) if options.get("ready") is not None else None}
+    procs = [ctx.Process(target=_group_rank_main, args=(group, r, port, sections, address, str(outs[r]), options))
              for r in range(2)]
     for p in procs:
         p.start()

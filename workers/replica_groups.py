@@ -32,6 +32,7 @@ LIGHTHOUSE_GONE_EXIT = 75  # a group's workers lost the lighthouse after saving 
 LIGHTHOUSE_GONE = "lighthouse-gone"  # what they record in the launcher's stop file (torchrun's exit status is 1)
 GROUP_ENV = "MEGAZOO_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+HOSTNAME_ENV = "MEGAZOO_FT_HOSTNAME"  # where other groups reach this group's torchft manager (default: host name)
 RESTART_ENV = "MEGAZOO_REPLICA_RESTART"  # "1" for a group restarted after a failure (it heals, never starts alone)
 
 
@@ -62,6 +63,7 @@ class LighthouseSettings:
     join_timeout_ms: int = 500
     heartbeat_timeout_ms: int = 5000
     quorum_tick_ms: int = 20
+    port: int = 0  # 0: any free port (one machine); a fixed one where other nodes must find it (megazoo launch)
 
 
 class Lighthouse:
@@ -71,7 +73,7 @@ class Lighthouse:
         s = settings
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "megazoo.workers.replica_groups", "lighthouse", str(s.min_replicas),
-             str(s.join_timeout_ms), str(s.heartbeat_timeout_ms), str(s.quorum_tick_ms)],
+             str(s.join_timeout_ms), str(s.heartbeat_timeout_ms), str(s.quorum_tick_ms), str(s.port)],
             stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline().strip() if self.proc.stdout is not None else ""
         if not line.startswith("http"):
@@ -111,8 +113,8 @@ def serve_lighthouse(argv: Sequence[str]) -> int:
     """The lighthouse child: bind any free port, print the address, serve until killed (or the launcher dies)."""
     die_with_parent(signal.SIGKILL)
     LighthouseServer = _lighthouse_class()
-    min_replicas, join_ms, heartbeat_ms, tick_ms = (int(a) for a in argv)
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_ms,
+    min_replicas, join_ms, heartbeat_ms, tick_ms, port = (int(a) for a in argv)
+    server = LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=join_ms,
                               quorum_tick_ms=tick_ms, heartbeat_timeout_ms=heartbeat_ms)
     print(server.address(), flush=True)
     while True:
@@ -230,6 +232,6 @@ def _group_loop(m: _Group, members: list[_Group], command: list[str], max_restar
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "lighthouse":
+    if len(sys.argv) == 7 and sys.argv[1] == "lighthouse":
         sys.exit(serve_lighthouse(sys.argv[2:]))
-    sys.exit("usage: python -m megazoo.workers.replica_groups lighthouse MIN_REPLICAS JOIN_MS HEARTBEAT_MS TICK_MS")
+    sys.exit("usage: python -m megazoo.workers.replica_groups lighthouse MIN_REPLICAS JOIN_MS HEARTBEAT_MS TICK_MS PORT")

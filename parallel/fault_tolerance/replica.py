@@ -8,7 +8,7 @@ groups together are HSDP's replica dimension. Per optimizer step, on every rank 
                alive; a group whose step is behind the quorum's (a restarted one) receives the current state from a
                live group through torchft's checkpoint transport (HTTP) and loads it before its forward: `HealState`
                (below) is every ZeRO state view (parameters, fp32 masters, Adam moments: the same views checkpoints
-               use), the optimizer's update count, the loss scaler and the RNG state.
+               use), the optimizer's update count, the loss scaler and every RNG stream the step draws from.
   reduce       `reduce_gradients(grads)` (called by parallel/zero/interface.optimizer_step after the group's own
                reduction): each of this rank's gradient tensors (ZeRO-0: the full flat buffers, ZeRO-1/2: the owned
                chunks) is all-reduced (average over the live groups) with the same rank of every other live group
@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megazoo.parallel import accelerator
 from megazoo.parallel.checkpoint.views import optimizer_steps, set_optimizer_steps
 from megazoo.parallel.fault_tolerance.config import FaultToleranceConfig
 from megazoo.parallel.topology import Topology
@@ -39,34 +40,61 @@ from megazoo.parallel.topology import Topology
 
 @dataclass
 class HealState:
-    """What a live group sends a healing one: the ZeRO optimizer's state views (in their fixed order, named, so a
-    mismatch is an error, not silent garbage), the update count, the loss scaler and this rank's RNG."""
+    """What a live group sends a healing one, so that the healed group's next step is the one it would have run had
+    it never failed: the ZeRO optimizer's state views (in their fixed order, named, so a mismatch is an error, not
+    silent garbage), the buffers that train without the optimizer (DeepSeek-V3's routing bias), the update count,
+    the loss scaler, and every random stream the step draws from: the CPU generator, the device's (CUDA) generator
+    and the tensor-parallel stream (`tp_rng`, parallel/tensor/random.py). Groups start from one seed and draw alike,
+    so in a run without failures every group's streams are equal at every step: the sender's are the ones the
+    healed group would have had. The data position needs nothing sent: a rank's batch at step s is a pure function
+    of (seed, s, its share) (data/batches.GlobalBatchSampler), and the step is torchft's, moved by the heal."""
 
     zero: Any  # a ZeroOptimizer (parallel/zero/interface.py)
     scaler: Any = None  # DynamicLossScaler or None
+    tp_rng: Any = None  # the model's TPRNGTracker (one per rank, shared by its chunks)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    buffers: list = field(default_factory=list)  # (name, tensor) trained outside the optimizer
+
+    def rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":  # the device generator: dropout on CUDA tensors draws from it
+            state["cuda"] = accelerator.rng_state(self.device)
+        if self.tp_rng is not None:
+            state["tp"] = self.tp_rng.get_state()
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        if self.device.type == "cuda":
+            accelerator.set_rng_state(state["cuda"], self.device)
+        if self.tp_rng is not None:
+            self.tp_rng.set_state(state["tp"].clone())
+
+    def _names(self) -> list[str]:
+        return [f"{v.kind}:{v.name}:{v.start}-{v.stop}" for v in self.zero.state_views()] + \
+               [f"buffer:{name}" for name, _ in self.buffers]
 
     def state_dict(self) -> dict:
-        views = self.zero.state_views()
-        return {"names": [f"{v.kind}:{v.name}:{v.start}-{v.stop}" for v in views],
-                "tensors": [v.tensor for v in views],
+        return {"names": self._names(),
+                "tensors": [v.tensor for v in self.zero.state_views()] + [b for _, b in self.buffers],
                 "optimizer_steps": optimizer_steps(self.zero.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "rng": torch.get_rng_state()}
+                "rng": self.rng_state()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        views = self.zero.state_views()
-        names = [f"{v.kind}:{v.name}:{v.start}-{v.stop}" for v in views]
+        names = self._names()
         if names != state["names"]:
             raise RuntimeError(f"fault_tolerance: the live group's state ({len(state['names'])} views) does not match "
                                f"this group's ({len(names)} views): the groups must run the same recipe and layout")
-        for view, tensor in zip(views, state["tensors"]):
-            view.tensor.copy_(tensor.to(view.tensor.device))
+        targets = [v.tensor for v in self.zero.state_views()] + [b for _, b in self.buffers]
+        for target, tensor in zip(targets, state["tensors"]):
+            target.copy_(tensor)  # from host memory straight into the buffer: no device-side temporary
         self.zero.after_load()
         set_optimizer_steps(self.zero.optimizer, state["optimizer_steps"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
+        self.set_rng_state(state["rng"])
 
 
 class LighthouseGone(RuntimeError):
@@ -83,7 +111,7 @@ class ReplicaGroup:
     TCPStore (torchrun's MASTER_ADDR / MASTER_PORT), where rank 0 publishes torchft's manager address."""
 
     def __init__(self, ft: FaultToleranceConfig, topo: Topology, *, group: int, lighthouse: str,
-                 store: tuple[str, int], heal: HealState, replica_id: str | None = None):
+                 store: tuple[str, int], heal: HealState, replica_id: str | None = None, hostname: str | None = None):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -98,7 +126,7 @@ class ReplicaGroup:
             timeout=timedelta(seconds=ft.timeout_s), quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=ft.timeout_s), rank=topo.rank, world_size=topo.world_size,
             store_addr=store[0], store_port=store[1], lighthouse_addr=lighthouse,
-            replica_id=replica_id or f"group{group}", hostname=socket.gethostname(),
+            replica_id=replica_id or f"group{group}", hostname=hostname or socket.gethostname(),
             init_sync=False)  # every group initialises the same weights from the seed: no sync at step 0
         self.healed_at: int | None = None  # the step of the last heal (this group received the state)
         self.join_quorums = 0  # quorums the first join took

@@ -4,6 +4,11 @@
     megazoo launch RECIPE --nnodes N --node-rank R --master HOST:PORT [--nproc-per-node G] [--set k=v ...]
     # or let Slurm start them (recipes/launch/slurm.py renders the script):
     megazoo launch --slurm RECIPE --nodes N --gpus-per-node G [--partition P --time HH:MM:SS --account A --out F]
+    # or a Kubernetes JobSet (recipes/launch/kubernetes.py):
+    megazoo launch --kubernetes RECIPE --nodes N --gpus-per-node G --image IMG --pvc CLAIM [--out F]
+    # [fault_tolerance] recipes: the lighthouse, and each node in its replica group (recipes/launch/replica_groups.py)
+    megazoo launch RECIPE --lighthouse-only [--lighthouse-port 29510]
+    megazoo launch RECIPE --replica-group G --nnodes M --node-rank R --master HOST:PORT --lighthouse http://H:P
 
 The recipe is checked on the launching machine before any process starts (exit 2 naming the values): it must
 resolve, and nnodes x nproc-per-node must equal dp x tp x pp. One node then runs
@@ -78,13 +83,14 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 def torchrun_node_command(recipe: str, overrides: list[str], *, nnodes: int, node_rank: int, nproc_per_node: int,
                           master: str, rdzv_id: str, python: str = sys.executable,
-                          data_dir: str | None = None) -> list[str]:
-    """The torchrun command for one node of a c10d-rendezvous job training `recipe`."""
+                          data_dir: str | None = None, extra: list[str] = ()) -> list[str]:
+    """The torchrun command for one node of a c10d-rendezvous job training `recipe` (`extra`: more torchrun
+    flags, e.g. a replica group's --max-restarts)."""
     sets = [arg for text in overrides for arg in ("--set", text)]
     sets += ["--data-dir", os.path.abspath(data_dir)] if data_dir else []
     return [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", master,
-            "--rdzv-id", rdzv_id, "-m", TRAIN_MODULE, recipe, *sets]
+            "--rdzv-id", rdzv_id, *extra, "-m", TRAIN_MODULE, recipe, *sets]
 
 
 class _NodeJob(Job):
@@ -111,11 +117,18 @@ def _node(args: argparse.Namespace) -> int:
         return 2
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     lock = None
+    env: dict[str, str] = {}
+    extra: list[str] = []
     try:
         args.recipe = str(find_recipe(args.recipe))  # a file, or a shipped recipe's name (megazoo recipes)
         recipe = load_recipe(args.recipe, overrides, data_dir=args.data_dir,
                              catalog_dirs=default_folders(os.environ))
-        nproc = check_layout(recipe, args.nnodes, args.nproc_per_node)
+        run_dir, layout = recipe.run.dir, recipe
+        if recipe.fault_tolerance.enabled:  # this node runs one replica group's share (replica_groups.py)
+            from megazoo.recipes.launch.replica_groups import node_group
+            layout, env, extra = node_group(recipe, args)
+            run_dir = os.path.join(run_dir, f"group-{args.replica_group}")  # each group owns its folder
+        nproc = check_layout(layout, args.nnodes, args.nproc_per_node)
         if not 0 <= args.node_rank < args.nnodes:
             raise RecipeError(f"--node-rank {args.node_rank} is invalid: with --nnodes {args.nnodes} it must be "
                               f"0 .. {args.nnodes - 1}")
@@ -124,15 +137,15 @@ def _node(args: argparse.Namespace) -> int:
         resolve(recipe, world_size=args.nnodes * nproc)
         command = torchrun_node_command(args.recipe, overrides, nnodes=args.nnodes, node_rank=args.node_rank,
                                         nproc_per_node=nproc, master=args.master, rdzv_id=args.rdzv_id,
-                                        data_dir=args.data_dir)
+                                        data_dir=args.data_dir, extra=extra)
         if args.dry_run:
             print(" ".join(command))
             return 0
         if args.node_rank == 0:  # node 0 owns run.dir: one job per run.dir, no run silently written over
-            lock = RunDirLock.acquire(recipe.run.dir)
-            previous = previous_run(recipe.run.dir)
+            lock = RunDirLock.acquire(run_dir)
+            previous = previous_run(run_dir)
             if previous and not (args.resume or recipe.checkpoint.resume):
-                raise RecipeError(f"run.dir {recipe.run.dir} already holds a run ({', '.join(previous)}): continue "
+                raise RecipeError(f"run.dir {run_dir} already holds a run ({', '.join(previous)}): continue "
                                   f"it with --resume, or choose another run.dir")
     except (RecipeError, RunDirBusy) as err:
         if lock is not None:
@@ -144,7 +157,7 @@ def _node(args: argparse.Namespace) -> int:
           f"{args.rdzv_id}): {' '.join(command)}", file=sys.stderr, flush=True)
     held_by = f"node 0's launcher (pid {os.getpid()} on {socket.gethostname()})" if lock else "node 0's launcher"
     try:
-        with _NodeJob({LOCK_HELD_ENV: held_by}) as job:
+        with _NodeJob({LOCK_HELD_ENV: held_by, **env}) as job:
             code = job.attempt(command)
             stopped = job.stopped_by(code)
     finally:
@@ -186,7 +199,48 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kubernetes(args: argparse.Namespace) -> int:
+    from megazoo.recipes.launch.kubernetes import KubernetesOptions, render_manifest, render_yaml
+    try:
+        if args.nnodes is None or args.nproc_per_node is None:
+            raise RecipeError("--kubernetes needs --nodes N and --gpus-per-node G")
+        path = str(find_recipe(args.recipe))
+        recipe = load_recipe(path, args.overrides, data_dir=args.data_dir, catalog_dirs=default_folders(os.environ))
+        check_layout(recipe, args.nnodes, args.nproc_per_node)
+        from megazoo.recipes.resolve import resolve
+        resolve(recipe, world_size=args.nnodes * args.nproc_per_node)
+        options = KubernetesOptions(args.nnodes, args.nproc_per_node, args.image or "", args.pvc or "",
+                                    args.mount_path, args.job_name or Path(path).stem.replace(".", "-").lower(),
+                                    args.namespace, args.lighthouse_port)
+        text = render_yaml(render_manifest(recipe, path, list(args.overrides), options))
+    except RecipeError as err:
+        print(f"megazoo: error: {err}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    Path(args.out).write_text(text)
+    print(f"megazoo: wrote {args.out} ({args.nnodes} nodes x {args.nproc_per_node} GPUs); apply it with: "
+          f"kubectl apply -f {args.out}", file=sys.stderr)
+    return 0
+
+
+def _lighthouse_only(args: argparse.Namespace) -> int:
+    from megazoo.recipes.launch.replica_groups import serve_lighthouse
+    try:
+        recipe = load_recipe(str(find_recipe(args.recipe)), args.overrides, data_dir=args.data_dir,
+                             catalog_dirs=default_folders(os.environ))
+        return serve_lighthouse(recipe, args.lighthouse_port)
+    except RecipeError as err:
+        print(f"megazoo: error: {err}", file=sys.stderr)
+        return 2
+
+
 def _launch(args: argparse.Namespace) -> int:
+    if args.lighthouse_only:
+        return _lighthouse_only(args)
+    if args.kubernetes:
+        return _kubernetes(args)
     return _slurm(args) if args.slurm else _node(args)
 
 
@@ -210,15 +264,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     node.add_argument("--rdzv-id", default="megazoo", metavar="ID",
                       help="rendezvous id, the same on every node of one job (e.g. $SLURM_JOB_ID)")
     node.add_argument("--dry-run", action="store_true", help="print this node's torchrun command and exit")
+    ft = parser.add_argument_group("fault tolerance ([fault_tolerance]: replica groups on torchft)")
+    ft.add_argument("--replica-group", type=int, default=None, metavar="G",
+                    help="the replica group this node belongs to (--nnodes / --node-rank / --master: that group's)")
+    ft.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
+                    help="the torchft lighthouse every group reaches (default: fault_tolerance.lighthouse)")
+    ft.add_argument("--lighthouse-only", action="store_true",
+                    help="run the recipe's torchft lighthouse here (prints its address) until stopped")
+    ft.add_argument("--lighthouse-port", type=int, default=29510, help="the lighthouse's port (default 29510)")
+    kube = parser.add_argument_group("Kubernetes (writes a JobSet manifest; apply it with kubectl)")
+    kube.add_argument("--kubernetes", action="store_true", help="write a JobSet manifest instead of launching")
+    kube.add_argument("--image", default=None, help="the container image that holds megazoo")
+    kube.add_argument("--pvc", default=None, metavar="CLAIM",
+                      help="a ReadWriteMany PersistentVolumeClaim every pod mounts: run.dir must be on it")
+    kube.add_argument("--mount-path", default="/shared", help="where the claim is mounted (default /shared)")
+    kube.add_argument("--namespace", default=None)
     slurm = parser.add_argument_group("Slurm (writes an sbatch script; submit it with sbatch)")
     slurm.add_argument("--slurm", action="store_true", help="write the sbatch script instead of launching")
     slurm.add_argument("--partition", default=None, metavar="P")
     slurm.add_argument("--time", default=None, metavar="HH:MM:SS", help="time limit of one allocation (the job "
                        "saves 120 s before it and is requeued)")
     slurm.add_argument("--account", default=None, metavar="A")
-    slurm.add_argument("--job-name", default=None, metavar="NAME", help="default: the recipe's file name")
+    slurm.add_argument("--job-name", default=None, metavar="NAME", help="default: the recipe's file name (Slurm, "
+                       "Kubernetes)")
     slurm.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node (default 29500)")
-    slurm.add_argument("--out", default=None, metavar="FILE", help="write the script here (default: stdout)")
+    slurm.add_argument("--out", default=None, metavar="FILE", help="write the script (Slurm) or manifest "
+                       "(Kubernetes) here (default: stdout)")
     parser.set_defaults(func=_launch)
 
 

@@ -76,6 +76,7 @@ def render_sbatch(recipe: Recipe, recipe_path: Path, overrides: list[str], optio
     sbatch += [f"--partition={options.partition}"] * (options.partition is not None)
     sbatch += [f"--time={options.time}"] * (options.time is not None)
     sbatch += [f"--account={options.account}"] * (options.account is not None)
+    sbatch += ["--no-kill"] * recipe.fault_tolerance.enabled  # a failed node ends its group's tasks, not the job
     sets = "".join(f" \\\n    --set {q(text)}" for text in overrides)
     sets += f" \\\n    --data-dir {q(os.path.abspath(data_dir))}" if data_dir else ""
     bin_dir = Path(python).parent
@@ -109,13 +110,8 @@ def render_sbatch(recipe: Recipe, recipe_path: Path, overrides: list[str], optio
         "}",
         "trap on_term TERM",
         "",
-        "# One task per node: `megazoo launch` for that node ($SLURM_NODEID), which runs torchrun with",
-        f"# {options.gpus_per_node} workers. --resume: a requeued job continues from the latest good checkpoint.",
-        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
-        "    bash -c 'exec megazoo launch \"$@\" --node-rank \"$SLURM_NODEID\"' megazoo-node \\",
-        f"    {q(str(recipe_file))} \\",
-        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.gpus_per_node} \\",
-        "    --master \"$head_node:$rdzv_port\" --rdzv-id \"$SLURM_JOB_ID\" --resume" + sets + " &",
+        *(_node_tasks(recipe, recipe_file, options, sets, q) if not recipe.fault_tolerance.enabled else
+          _replica_group_tasks(recipe, recipe_file, options, sets, q)),
         "srun_pid=$!",
         'status=0; wait "$srun_pid" || status=$?',
         'if [ "$stopping" = 1 ]; then  # the trap ended the first wait: wait for the save to finish',
@@ -125,7 +121,56 @@ def render_sbatch(recipe: Recipe, recipe_path: Path, overrides: list[str], optio
         '    echo "megazoo: saved and stopped; requeueing job $SLURM_JOB_ID (it continues with --resume)" >&2',
         '    scontrol requeue "$SLURM_JOB_ID" || true  # already requeued by Slurm on preemption',
         "fi",
+        *(['kill "$lighthouse_pid" 2>/dev/null  # the run is over: the lighthouse is no longer needed']
+          if recipe.fault_tolerance.enabled else []),
         'exit "$status"',
         "",
     ]
     return "\n".join(lines)
+
+
+def _node_tasks(recipe: Recipe, recipe_file: Path, options: SlurmOptions, sets: str, q) -> list[str]:
+    return [
+        "# One task per node: `megazoo launch` for that node ($SLURM_NODEID), which runs torchrun with",
+        f"# {options.gpus_per_node} workers. --resume: a requeued job continues from the latest good checkpoint.",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        "    bash -c 'exec megazoo launch \"$@\" --node-rank \"$SLURM_NODEID\"' megazoo-node \\",
+        f"    {q(str(recipe_file))} \\",
+        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.gpus_per_node} \\",
+        "    --master \"$head_node:$rdzv_port\" --rdzv-id \"$SLURM_JOB_ID\" --resume" + sets + " &",
+    ]
+
+
+def _replica_group_tasks(recipe: Recipe, recipe_file: Path, options: SlurmOptions, sets: str, q) -> list[str]:
+    """[fault_tolerance]: the lighthouse first (on the first node, beside its workers), then one task per node,
+    each in its replica group: group g is nodes g x M .. g x M + M - 1 (M nodes per group), its own torchrun
+    rendezvous on its first node, restarted alone by torchrun (--max-restarts) while the others train on."""
+    from megazoo.recipes.launch.replica_groups import LIGHTHOUSE_PORT, nodes_per_group
+    per_group = nodes_per_group(recipe, options.nodes)
+    groups = recipe.fault_tolerance.replica_groups
+    task = ('nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST")); '
+            f'g=$((SLURM_NODEID / {per_group})); '
+            'exec megazoo launch "$@" --replica-group "$g" '
+            f'--node-rank $((SLURM_NODEID % {per_group})) '
+            f'--master "${{nodes[$((g * {per_group}))]}}:$rdzv_port" --rdzv-id "$SLURM_JOB_ID-group$g"')
+    return [
+        f"# fault tolerance: {groups} replica groups of {per_group} node(s) each, every group its own torchrun job; a",
+        "# failed group is restarted alone (torchrun --max-restarts) and heals from a live group over the network.",
+        "# torchft's lighthouse (the quorum server every group asks before each step) runs on the first node:",
+        f"lighthouse_port={LIGHTHOUSE_PORT}",
+        'export MEGAZOO_LIGHTHOUSE="http://$head_node:$lighthouse_port"',
+        "srun --overlap --nodes=1 --ntasks=1 -w \"$head_node\" \\",
+        f"    megazoo launch {q(str(recipe_file))} --lighthouse-only --lighthouse-port \"$lighthouse_port\"" + sets
+        + " &",
+        "lighthouse_pid=$!",
+        'echo "megazoo: torchft lighthouse at $MEGAZOO_LIGHTHOUSE (on $head_node)" >&2',
+        "export rdzv_port",
+        "",
+        "# One task per node, in its replica group; --kill-on-bad-exit=0: one group's failure must not end the",
+        "# others' tasks. --resume: a requeued job continues from each group's latest good checkpoint.",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=0 \\",
+        f"    bash -c {q(task)} megazoo-node \\",
+        f"    {q(str(recipe_file))} \\",
+        f"    --nnodes {per_group} --nproc-per-node {options.gpus_per_node} \\",
+        '    --lighthouse "$MEGAZOO_LIGHTHOUSE" --resume' + sets + " &",
+    ]

@@ -69,6 +69,7 @@ class Layout:
     ep: int = 1  # expert parallelism: routed experts split over ep of the dp x cp ranks (expert_split_states)
     fused_ce: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
     fused_loss: bool = False  # the head + loss fused (train.fused_loss): no logits kept (activations.py)
+    replica_groups: int = 1  # [fault_tolerance]: dp cut into torchft replica groups; ZeRO shards inside a group
 
     @property
     def dp_per_node(self) -> int:
@@ -151,7 +152,8 @@ def state_memory(psi: int, layout: Layout, *, paper: bool = False) -> ModelState
     """Model states of `psi` parameters per device under `layout`, partitioned over dp x cp (cp ranks hold the
     same parameters): megazoo's optimizers' bytes, or with `paper` the ZeRO paper's (planner.py owns both)."""
     in_node = layout.dp_per_node * layout.cp  # a node's dp x cp ranks (cp ranks hold the same parameters)
-    n = in_node if layout.sharding == "hsdp" else layout.dp * layout.cp  # HSDP: inside a node
+    # HSDP: inside a node; fault-tolerant replica groups: inside a group (each group holds every state once)
+    n = in_node if layout.sharding == "hsdp" else layout.dp * layout.cp // layout.replica_groups
     if paper:
         mem = model_state_memory(psi, n, layout.zero, PRECISION_BYTES[layout.precision][0], offload=layout.offload)
     else:
@@ -262,7 +264,16 @@ def recipe_layout(resolved) -> Layout:
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
                   quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing,
-                  ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss)
+                  ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss,
+                  replica_groups=r.fault_tolerance.replica_groups if r.fault_tolerance.enabled else 1)
+
+
+def heal_bytes(mem: DeviceMemory) -> float:
+    """One rank's heal in flight (parallel/fault_tolerance/replica.HealState): a full copy of the state a restarted
+    replica group receives from a live one: parameters, fp32 masters and Adam moments (no gradients). torchft's
+    HTTP transport holds it in host memory on both ends (the sender copies its device tensors to the host, the
+    receiver loads them there and copies each into its own device buffer), so it needs host, not device, memory."""
+    return mem.states.params_bytes + mem.states.optimizer_bytes if mem.states is not None else mem.model_states
 
 
 def fused_ce(kernels) -> bool:

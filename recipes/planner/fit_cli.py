@@ -16,7 +16,7 @@ import argparse
 
 from megazoo.recipes.planner.zero import GB, PlanError
 from megazoo.recipes.planner.cost_model import CostModel, search
-from megazoo.recipes.planner.fit import Layout, device_memory, max_micro_batch, parse_gpu, recipe_layout
+from megazoo.recipes.planner.fit import Layout, device_memory, heal_bytes, max_micro_batch, parse_gpu, recipe_layout
 from megazoo.recipes.gpus import GPUS
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
@@ -125,7 +125,39 @@ def run(args: argparse.Namespace) -> int:
              "of fp32 parameters) + one layer recomputed" if layout.checkpointing else "")
           + "; in flight: walked on each rank's action list of the schedule (recipes/planner/schedule_memory.py; 1F1B: "
             "stage i holds pp - i), zero-bubble schedules holding each linear's input and output gradient from B to W")
-    return EXIT_FITS if mem.fits else EXIT_DOES_NOT_FIT
+    heal_fits = _heal(args, layout, mem) if layout.replica_groups > 1 else True
+    return EXIT_FITS if mem.fits and heal_fits else EXIT_DOES_NOT_FIT
+
+
+def _heal(args, layout: Layout, mem) -> bool:
+    """Print the heal's memory (a full copy of a group rank's state in flight, in host memory: fit.heal_bytes) and
+    whether a node's host memory holds it (--host-memory GB per node; unchecked without it)."""
+    per_rank = heal_bytes(mem)
+    node = (_int("--gpus-per-node", args.gpus_per_node) if args.gpus_per_node else
+            layout.node_size or min(layout.gpus, 8))
+    need = node * (per_rank + mem.states.cpu_bytes) if mem.states is not None else node * per_rank
+    print(f"  heal ({layout.replica_groups} fault-tolerant replica groups of dp {layout.dp // layout.replica_groups}): "
+          f"a restarted group receives a full copy of each rank's state from a live group: {per_rank / GB:.2f} GB per "
+          f"rank in flight (parameters + fp32 masters + Adam moments), in host memory on the sending and the "
+          f"receiving node (torchft's HTTP transport), no device memory beyond the states above; {need / GB:.2f} GB "
+          f"per node of {node} GPUs" + (" with the CPU-offloaded states" if layout.offload else ""))
+    if not args.host_memory:
+        print("  heal: host memory not checked (give --host-memory GB per node)")
+        return True
+    try:
+        capacity = float(args.host_memory) * GB
+    except ValueError:
+        capacity = -1.0
+    if not capacity > 0:
+        raise FitUsageError(f"--host-memory {args.host_memory!r} is invalid; valid: GB of host memory per node > 0")
+    if need <= capacity:
+        print(f"  heal fits: {need / GB:.2f} GB of {capacity / GB:.2f} GB host memory per node")
+        return True
+    print(f"  heal does NOT fit: {need / GB:.2f} GB per node ({node} ranks x {need / node / GB:.2f} GB) exceeds "
+          f"--host-memory {capacity / GB:g} GB; valid: more host memory per node, fewer GPUs per node "
+          f"(--gpus-per-node), or smaller shards: more ranks per replica group (parallel.dp / "
+          f"fault_tolerance.replica_groups) or a higher zero.stage")
+    return False
 
 
 def _run_search(args, capacity: float, gpu) -> int:
@@ -188,6 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store the (b, a, s, s) attention scores (Megatron-style softmax; default: SDPA)")
     parser.add_argument("--train-precision", choices=("fp16", "bf16", "fp32"), default="fp16",
                         help="with --model in fit/search mode: activation and state precision (default fp16)")
+    parser.add_argument("--host-memory", default=None, help="GB of host (CPU) memory per node: checks that a "
+                        "fault-tolerant recipe's heal fits there")
     parser.add_argument("--search", action="store_true", help="list the layouts that fit, fastest first")
     parser.add_argument("--gpus", default=None, help="--search: GPUs in total")
     parser.add_argument("--gpus-per-node", default=None, help="--search: GPUs per node (tp stays within one)")

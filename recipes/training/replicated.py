@@ -21,7 +21,7 @@ from megazoo.parallel.fault_tolerance.replica import HealState, LighthouseGone, 
 from megazoo.recipes.config import Recipe, RecipeError
 from megazoo.recipes.training import checkpointing
 from megazoo.recipes.training.metrics import MetricsLog
-from megazoo.workers.replica_groups import GROUP_ENV, LIGHTHOUSE_ENV, RESTART_ENV  # the launcher sets them
+from megazoo.workers.replica_groups import GROUP_ENV, HOSTNAME_ENV, LIGHTHOUSE_ENV, RESTART_ENV  # launchers set them
 from megazoo.recipes.training.trainer import Trainer, TrainResult
 
 
@@ -37,6 +37,7 @@ class ReplicaSpec:
     lighthouse: str
     store: tuple[str, int] | None  # the group's TCPStore (torchrun's MASTER_ADDR / PORT); None: one process
     restarted: bool = False  # the launcher restarted this group after a failure: it must heal from a live one
+    hostname: str | None = None  # the name other groups reach this one's manager at (None: this host's name)
 
 
 def replica_setup(recipe: Recipe, environ: Mapping[str, str]) -> tuple[Recipe, ReplicaSpec | None]:
@@ -54,8 +55,19 @@ def replica_setup(recipe: Recipe, environ: Mapping[str, str]) -> tuple[Recipe, R
     world = int(environ.get("WORLD_SIZE", "1"))
     store = (environ["MASTER_ADDR"], int(environ["MASTER_PORT"])) if world > 1 else None
     run = replace(recipe.run, dir=str(Path(recipe.run.dir) / f"group-{index}"))
-    restarted = environ.get(RESTART_ENV, "0") != "0"
-    return replace(recipe, run=run), ReplicaSpec(index, ft.replica_groups, lighthouse, store, restarted)
+    # restarted by megazoo train's launcher, or by torchrun itself (megazoo launch: --max-restarts on each group)
+    restarted = environ.get(RESTART_ENV, "0") != "0" or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    hostname = environ.get(HOSTNAME_ENV) or None  # e.g. a pod's full DNS name (recipes/launch/kubernetes.py)
+    return replace(recipe, run=run), ReplicaSpec(index, ft.replica_groups, lighthouse, store, restarted, hostname)
+
+
+def heal_state(trainer: Trainer) -> HealState:
+    """Everything of this rank's that a healed group must receive (see HealState): the optimizer's views, the
+    routing-bias buffers the checkpoints also save, the loss scaler and the random streams."""
+    buffers = [(name, buf) for chunk in trainer.chunks for name, buf in chunk.named_buffers()
+               if name.endswith("router.expert_bias")]
+    return HealState(trainer.zero, trainer.scaler, tp_rng=trainer.model.rng, device=trainer.topo.device,
+                     buffers=buffers)
 
 
 def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, start_step: int,
@@ -70,7 +82,8 @@ def replica_fit(trainer: Trainer, spec: ReplicaSpec, log: MetricsLog | None, sta
         store = ("localhost", own_store.port)
     rank0 = trainer.topo.rank == 0
     replicas = ReplicaGroup(trainer.res.recipe.fault_tolerance, trainer.topo, group=spec.index,
-                            lighthouse=spec.lighthouse, store=store, heal=HealState(trainer.zero, trainer.scaler))
+                            lighthouse=spec.lighthouse, store=store, heal=heal_state(trainer),
+                            hostname=spec.hostname)
     try:
         return fit_replicated(trainer, replicas, log=log, start_step=start_step, stop_requested=stop_requested,
                               report=print if rank0 else (lambda *_: None), restarted=spec.restarted,

@@ -61,14 +61,14 @@ def test_without_failure_replica_groups_train_what_plain_dp_trains(reference):
     assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(g0["tensors"], plain["tensors"]))
 
 
-def test_a_killed_group_is_dropped_restarted_and_healed_from_the_live_one(reference, tmp_path):
+def test_a_killed_group_is_dropped_restarted_and_healed_from_the_live_one(reference, tmp_path, capfd):
     _, ref, (ref_m0, _) = reference
     house = lighthouse()
     ready = tmp_path / "restarted-group-is-up"
     try:
         sections = ft_sections(tmp_path, STEPS)
         outs = [tmp_path / f"out{g}.pt" for g in range(2)]
-        procs = [start_group(0, sections, house.address, outs[0], hold=(STEPS - 8, ready)),
+        procs = [start_group(0, sections, house.address, outs[0], hold=(STEPS - 8, ready), progress=True),
                  start_group(1, sections, house.address, outs[1])]
         wait_for(lambda: len(metrics(tmp_path, 1)) >= 3, 60, "group 1 to train 3 steps")
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -81,6 +81,8 @@ def test_a_killed_group_is_dropped_restarted_and_healed_from_the_live_one(refere
         house.stop()
     m0, m1 = metrics(tmp_path, 0), metrics(tmp_path, 1)
     assert [m["step"] for m in m0] == list(range(STEPS))  # every step once: none redone, none lost
+    bar = capfd.readouterr().err  # group 0's progress line shows the live replica groups as they change
+    assert "train (group 0)" in bar and "live=2/2" in bar and "live=1/2" in bar
     healed = [m for m in m1 if "healed_at_step" in m]
     assert len(healed) == 1, m1
     heal_step = healed[0]["healed_at_step"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import time
 
+import torch.distributed as dist
+
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
@@ -28,20 +30,24 @@ def test_a_rank_is_named_once_it_was_slow_for_the_configured_steps_in_a_row():
     assert all(StragglerWatch(2.0, 1, ["h"] * 4).observe(s, [0.1, 0.1, 0.19, 0.1]) == [] for s in range(3))
 
 
-def _slow_rank(sleep_s: float) -> list[dict]:
+def _slow_rank(sleep_s: float) -> tuple[list[dict], list[str]]:
     res = resolve(tiny_recipe(parallel={"dp": 3}, train={"micro_batch": 1},
                               fault_tolerance={"straggler_factor": 2.0, "straggler_steps": 2}))
     topo = Topology.build(dp=3)
+    gathers, gather = [], dist.all_gather_object  # object gathers (host names): when do they run?
+    dist.all_gather_object = lambda *a, **k: (gathers.append("build"), gather(*a, **k))[1]
     trainer = Trainer(res, topo)
     if topo.rank == 2:  # this rank's forward and backward take sleep_s longer
         run = trainer.engine.run
         trainer.engine.run = lambda *a, **k: (time.sleep(sleep_s), run(*a, **k))[1]
-    return [trainer.train_step(step) for step in range(3)]
+    dist.all_gather_object = lambda *a, **k: (gathers.append("step"), gather(*a, **k))[1]
+    return [trainer.train_step(step) for step in range(3)], gathers
 
 
 def test_a_slow_rank_is_measured_and_named_with_its_host():
     Trainer(resolve(tiny_recipe()), Topology.solo())  # first build here (lazy imports, corpus): not per rank
-    steps = run_distributed(_slow_rank, 3, 1.0)[0]  # rank 0's metrics: it writes metrics.jsonl
+    steps, gathers = run_distributed(_slow_rank, 3, 1.0)[0]  # rank 0's metrics: it writes metrics.jsonl
+    assert gathers == ["build"]  # the host names are gathered once, never in a step (no host sync per step)
     for m in steps:
         compute, wait = m["rank_compute_s"], m["rank_wait_s"]
         assert len(compute) == len(wait) == 3
