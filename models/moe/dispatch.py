@@ -93,11 +93,12 @@ class ExpertParallelDispatcher(LocalDispatcher):
     local dispatcher's, and the sorted rows travel to their experts' ranks and back in between (parallel/expert:
     counts exchanged, all-to-all with uneven splits, the local experts, the inverse all-to-all)."""
 
-    def __init__(self, n_experts: int, capacity_factor: float, group):
+    def __init__(self, n_experts: int, capacity_factor: float, group, node_size: int = 0):
         super().__init__(n_experts, capacity_factor)
         self.group = group
         self.local_experts = local_expert_range(n_experts, group)
-        self.comm = CommLedger()  # this layer's all-to-all bytes (parallel/expert/comms.py)
+        # this layer's all-to-all bytes (parallel/expert/comms.py), per link class when nodes are known
+        self.comm = CommLedger(node_size=node_size)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                  experts: Experts) -> Dispatched:
@@ -108,7 +109,7 @@ class ExpertParallelDispatcher(LocalDispatcher):
 def make_dispatcher(cfg: ModelConfig, topo: Topology) -> TokenDispatcher:
     """The dispatcher of this rank's MoE layers: local at ep = 1, the all-to-all one over the ep group."""
     if topo.ep > 1:
-        return ExpertParallelDispatcher(cfg.n_experts, cfg.moe_capacity_factor, topo.ep_group)
+        return ExpertParallelDispatcher(cfg.n_experts, cfg.moe_capacity_factor, topo.ep_group, topo.node_size)
     return LocalDispatcher(cfg.n_experts, cfg.moe_capacity_factor)
 
 
