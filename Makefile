@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megazoo-installed
 
-.PHONY: install demo moe-demo sft-demo test test-gpu bench-gpu clean
+.PHONY: install demo moe-demo moe-dry-run sft-demo test test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ demo: install
 # The mixture-of-experts demo (recipes/moe-demo.toml): 8 experts per layer split over 2 processes (ep 2).
 moe-demo: install
 	$(VENV)/bin/megazoo train recipes/moe-demo.toml
+
+# Qwen3-235B-A22B's step at its full world size (1,024 ranks, all 94 layers) on fake tensors against the planner,
+# MoE all-to-all bytes per link class included (too slow for CI; tests/recipes/planner/test_moe_dry_run.py runs a
+# 2-layer Qwen3-30B-A3B at its full size). 16 micro-batches: 1F1B's peak is reached at pp of them.
+moe-dry-run: install
+	mkdir -p runs
+	$(VENV)/bin/megazoo plan --recipe recipes/qwen3-235b-a22b.toml --dry-run --set train.grad_accum=16 \
+		--set train.global_batch=128 --json runs/moe-dry-run-qwen3-235b.json
 
 # The fine-tuning demo (recipes/sft-demo.toml): LoRA on `make demo`'s model (trained first if it is missing), taught
 # to answer a docstring with its signature through the ChatML template; prints the answers before and after.

@@ -106,11 +106,12 @@ class ExpertParallelDispatcher(LocalDispatcher):
     factor and `same_shapes` (training: every ep rank routes as many rows, so has the same capacity) the padded
     slots make every split known: no count exchange and no host read (exchange_rows' rows_per_expert)."""
 
-    def __init__(self, n_experts: int, capacity_factor: float, group):
+    def __init__(self, n_experts: int, capacity_factor: float, group, node_size: int = 0):
         super().__init__(n_experts, capacity_factor)
         self.group = group
         self.local_experts = local_expert_range(n_experts, group)
-        self.comm = CommLedger()  # this layer's all-to-all bytes (parallel/expert/comms.py)
+        # this layer's all-to-all bytes (parallel/expert/comms.py), per link class when nodes are known
+        self.comm = CommLedger(node_size=node_size)
 
     def _experts(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor, cap: int | None) -> torch.Tensor:
         return exchange_rows(rows, counts, experts, self.group, self.comm, rows_per_expert=cap)
@@ -119,7 +120,7 @@ class ExpertParallelDispatcher(LocalDispatcher):
 def make_dispatcher(cfg: ModelConfig, topo: Topology) -> TokenDispatcher:
     """The dispatcher of this rank's MoE layers: local at ep = 1, the all-to-all one over the ep group."""
     if topo.ep > 1:
-        return ExpertParallelDispatcher(cfg.n_experts, cfg.moe_capacity_factor, topo.ep_group)
+        return ExpertParallelDispatcher(cfg.n_experts, cfg.moe_capacity_factor, topo.ep_group, topo.node_size)
     return LocalDispatcher(cfg.n_experts, cfg.moe_capacity_factor)
 
 

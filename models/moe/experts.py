@@ -70,9 +70,11 @@ def looped_swiglu(tokens: torch.Tensor, counts: torch.Tensor, w_fc: torch.Tensor
     """The reference: one SwiGLU per expert on its rows (reads the counts on the host; on the dry run's fake
     tensors, which hold no counts, the rows split evenly: parallel/expert.host_row_counts)."""
     outs = []
+    # unbind, not w_fc[e]: each indexing's backward would write a zero gradient of the whole stack (E^2 work)
+    fcs, projs = w_fc.unbind(0), w_proj.unbind(0)
     for e, rows in enumerate(tokens.split(host_row_counts(counts, tokens.shape[0]))):
-        gate, up = F.linear(rows, w_fc[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, w_proj[e]))
+        gate, up = F.linear(rows, fcs[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, projs[e]))
     return torch.cat(outs) if outs else tokens.new_zeros(0, w_proj.shape[1])
 
 

@@ -12,8 +12,9 @@ all-to-all and one device-to-host read per dispatch, the only host read of the M
 sizes depend on where the router sent the tokens).
 
 With a CommLedger, `all_to_all_uneven` counts what leaves this rank (rows for other ranks, not the rows it keeps)
-under "all_to_all", in forward and in backward; `all_to_all_bytes` is the formula for uniform routing (tested to
-equal the count). A `None` group (ep = 1) makes both the identity, with no collective at all.
+under "all_to_all", in forward and in backward, and with the ledger's node_size per destination's link class
+("all_to_all_intra" / "all_to_all_inter" in link_bytes: a row crosses nodes only when its destination is on another
+node); `all_to_all_bytes` is the formula for uniform routing (tested to equal the count). A `None` group (ep = 1) makes both the identity, with no collective at all.
 """
 
 from __future__ import annotations
@@ -34,11 +35,19 @@ def all_to_all_bytes(tokens: int, top_k: int, d_model: int, ep: int, element_siz
 
 def _count(ledger: CommLedger | None, x: torch.Tensor, in_splits: list[int], group) -> None:
     if ledger is not None:
-        rows = sum(in_splits) - in_splits[group_rank(group)]  # the rows this rank keeps never travel
-        n = rows * (x[0].numel() if x.shape[0] else 0)
+        me = group_rank(group)
+        rows = sum(in_splits) - in_splits[me]  # the rows this rank keeps never travel
+        row = x[0].numel() if x.shape[0] else 0
+        n = rows * row
         ledger.elements["all_to_all"] += n
         ledger.bytes["all_to_all"] += n * x.element_size()
         ledger.calls["all_to_all"] += 1
+        if ledger.node_size > 0:  # each row goes straight to its rank: by that rank's node, not the group's span
+            ranks = dist.get_process_group_ranks(group)
+            for j, count in enumerate(in_splits):
+                if j != me and count:
+                    link = "intra" if ranks[j] // ledger.node_size == ranks[me] // ledger.node_size else "inter"
+                    ledger.link_bytes[f"all_to_all_{link}"] += count * row * x.element_size()
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:

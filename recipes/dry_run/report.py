@@ -25,8 +25,9 @@ from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.dry_run.run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
-                                        state_memory)
+                                        stage_states, state_memory)
 from megazoo.recipes.planner.links import link_bytes
+from megazoo.recipes.planner.moe import all_to_all_link_bytes
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
 
@@ -49,12 +50,18 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     buffers = BufferConfig(layout.bucket, layout.bucket)
     buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
                         persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
+    if layout.ep > 1:  # this rank's 1/ep of the experts, their states over the expert-data-parallel group
+        _, mem, buf = stage_states(cfg, layout, st)
     grad_ranks = layout.dp * layout.cp  # gradients are reduced (and ZeRO partitions) over dp x cp
     comm = communication_volume(st.numel, grad_ranks, layout.zero, state, grad_accum=layout.grad_accum)
     out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
            "buffers": buf, "dp_comm_bytes": comm.bytes if grad_ranks > 1 else 0.0, "psi": st.numel}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
+    if layout.ep > 1:  # the MoE layers' all-to-alls per link class (recipes/planner/moe.py), at dp = cp = tp rank 0
+        held = rank_chunks(res.stage_layers, layout.pp, pp_stage, placement(layout.schedule))
+        out["all_to_all_link_bytes"] = all_to_all_link_bytes(
+            cfg, layout, [i for v in held for i in res.stage_layers[v]], pp_stage, state.params)
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
         root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
         # ZeRO's groups are dp x cp: the whole group, and its part on one node
@@ -125,7 +132,11 @@ def role_dict(res: Resolved, r: RoleResult) -> dict:
             "collectives": m.collectives, "by_group": [[op, desc, count, nbytes] for (op, desc), (count, nbytes)
                                                        in sorted(m.by_group.items())],
             "dp_ring_bytes": dp_ring_bytes(r, par.dp, world, par.cp), "cp_attention_bytes": cp_attention_bytes(r),
-            "paper_dp_comm_bytes": plan["dp_comm_bytes"], "link_bytes": m.link_bytes,
+            "paper_dp_comm_bytes": plan["dp_comm_bytes"],
+            "link_bytes": {k: v for k, v in m.link_bytes.items() if not k.startswith("all_to_all_")},
+            "all_to_all_link_bytes": {k.removeprefix("all_to_all_"): v for k, v in m.link_bytes.items()
+                                      if k.startswith("all_to_all_")},
+            "planned_all_to_all_link_bytes": plan.get("all_to_all_link_bytes", {}),
             "planned_link_bytes": plan.get("link_bytes", {}), "copies": m.copies, "flops": m.flops, "formula_flops": formula_flops(
                 res, r.role.pp_stage), "placeholders": m.host_reads, "seconds": r.seconds}
 
@@ -183,6 +194,10 @@ def to_text(res: Resolved, rep: dict) -> str:
             want = row["planned_link_bytes"].get(link, 0.0)
             lines.append(f"  ZeRO {link}-node bytes sent: {_gb(nbytes)} GB vs the planner's {_gb(want)} GB "
                          f"({_pct(rel(nbytes, want))})")
+        for link, want in sorted(row.get("planned_all_to_all_link_bytes", {}).items()):  # expert parallelism
+            got = row["all_to_all_link_bytes"].get(link, 0.0)
+            lines.append(f"  MoE all-to-all {link}-node bytes sent: {_gb(got)} GB vs the planner's {_gb(want)} GB "
+                         f"({_pct(rel(got, want))})")
         for way, (count, nbytes, blocking) in sorted(row.get("copies", {}).items()):
             lines.append(f"  {way.replace('_', '-')} copies: {count} x, {nbytes / GB:.4f} GB, {blocking} blocking")
         lines.append(f"  FLOPs: {row['flops']:.4g} counted vs {row['formula_flops']:.4g} by formula "

@@ -191,7 +191,10 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
         trainer = build()
         zero = trainer.zero
         masters = [p for g in zero.optimizer.param_groups for p in g["params"]]
-        ensure_adam_state(zero.optimizer, masters)
+        # per torch optimizer: expert parallelism's joint optimizer (parallel/expert/zero.py) hands out a merged
+        # copy of its halves' states, into which the moments would be written and lost
+        for opt in getattr(zero.optimizer, "optimizers", (zero.optimizer,)):
+            ensure_adam_state(opt, [p for g in opt.param_groups for p in g["params"]])
         moments = [v for state in zero.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         host = masters + moments + ([p.grad for p in masters if p.grad is not None] if offload else [])
         params = [p for chunk in trainer.chunks for p in chunk.parameters()]

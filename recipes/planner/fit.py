@@ -195,6 +195,29 @@ def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: Activation
                              chunk_layers=chunks, fused_loss=layout.fused_loss)
 
 
+def stage_states(cfg: ModelConfig, layout: Layout, st, *, paper: bool = False) -> tuple[int, ModelStateMemory, float]:
+    """(parameters on the device before ZeRO, model states, ZeRO buffer bytes) of pipeline stage `st`
+    (recipes/planner/shards.py): with expert parallelism this rank's 1/ep of the routed experts, their states over
+    the expert-data-parallel group; with LoRA the adapters' states over the frozen base."""
+    state = PRECISION_BYTES[layout.precision][0]
+    buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
+    experts = sum(t.numel for t in st.tensors if t.name.endswith(EXPERT_PARAMETERS)) if layout.ep > 1 else 0
+    local = st.numel - experts + experts // layout.ep  # expert parallelism: this rank's share of the experts
+    trained = local  # what has gradients: with LoRA only the adapters (the base is frozen, st.numel)
+    if layout.lora is not None:
+        trained = stage_adapters(cfg, layout.lora, layout.tp, len(st.layers))
+        states = lora_state_memory(local, trained, layout.dp * layout.cp, layout.zero,
+                                   MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
+    elif experts:
+        states = expert_split_states(st.numel - experts, experts // layout.ep, layout, paper=paper)
+    else:
+        states = state_memory(st.numel, layout, paper=paper)
+    buf = buffer_memory(local if layout.zero == 3 else trained, layout.zero, buffers_cfg,
+                        element_bytes=state.params,
+                        persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
+    return local, states, buf
+
+
 def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_bytes: int = 1,
                   paper: bool = False) -> DeviceMemory:
     """Per-device memory of `cfg` trained under `layout`, on its fullest pipeline stage; model states as
@@ -203,27 +226,12 @@ def device_memory(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, mask_
         raise PlanError(f"precision {layout.precision!r} is invalid; valid: {', '.join(PRECISION_BYTES)}")
     if layout.zero == 3 and layout.pp > 1:
         raise PlanError("zero stage 3 with pp > 1 is not supported by megazoo; valid with pp > 1: 0, 1, 2")
-    state = PRECISION_BYTES[layout.precision][0]
     shard = _shard(cfg, layout.tp, layout.pp, layout.stage_layers, placement(layout.schedule))
     spec = activation_spec(cfg, layout, mask_bytes)
     acts = layout_activations(cfg, layout, shard, spec)
-    buffers_cfg = BufferConfig(layout.bucket, layout.bucket)
     best = None
     for st, act in zip(shard.stages, acts):
-        experts = sum(t.numel for t in st.tensors if t.name.endswith(EXPERT_PARAMETERS)) if layout.ep > 1 else 0
-        local = st.numel - experts + experts // layout.ep  # expert parallelism: this rank's share of the experts
-        trained = local  # what has gradients: with LoRA only the adapters (the base is frozen, st.numel)
-        if layout.lora is not None:
-            trained = stage_adapters(cfg, layout.lora, layout.tp, len(st.layers))
-            states = lora_state_memory(local, trained, layout.dp * layout.cp, layout.zero,
-                                       MEGAZOO_PRECISION[layout.precision], offload=layout.offload)
-        elif experts:
-            states = expert_split_states(st.numel - experts, experts // layout.ep, layout, paper=paper)
-        else:
-            states = state_memory(st.numel, layout, paper=paper)
-        buf = buffer_memory(local if layout.zero == 3 else trained, layout.zero, buffers_cfg,
-                            element_bytes=state.params,
-                            persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
+        local, states, buf = stage_states(cfg, layout, st, paper=paper)
         row = DeviceMemory(layout, st.pp_rank, local, states.device_bytes, act.peak_bytes, buf, capacity_gb * GB,
                            act, states, paper)
         if best is None or row.total > best.total:

@@ -160,6 +160,14 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
     model_over["head_width"] = 0  # Qwen3's heads wider than d_model / n_head shrink to d_model / n_head too
     if cfg.n_experts:  # a few small experts, routed as the recipe's; its dense-layer pattern where it still fits
         model_over.update(moe_experts(cfg, n_layer, d_model))
+    # The load-balancing loss pools the expert counts of one accumulation step's micro-batch over dp x cp
+    # (models/moe/block.py); each dp rank reads consecutive samples, so at grad_accum > 1 that pool is samples no
+    # one-process micro-batch holds (rank 0's first two with rank 1's first two): the fp64 reference cannot
+    # compute it. There the coefficient is 0 on both sides (moe-demo's verify and the ep parity tests hold it).
+    aux_off = bool(cfg.n_experts and cfg.moe_aux_loss_coef and ga > 1 and deg["dp"] * deg["cp"] > 1
+                   and not own)
+    if aux_off:
+        model_over["moe_aux_loss_coef"] = 0.0
     model = replace(checkable.model, from_checkpoint=False, from_hf="", **model_over)
     if checkable.model.from_checkpoint or checkable.model.from_hf:  # its architecture options, shrunk sizes
         model = replace(model, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
@@ -186,6 +194,7 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         zero=replace(recipe.zero, reduce_bucket_size=min(recipe.zero.reduce_bucket_size, BUCKET_ELEMENTS)),
         optimizer=replace(recipe.optimizer, freeze_step=max(recipe.optimizer.freeze_step, steps)),
         kernels=replace(recipe.kernels, adamw="reference"),
+        lora=replace(recipe.lora, dropout=0.0),  # its masks, too, depend on where a sample is computed
         data=replace(checkable.data, synthetic_tokens=20_000),
         logging=replace(recipe.logging, wandb="off", progress=False),
     )
@@ -231,10 +240,15 @@ def plan(recipe: Recipe, steps: int, precision: str = "fp64", device: str = "cpu
         "magnitude)" if not own else f"train.precision: {run_precision!r} (the recipe's own on {device}), "
         "tolerances for it (recipes/verify/precision.py)",
         f"train.lr {LR:g} (min {MIN_LR:g}), 1 warmup step, cosine over the {steps} steps: every parameter moves",
-        "model.dropout = attn_dropout = 0 (dropout masks depend on where a sample is computed)",
+        "model.dropout = attn_dropout = 0" + (" and lora.dropout = 0" if recipe.lora.enabled and recipe.lora.dropout
+                                               else "") + " (dropout masks depend on where a sample is computed)",
         "kernels.adamw = 'reference' (the fused CPU AdamW rounds by SIMD lane, i.e. by ZeRO buffer offset)",
     ]
     exercised, not_compared = _features(recipe, layout_res, steps)
+    if aux_off:
+        not_compared.append(f"model.moe_aux_loss_coef = {cfg.moe_aux_loss_coef:g} (set to 0 on both sides): at "
+                            f"grad_accum {ga} x dp x cp {deg['dp'] * deg['cp']} its expert counts pool micro-batches "
+                            "that no one process holds together")
     if own:  # its rounding is what is compared now
         not_compared = [line for line in not_compared if not line.startswith("train.precision")]
     return VerifyPlan(layout_res, reference_res, exercised, shrunk, changed, not_compared,

@@ -1,0 +1,52 @@
+"""Expert parallelism's all-to-all bytes per link class: what one rank of a pipeline stage sends per training step to
+the other ranks of its ep group, split by whether the destination is on its node. Pure arithmetic.
+
+Per MoE layer and micro-batch a rank routes T tokens (micro_batch x seq_len / cp, / tp under sequence parallelism;
+without it every tp rank routes all of them) to k experts: R = T k rows of d_model elements. Routing uniform (the
+dry run's fake tensors have no values to route by; a balanced router's expectation), the rows split over the ep
+ranks as parallel/expert/dispatch.py's even split: R // ep each, the first R % ep ranks one more. Every rank but
+this one receives its share straight from it (an all-to-all is no ring): intra-node when the destination's global
+rank is on this rank's node (node_size consecutive ranks), else inter-node. Passes per layer and micro-batch: the
+dispatch and the combine, each again in backward (4), and under activation checkpointing once more in the
+recomputed forward (6). The ep group: ep consecutive grad ranks (dp-major, cp inner) at this rank's (pp, tp),
+numbered as parallel/topology.Topology.rank_at numbers the mesh (pp, dp, cp, tp), tp innermost.
+"""
+
+from __future__ import annotations
+
+
+def _global_rank(layout, pp: int, grad: int, tp: int = 0) -> int:
+    dp, cp = divmod(grad, layout.cp)
+    return ((pp * layout.dp + dp) * layout.cp + cp) * layout.tp + tp  # Topology.rank_at's numbering
+
+
+def routed_rows(cfg, layout) -> int:
+    """Rows one rank's MoE layer sends through its all-to-all per micro-batch (before the split over ep)."""
+    tokens = layout.micro_batch * layout.seq_len // layout.cp
+    if layout.sequence_parallel:
+        tokens //= layout.tp
+    return tokens * cfg.moe_top_k
+
+
+def all_to_all_link_bytes(cfg, layout, layers, pp_rank: int, element_bytes: int, grad_rank: int = 0,
+                          tp_rank: int = 0) -> dict[str, float]:
+    """{"intra": bytes, "inter": bytes} the rank at (pp_rank, grad_rank, tp_rank) sends per step in the all-to-alls
+    of the MoE layers among `layers` (its blocks), with `layout.node_size` ranks per node (0: one node)."""
+    out = {"intra": 0.0, "inter": 0.0}
+    moe = sum(1 for i in layers if cfg.moe_layer(i))
+    if layout.ep <= 1 or not moe:
+        return out
+    ep = layout.ep
+    first = grad_rank - grad_rank % ep
+    me = _global_rank(layout, pp_rank, grad_rank, tp_rank)
+    rows = routed_rows(cfg, layout)
+    passes = 6 if layout.checkpointing else 4
+    for j in range(ep):
+        peer = _global_rank(layout, pp_rank, first + j, tp_rank)
+        if peer == me:
+            continue
+        share = rows // ep + (j < rows % ep)
+        same = layout.node_size and peer // layout.node_size == me // layout.node_size
+        out["intra" if same or not layout.node_size else "inter"] += \
+            passes * moe * layout.grad_accum * share * cfg.d_model * element_bytes
+    return out
