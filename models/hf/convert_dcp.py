@@ -39,12 +39,12 @@ def _megazoo_to_dcp(args: argparse.Namespace) -> int:
     from megazoo.parallel.checkpoint.consolidate import CheckpointReader
     from megazoo.parallel.checkpoint.dcp import save_dcp
 
-    check_out_dir(args.out)
+    check_out_dir(args.out, args.overwrite)
     reader = CheckpointReader(args.checkpoint)
     cfg = ModelConfig(**reader.common["model"])
     family = family_of_config(cfg)
     view = _dcp_view(family, cfg, args.names)
-    with staged_out_dir(args.out) as staging:
+    with staged_out_dir(args.out, args.overwrite) as staging:
         save_dcp(dict(hf_tensors(reader.read, view, cfg)), staging)  # DCP's save takes the whole state
         family.config_to_hf(cfg).save_pretrained(str(staging))
     print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to a DCP folder {args.out} "
@@ -55,35 +55,37 @@ def _megazoo_to_dcp(args: argparse.Namespace) -> int:
 def _dcp_to_megazoo(args: argparse.Namespace) -> int:
     """A DCP folder (torchtitan's or megazoo's names, found from its keys) -> a megazoo checkpoint, tensor by tensor;
     the architecture from --config (an HF folder or config.json), else the config.json beside the DCP files."""
-    from megazoo.models.hf.converter import megazoo_tensors
+    from megazoo.models.hf.converter import check_hf_names, megazoo_tensors
     from megazoo.models.hf.families import read_hf_config
     from megazoo.parallel.checkpoint.consolidate import write_streamed_checkpoint
     from megazoo.parallel.checkpoint.dcp import DCPReader
 
-    check_out_dir(args.out)
+    check_out_dir(args.out, args.overwrite)
     reader = DCPReader(args.dcp_dir)
     config = Path(args.config or args.dcp_dir)
     family, cfg, _ = read_hf_config(config.parent if config.name == "config.json" else config)
     names = "torchtitan" if "tok_embeddings.weight" in reader.names() else "megazoo"
-    with staged_out_dir(args.out) as staging:
-        write_streamed_checkpoint(megazoo_tensors(reader, _dcp_view(family, cfg, names), cfg),
+    view = _dcp_view(family, cfg, names)
+    check_hf_names(reader, view, cfg)  # missing / extra keys, shapes, dtypes: refused before anything is written
+    with staged_out_dir(args.out, args.overwrite) as staging:
+        write_streamed_checkpoint(megazoo_tensors(reader, view, cfg),
                                   dataclasses.asdict(cfg), staging)
     print(f"converted DCP folder {args.dcp_dir} ({names} names) to megazoo checkpoint {args.out}")
     return 0
 
 
-def register_dcp(sub, run) -> None:
+def register_dcp(sub, run, out_arguments) -> None:
     """Add the two DCP directions to `megazoo convert`'s subparsers (`run` wraps a handler's bad input)."""
     to_dcp = sub.add_parser("megazoo-to-dcp", help="megazoo checkpoint -> torch.distributed.checkpoint folder")
     to_dcp.add_argument("checkpoint")
-    to_dcp.add_argument("--out", required=True, help="new (or empty) output directory")
+    out_arguments(to_dcp)
     to_dcp.add_argument("--names", choices=("torchtitan", "megazoo"), default="torchtitan",
                         help="torchtitan's Llama 3 keys (default) or megazoo's own")
     to_dcp.set_defaults(func=run(_megazoo_to_dcp))
     from_dcp = sub.add_parser("dcp-to-megazoo", help="torch.distributed.checkpoint folder (torchtitan's or "
                               "megazoo's names) -> megazoo checkpoint")
     from_dcp.add_argument("dcp_dir")
-    from_dcp.add_argument("--out", required=True, help="new (or empty) output directory")
+    out_arguments(from_dcp)
     from_dcp.add_argument("--config", default=None, help="HF folder or config.json giving the architecture "
                           "(default: the config.json in DCP_DIR)")
     from_dcp.set_defaults(func=run(_dcp_to_megazoo))

@@ -23,7 +23,12 @@ class DCPReader:
         self.dir = Path(path)
         if not (self.dir / ".metadata").is_file():
             raise FileNotFoundError(f"{self.dir} is not a torch.distributed.checkpoint folder (no .metadata)")
-        metadata = FileSystemReader(str(self.dir)).read_metadata().state_dict_metadata
+        try:
+            whole = FileSystemReader(str(self.dir)).read_metadata()
+        except Exception as error:  # torch raises pickle / EOF errors for a truncated or foreign .metadata
+            raise ValueError(f"{self.dir}/.metadata is not a readable DCP metadata file: {error!r}") from error
+        _check_storage(self.dir, whole.storage_data or {})
+        metadata = whole.state_dict_metadata
         self._meta = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
         model_keys = [k for k in self._meta if k.startswith("model.")]
         self._prefix = "model." if model_keys and len(model_keys) == len(self._meta) else ""  # {"model": {...}}
@@ -34,6 +39,9 @@ class DCPReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._meta[self._prefix + name].size)
+
+    def dtype(self, name: str) -> str:
+        return str(self._meta[self._prefix + name].properties.dtype)
 
     def dtypes(self) -> set[str]:
         return {str(m.properties.dtype).removeprefix("torch.") for m in self._meta.values()}
@@ -46,6 +54,23 @@ class DCPReader:
         load({self._prefix + name: tensor}, storage_reader=FileSystemReader(str(self.dir)))
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+
+def _check_storage(folder: Path, storage: dict) -> None:
+    """Every data file the metadata names is there and long enough for the bytes it places in it, so a folder
+    missing a rank's file (an interrupted copy) is refused before anything is read or written."""
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if not (folder / name).is_file())
+    if missing:
+        raise FileNotFoundError(f"DCP folder {folder}: its .metadata names {len(missing)} data file(s) that are not "
+                                f"there: {', '.join(missing[:4])} (an incomplete copy?)")
+    short = sorted(f"{name} ({(folder / name).stat().st_size} < {size} bytes)" for name, size in needed.items()
+                   if (folder / name).stat().st_size < size)
+    if short:
+        raise ValueError(f"DCP folder {folder}: data file(s) shorter than its .metadata says: {', '.join(short[:4])} "
+                         "(truncated?)")
 
 
 def save_dcp(state: dict[str, torch.Tensor], out: str | Path) -> None:
