@@ -174,10 +174,10 @@ class CheckpointSection:
     # Every rank re-reads what it wrote against the sha256 it meant to write, before the oldest checkpoint rotates away;
     # a mismatch keeps the older ones, sets the new one aside as bad-step_N, stops the run. false: skip it (cost below)
     verify_on_save: bool = True  # damage is otherwise found at load; cost: benchmarks/checkpoint_verify.py
-    # true: the saving step returns once the state is copied to host memory; a background thread writes, verifies
-    # and publishes it with the same guarantees (parallel/checkpoint/async_save.py). The next save, the end of
-    # training or a stop waits for it and raises its error. Stall per save: benchmarks/checkpoint_async.py.
-    async_save: bool = False
+    # true: the step returns once the state is in host memory; a thread writes, verifies and publishes it alike
+    # (parallel/checkpoint/async_save.py); the next save or the end waits, raising its error. Cost: benchmarks/
+    async_save: bool = False  # checkpoint_async.py. format "dcp": torch.distributed.checkpoint files (dcp_views.py)
+    format: str = "megazoo"  # "megazoo" (rank files + manifest) or "dcp"; both resume into any layout
     export_hf: str = ""  # a new folder: the last checkpoint written there as an HF model (streamed, sharded, verified)
 
 

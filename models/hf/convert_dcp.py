@@ -31,6 +31,14 @@ def _dcp_view(family, cfg, names: str):
     return dataclasses.replace(family, entries=own, tied_head=lambda cfg: None, ignored=())
 
 
+def dcp_family(reader, family, cfg) -> tuple[str, object]:
+    """(which names, the key map) of a DCP folder's model keys: torchtitan's when it holds tok_embeddings.weight,
+    else megazoo's own (`megazoo-to-dcp --names megazoo`). Used by dcp-to-megazoo and by a run whose
+    checkpoint.load is such a folder (recipes/training/checkpointing.py: load_dcp_weights)."""
+    names = "torchtitan" if "tok_embeddings.weight" in reader.names() else "megazoo"
+    return names, _dcp_view(family, cfg, names)
+
+
 def _megazoo_to_dcp(args: argparse.Namespace) -> int:
     """A megazoo checkpoint (any layout) as a torch.distributed.checkpoint folder, with the HF config.json of its
     architecture beside (DCP keeps no model config); torchtitan's names (--names torchtitan) or megazoo's."""
@@ -64,8 +72,7 @@ def _dcp_to_megazoo(args: argparse.Namespace) -> int:
     reader = DCPReader(args.dcp_dir)
     config = Path(args.config or args.dcp_dir)
     family, cfg, _ = read_hf_config(config.parent if config.name == "config.json" else config)
-    names = "torchtitan" if "tok_embeddings.weight" in reader.names() else "megazoo"
-    view = _dcp_view(family, cfg, names)
+    names, view = dcp_family(reader, family, cfg)
     check_hf_names(reader, view, cfg)  # missing / extra keys, shapes, dtypes: refused before anything is written
     with staged_out_dir(args.out, args.overwrite) as staging:
         write_streamed_checkpoint(megazoo_tensors(reader, view, cfg),

@@ -33,6 +33,7 @@ class DCPReader:
         model_keys = [k for k in self._meta if k.startswith("model.")]
         self._prefix = "model." if model_keys and len(model_keys) == len(self._meta) else ""  # {"model": {...}}
         self.bytes_read = 0
+        self._last: tuple[str, torch.Tensor] | None = None
 
     def names(self) -> list[str]:
         return [k.removeprefix(self._prefix) for k in self._meta]
@@ -46,12 +47,21 @@ class DCPReader:
     def dtypes(self) -> set[str]:
         return {str(m.properties.dtype).removeprefix("torch.") for m in self._meta.values()}
 
+    def read_block(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows [rows) (and columns [cols)) of a tensor: the HFWeights interface a rank's slices are read through
+        (models/hf/converter.py: read_local). The last tensor read is kept, so a rank's several views of one
+        parameter (and its master) read it once; DCP reads whole saved chunks anyway."""
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.read(name))
+        block = self._last[1][rows[0]:rows[1]]
+        return (block if cols is None else block[:, cols[0]:cols[1]]).clone()
+
     def read(self, name: str) -> torch.Tensor:
         from torch.distributed.checkpoint import FileSystemReader, load
 
         meta = self._meta[self._prefix + name]
         tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        load({self._prefix + name: tensor}, storage_reader=FileSystemReader(str(self.dir)))
+        load({self._prefix + name: tensor}, storage_reader=FileSystemReader(str(self.dir)), no_dist=True)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -77,4 +87,4 @@ def save_dcp(state: dict[str, torch.Tensor], out: str | Path) -> None:
     """Write `state` as a DCP folder (one process: DCP's no-dist mode)."""
     from torch.distributed.checkpoint import FileSystemWriter, save
 
-    save(state, storage_writer=FileSystemWriter(str(out)))
+    save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
