@@ -191,7 +191,8 @@ def read_local(weights: HFWeights, entry, spec: ShardSpec, start: int, stop: int
 
 def fill_views_from_hf(weights: HFWeights, family: Family, cfg: ModelConfig, views, kinds=("param", "master")):
     """Fill this rank's state views (parallel/checkpoint/views.py) of the given kinds straight from the HF files:
-    each view reads only its own elements. Returns how many views were filled."""
+    each view reads only its own elements. Returns how many views were filled; `weights.largest_read`: the bytes of
+    the largest single read (what recipes/planner/hf_load.py plans the host memory from)."""
     by_name = {e.ours: e for e in family.entries(cfg)}
     check_hf_names(weights, family, cfg)
     last: tuple | None = None
@@ -202,7 +203,9 @@ def fill_views_from_hf(weights: HFWeights, family: Family, cfg: ModelConfig, vie
                              f"{family.name} key map does not name")
         key = (view.name, view.spec, view.start, view.stop)
         if last is None or last[0] != key:  # a master and its parameter share one read
+            before = weights.bytes_read
             last = (key, read_local(weights, by_name[view.name], view.spec, view.start, view.stop))
+            weights.largest_read = max(getattr(weights, "largest_read", 0), weights.bytes_read - before)
         view.tensor.copy_(last[1].to(view.tensor.dtype))
         filled += 1
     return filled
