@@ -196,9 +196,8 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
             with staged_out_dir(args.out, args.overwrite) as staging:
                 cfg, what, merged = export_lora(args.checkpoint, staging, merge=args.merge_lora, base=args.lora_base,
                                                 tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard)
-                if args.verify and merged is not None:  # the merged folder against the merged weights
-                    state, written = merged
-                    _verified(cfg, {k: v.to(written) for k, v in state.items()}, staging, slices)
+                if args.verify and merged is not None:  # the merged folder against the merged weights, streamed
+                    _verified(cfg, merged[0], staging, slices)
         except ConversionRefused as refused:
             print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
             return 1

@@ -3,8 +3,8 @@ checkpoints as torch.distributed.checkpoint (DCP) folders and back, through torc
 (parallel/checkpoint/dcp.py), so a torchtitan Llama 3 checkpoint loads into megazoo (then into any layout) and a
 megazoo run goes to torchtitan's layout: its names and its q / k row order come from the family's `torchtitan`
 key map (models/hf/llama.py: torchtitan_entries). DCP keeps no model config, so the HF config.json of the
-architecture is written beside the DCP files and read back (or given with --config). Reading is tensor by tensor;
-DCP's save takes a whole state dict, so writing holds the model once.
+architecture is written beside the DCP files and read back (or given with --config). Both directions stream: one
+tensor held at a time (parallel/checkpoint/dcp.py: save_dcp_streamed resolves each tensor as DCP's writer reaches it).
 """
 
 from __future__ import annotations
@@ -42,18 +42,27 @@ def dcp_family(reader, family, cfg) -> tuple[str, object]:
 def _megazoo_to_dcp(args: argparse.Namespace) -> int:
     """A megazoo checkpoint (any layout) as a torch.distributed.checkpoint folder, with the HF config.json of its
     architecture beside (DCP keeps no model config); torchtitan's names (--names torchtitan) or megazoo's."""
-    from megazoo.models.hf.converter import hf_tensors
     from megazoo.models.hf.families import family_of_config
     from megazoo.parallel.checkpoint.consolidate import CheckpointReader
-    from megazoo.parallel.checkpoint.dcp import save_dcp
+    from megazoo.parallel.checkpoint.dcp import save_dcp_streamed
 
     check_out_dir(args.out, args.overwrite)
     reader = CheckpointReader(args.checkpoint)
     cfg = ModelConfig(**reader.common["model"])
     family = family_of_config(cfg)
     view = _dcp_view(family, cfg, args.names)
+    entries = view.entries(cfg)
+    plan = [(n, tuple(shape), reader.dtype(e.ours)) for e in entries for n, shape in zip(e.hf, e.hf_shapes)]
+    owner = {n: e for e in entries for n in e.hf}
+    pending: dict = {}
+
+    def get(name: str):  # one megazoo tensor read, split by the key map, its pieces handed out as DCP asks
+        if name not in pending:
+            pending.update(zip(owner[name].hf, owner[name].split(reader.read(owner[name].ours))))
+        return pending.pop(name)
+
     with staged_out_dir(args.out, args.overwrite) as staging:
-        save_dcp(dict(hf_tensors(reader.read, view, cfg)), staging)  # DCP's save takes the whole state
+        save_dcp_streamed(plan, get, staging)
         family.config_to_hf(cfg).save_pretrained(str(staging))
     print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to a DCP folder {args.out} "
           f"({args.names} names)")

@@ -109,6 +109,14 @@ class CheckpointReader:
             dtypes = {e["dtype"] for kinds in self._pieces.values() for e in kinds.get("master", [])}
         return getattr(torch, "float32" if len(dtypes) != 1 else dtypes.pop())
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype read(name) returns (the fp32 masters' when saved, else the parameter's)."""
+        kinds = self._pieces.get(name) or {}
+        entries = kinds.get("master") or kinds.get("param")
+        if not entries:
+            raise CheckpointError(f"checkpoint {self.path} holds no weights for {name}")
+        return getattr(torch, entries[0]["dtype"])
+
     def read(self, name: str) -> torch.Tensor:
         """The full tensor `name` (fp32 masters when saved, else the parameters in their dtype), at the true
         vocabulary; only the rank files holding its pieces are mapped, and only for this read."""

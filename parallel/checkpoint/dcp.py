@@ -1,8 +1,9 @@
 """torch.distributed.checkpoint (DCP) folders, through torch's own DCP (FileSystemReader / FileSystemWriter): read
 one tensor at a time (a state dict of one key, loaded from the folder's metadata), written from a state dict.
 
-Used by `megazoo convert dcp-to-megazoo` / `megazoo-to-dcp` (models/hf/convert_cli.py), so a torchtitan checkpoint
-(whose model keys may sit at the top level or under "model.") becomes a megazoo checkpoint and back. Without a
+Used by `megazoo convert dcp-to-megazoo` / `megazoo-to-dcp` (models/hf/convert_dcp.py), so a torchtitan checkpoint
+(whose model keys may sit at the top level or under "model.") becomes a megazoo checkpoint and back; both stream
+(one tensor held at a time). Without a
 process group DCP runs as one rank (torch's no-dist mode).
 """
 
@@ -83,8 +84,34 @@ def _check_storage(folder: Path, storage: dict) -> None:
                          "(truncated?)")
 
 
-def save_dcp(state: dict[str, torch.Tensor], out: str | Path) -> None:
-    """Write `state` as a DCP folder (one process: DCP's no-dist mode)."""
+def save_dcp_streamed(plan: list[tuple[str, tuple[int, ...], torch.dtype]], get, out: str | Path) -> None:
+    """Write the tensors of `plan` (name, shape, dtype) as a DCP folder, one process, one tensor at a time:
+    `get(name)` is called when DCP's writer reaches that tensor. Each tensor goes in its own data file
+    (FileSystemWriter(single_file_per_rank=False)), because DCP's file writer keeps every tensor of a file until
+    the file is finished: one file per tensor is what keeps the peak at one tensor."""
     from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
+    planned = {name: (tuple(shape), dtype) for name, shape, dtype in plan}
+    items = [WriteItem(index=MetadataIndex(name, torch.Size([0] * len(shape))), type=WriteItemType.TENSOR,
+                       tensor_data=TensorWriteData(
+                           chunk=ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape)),
+                           properties=TensorProperties(dtype=dtype), size=torch.Size(shape)))
+             for name, shape, dtype in plan]
+
+    class Planner(DefaultSavePlanner):
+        def create_local_plan(self) -> SavePlan:
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+            name = write_item.index.fqn
+            tensor = get(name)
+            if tuple(tensor.shape) != planned[name][0]:
+                raise RuntimeError(f"{name}: got shape {tuple(tensor.shape)} where {planned[name][0]} was planned")
+            return tensor.detach().to("cpu", planned[name][1]).contiguous()
+
+    save({}, storage_writer=FileSystemWriter(str(out), single_file_per_rank=False),
+         planner=Planner(flatten_state_dict=False), no_dist=True)
