@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
 
 from megazoo.data.fileio import check_out_dir, staged_out_dir
@@ -83,9 +84,13 @@ def _dcp_to_megazoo(args: argparse.Namespace) -> int:
     family, cfg, _ = read_hf_config(config.parent if config.name == "config.json" else config)
     names, view = dcp_family(reader, family, cfg)
     check_hf_names(reader, view, cfg)  # missing / extra keys, shapes, dtypes: refused before anything is written
+    import torch
+
+    largest = max(math.prod(reader.shape(n)) * getattr(torch, reader.dtype(n).removeprefix("torch.")).itemsize
+                  for n in reader.names())  # a rank file holds at most this much: one tensor at a time
     with staged_out_dir(args.out, args.overwrite) as staging:
-        write_streamed_checkpoint(megazoo_tensors(reader, view, cfg),
-                                  dataclasses.asdict(cfg), staging)
+        write_streamed_checkpoint(megazoo_tensors(reader, view, cfg), dataclasses.asdict(cfg), staging,
+                                  file_bytes=largest)
     print(f"converted DCP folder {args.dcp_dir} ({names} names) to megazoo checkpoint {args.out}")
     return 0
 
