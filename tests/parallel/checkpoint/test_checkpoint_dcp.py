@@ -122,3 +122,32 @@ def test_a_damaged_dcp_checkpoint_is_refused(tmp_path, saved):
         _recipe({}, {}, str(tmp_path), **{"format": "zarr"})
     with pytest.raises(RecipeError, match="async_save"):
         _recipe({}, {}, str(tmp_path), async_save=True)
+
+
+def _bf16_save(run_dir: str):
+    res = tiny_resolved(parallel={"dp": 2, "pp": 2}, train={"steps": 8, "micro_batch": 4, "precision": "bf16"},
+                        zero={"stage": 1}, run={"dir": run_dir}, model={"n_layer": 2}, checkpoint={"format": "dcp"})
+    trainer = Trainer(res, Topology.of(res.recipe.parallel))
+    for step in range(2):
+        trainer.train_step(step)
+    trainer.save_checkpoint(2)
+    return trainer.full_state_dict()
+
+
+def test_bf16_parameters_and_fp32_masters_reshard(tmp_path):
+    """bf16 parameters and fp32 masters saved at dp 2 x pp 2 (ZeRO-1: masters partitioned) load at one rank (ZeRO-1,
+    bf16 parameters): the parameters are the saved ones bit for bit and round from the stored fp32 masters."""
+    saved = run_distributed(_bf16_save, 4, str(tmp_path / "run"))[0]
+    path = tmp_path / "run" / "checkpoints" / "step_00000002"
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert metadata["master/wte.weight"].properties.dtype == torch.float32
+    assert metadata["param/wte.weight"].properties.dtype == torch.bfloat16
+    res = tiny_resolved(train={"steps": 8, "micro_batch": 8, "precision": "bf16"}, zero={"stage": 1},
+                        run={"dir": str(tmp_path / "solo")}, model={"n_layer": 2}, checkpoint={"format": "dcp"})
+    trainer = Trainer(res, Topology.solo())
+    assert trainer.load_checkpoint(str(path)) == 2
+    loaded = trainer.full_state_dict()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    master = torch.empty(tuple(metadata["master/h.1.mlp.c_fc.weight"].size), dtype=torch.float32)
+    dcp.load({"master/h.1.mlp.c_fc.weight": master}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    assert torch.equal(master.to(torch.bfloat16), loaded["h.1.mlp.c_fc.weight"])
