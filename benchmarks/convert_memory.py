@@ -157,22 +157,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("layers", 24), ("hidden", 1024), ("ffn", 2816), ("vocab", 32000)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--only-from-hf", action="store_true", help="only the model.from_hf rows (e.g. again under "
+                        "MALLOC_MMAP_THRESHOLD_=131072, which stops glibc keeping freed blocks of earlier reads)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="megazoo-convert-bench-") as scratch:
         root = Path(scratch)
         hf_folder(root / "tiny", 1, 128, 256, 256)
         total, largest = hf_folder(root / "hf", args.layers, args.hidden, args.ffn, args.vocab)
-        rows = [conversion(root, "hf-to-megazoo", ["convert", "hf-to-megazoo", str(root / "hf"), "--out",
+        rows = [] if args.only_from_hf else [
+                conversion(root, "hf-to-megazoo", ["convert", "hf-to-megazoo", str(root / "hf"), "--out",
                                                     str(root / "ckpt")], total, largest, root / "ckpt",
                            "step_*/rank*.pt"),
                 conversion(root, "megazoo-to-hf", ["convert", "megazoo-to-hf", str(root / "ckpt"), "--out",
                                                     str(root / "back"), "--tokenizer", "none", "--max-shard-size",
                                                     f"{max(total // 4, largest)}"], total, largest, root / "back",
                            "*.safetensors")]
-        rows.append(conversion(root, "megazoo-to-dcp", ["convert", "megazoo-to-dcp", str(root / "ckpt"), "--out",
+        if not args.only_from_hf:
+            rows.append(conversion(root, "megazoo-to-dcp", ["convert", "megazoo-to-dcp", str(root / "ckpt"), "--out",
                                                          str(root / "dcp")], total, largest, root / "dcp",
                                "*.distcp"))
-        rows.append(conversion(root, "dcp-to-megazoo", ["convert", "dcp-to-megazoo", str(root / "dcp"), "--out",
+            rows.append(conversion(root, "dcp-to-megazoo", ["convert", "dcp-to-megazoo", str(root / "dcp"), "--out",
                                                          str(root / "ckpt2")], total, largest, root / "ckpt2",
                                "step_*/rank*.pt"))
         from megazoo.models.hf.families import read_hf_config
@@ -189,14 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(json.dumps(row))
     mb = lambda b: f"{b / 2**20:,.0f} MB"  # noqa: E731
-    print("\n| direction | model | largest tensor | peak RSS above baseline | files | dtype | wall |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows[:4]:
+    loads = [r for r in rows if r["what"].startswith("model.from_hf")]
+    if len(rows) > len(loads):
+        print("\n| direction | model | largest tensor | peak RSS above baseline | files | dtype | wall |")
+        print("|---|---|---|---|---|---|---|")
+    for r in rows[:len(rows) - len(loads)]:
         print(f"| {r['what']} | {mb(r['model_bytes'])} | {mb(r['largest_tensor'])} | {mb(r['peak_rss'])} | "
               f"{r['files']} | {r['dtype']} | {r['seconds']} s |")
     print("\n| model.from_hf | rank 0 reads / its share | read / share, every rank | peak RSS above its views "
           "(largest rank) | `megazoo plan` states | wall (slowest rank) |\n|---|---|---|---|---|---|")
-    for r in rows[4:]:
+    for r in loads:
         spread = f"{min(r['read_per_share']):.3f}-{max(r['read_per_share']):.3f}"
         print(f"| {r['what'].removeprefix('model.from_hf, ')} | {mb(r['read_rank0'])} / {mb(r['share_rank0'])} | "
               f"{spread} | {mb(r['peak_rss'])} | {mb(r['planned_peak'])} | {r['seconds']} s |")

@@ -14,6 +14,11 @@ R is an upper bound there; a key-map entry that joins whole HF tensors (stacked 
 order) reads them whole. The test holds this R equal to the largest read the reader counts
 (tests/recipes/planner/test_hf_load_plan.py). The rank's model states (parameters, masters, moments on the host
 or the GPU) are the memory plan's, not counted here.
+
+Measured (benchmarks/convert_memory.py, README "Giant checkpoints in and out"): with glibc told not to keep freed
+blocks (MALLOC_MMAP_THRESHOLD_=131072) a rank's peak is this figure; with glibc's default, which raises its mmap
+threshold after large frees and keeps later freed blocks for reuse, the peak was up to ~1.7 x it (blocks of the
+earlier, smaller reads still held when the largest one runs). The line says so.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ class LoadMemory:
         bound = " at most" if zero3 else ""  # ZeRO-3 views are pieces of the tp-local tensors
         return (f"  loading model.from_hf: host memory per rank{bound} {self.peak / 1e9:.2f} GB above the process "
                 f"(largest single read {self.largest_read / 1e9:.2f} GB: {self.name} at tp {tp}, "
-                f"{self.file_bytes}-byte weights; peak = R + max(R, E x {self.view_bytes}): "
-                "recipes/planner/hf_load.py)")
+                f"{self.file_bytes}-byte weights; peak = R + max(R, E x {self.view_bytes}), plus what glibc keeps "
+                "of earlier reads unless MALLOC_MMAP_THRESHOLD_ is set: recipes/planner/hf_load.py)")
 
 
 def file_dtype_bytes(folder: str) -> int:
