@@ -11,8 +11,8 @@ old file is left as it was.
 - `AtomicFile(path)`: the same, for writers that stream into the file over a long time and publish it later
   (`commit()`), or drop it (`discard()`), e.g. the indexed-dataset writer.
 - `write_new_file(path, data)`: all or nothing, and never over an existing file (hard link, not rename).
-- `staged_out_dir(out_dir)`: a whole output folder written beside it and renamed into place at the end (nothing
-  half-written after a failure); `check_out_dir` refuses a non-empty one first.
+- `staged_out_dir(out_dir, overwrite)`: a whole output folder written beside it and renamed into place at the end
+  (nothing half-written after a failure); `check_out_dir` refuses a non-empty one first unless `overwrite`.
 - `file_sha256(path)`: hex SHA-256 of a file (or of its first `limit` bytes), read in 1 MiB blocks.
 
 Home: data/ is the lowest layer, so data/, models/, eval/ and recipes/ may all import it (tests/test_style.py).
@@ -160,12 +160,15 @@ def file_sha256(path: str | Path, *, limit: int | None = None) -> str:
     return digest.hexdigest()
 
 
-def check_out_dir(out_dir: str | Path) -> Path:
-    """Refuse an existing non-empty `out_dir` (or a file there), so no earlier result is ever overwritten."""
+def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Refuse an existing non-empty `out_dir` (or a file there), so no earlier result is ever overwritten;
+    `overwrite`: an existing folder may be replaced (staged_out_dir swaps it only once the new one is complete)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"output directory {out_dir} exists and is not empty: choose a new --out "
-                              "(nothing is overwritten)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} exists and is a file, not a directory: choose a new --out")
+    if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
+        raise ValueError(f"output directory {out_dir} exists and is not empty: choose a new --out, or pass "
+                         "--overwrite to replace it once the new one is complete (nothing is overwritten)")
     return out_dir
 
 
@@ -186,18 +189,31 @@ def _plain_modes(folder: Path) -> None:
 
 
 @contextmanager
-def staged_out_dir(out_dir: str | Path):
+def staged_out_dir(out_dir: str | Path, overwrite: bool = False):
     """Yield a fresh temporary directory beside `out_dir`, renamed to `out_dir` only when the block succeeds:
-    an interrupted or failed conversion leaves no half-written output (the temporary one is removed)."""
-    out_dir = check_out_dir(out_dir)
+    an interrupted or failed conversion leaves no half-written output (the temporary one is removed), and
+    `out_dir` is untouched until then. `overwrite`: an existing `out_dir` is moved aside, the new one renamed in,
+    and only then the old one removed (a crash between the two renames leaves both, never a part of either)."""
+    out_dir = check_out_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old: Path | None = None
     try:
         yield staging
         _plain_modes(staging)
-        check_out_dir(out_dir)  # nobody wrote there meanwhile
-        if out_dir.is_dir():
+        check_out_dir(out_dir, overwrite)  # nobody wrote there meanwhile
+        if out_dir.is_dir() and (overwrite and any(out_dir.iterdir())):
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+        elif out_dir.is_dir():
             out_dir.rmdir()  # empty (checked): replaced by the finished one
-        os.replace(staging, out_dir)
+        try:
+            os.replace(staging, out_dir)
+        except OSError:
+            if old is not None:  # the old one back where it was
+                os.replace(old / out_dir.name, out_dir)
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if old is not None and out_dir.is_dir():  # the new one is in place: the old one goes
+            shutil.rmtree(old, ignore_errors=True)

@@ -101,7 +101,10 @@ def from_checkpoint(saved: dict, overrides: dict, step: Path) -> ModelConfig:
 
 
 def check_against_checkpoint(cfg: ModelConfig, load: str) -> None:
-    """Every architecture field in which the recipe's model differs from checkpoint.load's, in one message."""
+    """Every architecture field in which the recipe's model differs from checkpoint.load's, in one message. A DCP
+    folder no megazoo run wrote (torchtitan's) records no model: its tensors' shapes are checked when loading."""
+    if (Path(load) / ".metadata").is_file() and not (Path(load) / _MANIFEST).is_file():
+        return
     step, saved = checkpoint_model(load)
     mismatches = architecture_mismatches(saved, dataclasses.asdict(cfg))
     if mismatches:

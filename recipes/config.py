@@ -177,6 +177,7 @@ class CheckpointSection:
     # true: the save returns once the state is in host memory; a thread writes, verifies and publishes it
     # (parallel/checkpoint/async_save.py); the next save, the end or a stop waits for it (benchmarks/checkpoint_async)
     async_save: bool = False
+    format: str = "megazoo"  # "megazoo" (rank files + manifest) or "dcp" (torch.distributed.checkpoint: dcp_views.py)
     export_hf: str = ""  # a new folder: the last checkpoint written there as an HF model (streamed, sharded, verified)
 
 

@@ -261,6 +261,10 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
                           "offloaded); valid: zero.stage = 1, 2 or 3, or zero.offload = 'none'")
     _positive("checkpoint.every", recipe.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", recipe.checkpoint.keep)
+    _choice("checkpoint.format", recipe.checkpoint.format, ("megazoo", "dcp"))
+    if recipe.checkpoint.format == "dcp" and recipe.checkpoint.async_save:
+        raise RecipeError("checkpoint.async_save = true writes the native format only; with checkpoint.format = "
+                          "'dcp' set async_save = false, or use checkpoint.format = 'megazoo'")
     if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
         raise missing_load(recipe.checkpoint.load)  # where it was looked for, and how to point at it
     if recipe.checkpoint.load:

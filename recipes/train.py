@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None, *, lock_held: bool = False) -> int:
             from megazoo.data.fileio import check_out_dir
             try:
                 check_out_dir(res.recipe.checkpoint.export_hf)
-            except ValueError as err:
-                raise RecipeError(f"checkpoint.export_hf: {err}") from None
+            except ValueError:
+                raise RecipeError(f"checkpoint.export_hf = {res.recipe.checkpoint.export_hf!r} exists and is not an "
+                                  "empty folder: choose a new folder (an export never overwrites one)") from None
         lock = RunDirLock.acquire(res.recipe.run.dir) if own_lock else None  # held until this process ends
     except (RecipeError, RunDirBusy) as err:
         print(f"megazoo: error: {err}", file=sys.stderr)

@@ -74,19 +74,20 @@ def _model_config(common: dict) -> ModelConfig:
 
 
 def _hf_to_megazoo(args: argparse.Namespace) -> int:
-    from megazoo.models.hf.converter import megazoo_tensors
+    from megazoo.models.hf.converter import check_hf_names, megazoo_tensors
     from megazoo.models.hf.families import read_hf_config
     from megazoo.models.hf.safetensors_files import HFWeights
     from megazoo.parallel.checkpoint.consolidate import CheckpointReader, write_streamed_checkpoint
 
-    check_out_dir(args.out)  # checked before the (slow) read
+    check_out_dir(args.out, args.overwrite)  # checked before the (slow) read
     slices = _verify_data(args)
     family, cfg, _ = read_hf_config(args.hf_dir)  # a model_type no family converts: refused here
     weights = HFWeights(args.hf_dir)  # headers only: a missing shard or an index naming a missing file is refused
+    check_hf_names(weights, family, cfg)  # missing / extra tensors, shapes, dtypes: refused before anything is written
     tokenizer = _hf_tokenizer_files(args.hf_dir) if family.name != "GPT-2" else []
     largest = max(weights.nbytes(n) for n in weights.names())  # a rank file holds at most this much
     try:
-        with staged_out_dir(args.out) as staging:
+        with staged_out_dir(args.out, args.overwrite) as staging:
             record = None
             if tokenizer:  # the checkpoint keeps its own copy; the record names where it will be after the rename
                 from megazoo.data.tokenizers.loading import load_hf_tokenizer
@@ -180,10 +181,10 @@ def export_tokenizer(checkpoint: str | Path, spec: str | None):
 
 
 def _megazoo_to_hf(args: argparse.Namespace) -> int:
-    check_out_dir(args.out)
+    check_out_dir(args.out, args.overwrite)
     from megazoo.models.hf.convert_lora import export_lora, lora_checkpoint
     from megazoo.models.hf.converter import parse_dtype
-    from megazoo.models.hf.safetensors_files import parse_size
+    from megazoo.models.hf.safetensors_files import parse_size, storable
 
     dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)  # bad values: refused first
     if args.merge_lora or args.peft_adapter:  # a LoRA run's checkpoint: models/hf/convert_lora.py
@@ -192,12 +193,11 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
         tokenizer = export_tokenizer(args.checkpoint, args.tokenizer) if args.merge_lora else None
         slices = _verify_data(args) if args.merge_lora else None
         try:
-            with staged_out_dir(args.out) as staging:
+            with staged_out_dir(args.out, args.overwrite) as staging:
                 cfg, what, merged = export_lora(args.checkpoint, staging, merge=args.merge_lora, base=args.lora_base,
                                                 tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard)
-                if args.verify and merged is not None:  # the merged folder against the merged weights
-                    state, written = merged
-                    _verified(cfg, {k: v.to(written) for k, v in state.items()}, staging, slices)
+                if args.verify and merged is not None:  # the merged folder against the merged weights, streamed
+                    _verified(cfg, merged[0], staging, slices)
         except ConversionRefused as refused:
             print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
             return 1
@@ -216,9 +216,9 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
     reader = CheckpointReader(args.checkpoint)  # every file's sha256 checked; no tensor read yet
     cfg = _model_config(reader.common)
     family = family_of_config(cfg)  # refuses a config no HF family computes, before the read
-    dtype = dtype or reader.param_dtype()
+    dtype = storable(dtype or reader.param_dtype(), "the checkpoint's parameter dtype (--dtype auto)")
     try:
-        with staged_out_dir(args.out) as staging:
+        with staged_out_dir(args.out, args.overwrite) as staging:
             files = write_hf_folder(staging, family, cfg, reader.read, dtype, tokenizer=tokenizer,
                                     max_shard_bytes=max_shard)
             chat_export(staging, reader.common, tokenizer)
@@ -239,8 +239,8 @@ def export_run(checkpoint: str | Path, out: str | Path, *, lora: bool) -> None:
     from megazoo.parallel.checkpoint.io import CheckpointError
 
     args = argparse.Namespace(checkpoint=str(checkpoint), out=str(out), dtype="auto", max_shard_size="5GB",
-                              merge_lora=lora, peft_adapter=False, lora_base=None, tokenizer=None, verify=True,
-                              verify_data=None, verify_tokens=1024, verify_lambada=20)
+                              merge_lora=lora, peft_adapter=False, overwrite=False, lora_base=None, tokenizer=None,
+                              verify=True, verify_data=None, verify_tokens=1024, verify_lambada=20)
     if _run(_megazoo_to_hf)(args) != 0:
         raise CheckpointError(f"checkpoint.export_hf = {out}: the HF export of {checkpoint} failed (above); the "
                               f"checkpoint is intact: megazoo convert megazoo-to-hf {checkpoint} --out {out} "
@@ -250,6 +250,14 @@ def export_run(checkpoint: str | Path, out: str | Path, *, lora: bool) -> None:
 VERIFY_HELP = ("after converting, run a fixed sample through megazoo and through transformers (fp64) and compare "
                "logits and loss, and score a WikiText and a LAMBADA slice both ways (when the data is found); exit 1 "
                "and write nothing beyond the tolerance (models/hf/convert_verify.py, convert_slices.py)")
+
+
+def out_arguments(parser: argparse.ArgumentParser) -> None:
+    """--out and --overwrite, the same for every direction."""
+    parser.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all "
+                        "(into a temporary folder beside it, renamed at the end)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out, only once "
+                        "the new one is complete (default: refuse it)")
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
@@ -283,13 +291,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     to_mz = sub.add_parser("hf-to-megazoo", help="HF GPT-2 / Llama / Qwen2 / Mistral directory -> consolidated "
                            "megazoo checkpoint")
     to_mz.add_argument("hf_dir", help="HF directory (config.json + model.safetensors, its index, or pytorch_model.bin)")
-    to_mz.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
+    out_arguments(to_mz)
     _verify_arguments(to_mz)
     to_mz.set_defaults(func=_run(_hf_to_megazoo))
     to_hf = sub.add_parser("megazoo-to-hf", help="megazoo checkpoint (any layout) -> HF directory (GPT-2, or the "
                            "Llama / Qwen2 / Mistral family its config computes) + tokenizer")
     to_hf.add_argument("checkpoint", help="megazoo checkpoint: a step_N directory or a checkpoints folder (its latest good one)")
-    to_hf.add_argument("--out", required=True, help="new (or empty) output directory, written in full or not at all")
+    out_arguments(to_hf)
     to_hf.add_argument("--tokenizer", default=None, metavar="TOK",
                        help="tokenizer to write beside the weights (a GPT-2 BPE directory, a tokenizer .json, a "
                             "sentencepiece .model or hf:NAME); default: the one the checkpoint records; none: "
@@ -308,5 +316,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     to_hf.set_defaults(func=_run(_megazoo_to_hf))
     from megazoo.models.hf.convert_dcp import register_dcp
 
-    register_dcp(sub, _run)
+    register_dcp(sub, _run, out_arguments)
     return convert

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.lora.adapters import LoRAConfig, merge_lora
+from megazoo.models.lora.adapters import LoRAConfig
 from megazoo.models.lora.checkpoint import lora_base, lora_of_common
 
 
@@ -43,9 +43,15 @@ def _full_state(checkpoint: str | Path) -> tuple[ModelConfig, dict]:
     return ModelConfig(**model), state
 
 
-def merged_state(checkpoint: str | Path, base: str | Path | None = None):
-    """(cfg, full state with the adapters merged, LoRA settings, adapters' full state) of a LoRA checkpoint."""
-    from megazoo.parallel.checkpoint.consolidate import resolve_checkpoint
+def merged_reader(checkpoint: str | Path, base: str | Path | None = None):
+    """(cfg, read(name) -> one merged full tensor, the base's names, the base's dtype) of a LoRA checkpoint: the
+    adapters (small: rank r) are held, the base is read one tensor at a time (a megazoo checkpoint of any layout, or
+    the HF folder a `model.from_hf` run read) and each weight merged as it is read (models/lora/adapters.py:
+    merged_weight), so a merge streams like a conversion."""
+    import torch
+
+    from megazoo.models.lora.adapters import merged_weight
+    from megazoo.parallel.checkpoint.consolidate import CheckpointReader, resolve_checkpoint
 
     common, lora = lora_checkpoint(checkpoint)
     if lora is None:
@@ -53,29 +59,41 @@ def merged_state(checkpoint: str | Path, base: str | Path | None = None):
                          "export it without --merge-lora / --peft-adapter")
     recorded = (common.get("recipe") or {}).get("checkpoint", {}).get("load")
     hf_base = ((common.get("recipe") or {}).get("model") or {}).get("from_hf")
+    cfg, adapters = _full_state(checkpoint)
     if not base and not recorded and hf_base:  # the run read its base straight from an HF folder
-        from megazoo.models.hf.families import read_hf_dir
+        from megazoo.models.hf.families import read_hf_config
+        from megazoo.models.hf.safetensors_files import DTYPES, HFWeights
 
         if not Path(hf_base).is_dir():
             raise ValueError(f"checkpoint {checkpoint}: the LoRA base its recipe recorded (model.from_hf = "
                              f"{hf_base!r}, relative to the folder the run started in) is not at "
                              f"{Path(hf_base).resolve()}; run from that folder or pass --lora-base CKPT")
-        cfg, adapters = _full_state(checkpoint)
-        _, base_state = read_hf_dir(hf_base)
-        return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters, hf_base
-    # --lora-base, else the recorded checkpoint.load resolved as the run resolved it (models/lora/checkpoint.py)
-    base = lora_base(common, resolve_checkpoint(checkpoint, report=lambda *_: None), base)
-    cfg, adapters = _full_state(checkpoint)
-    base_cfg, base_state = _full_state(base)
-    if base_cfg.n_layer != cfg.n_layer or base_cfg.d_model != cfg.d_model:
-        raise ValueError(f"LoRA base {base} is model {base_cfg.name}, the adapters' is {cfg.name}")
-    return cfg, merge_lora({**base_state, **adapters}, cfg, lora), lora, adapters, base
+        family, _, _ = read_hf_config(hf_base)
+        weights = HFWeights(hf_base)
+        entries = {e.ours: e for e in family.entries(cfg)}
+        stored = weights.dtype(next(iter(entries.values())).hf[0])
+        dtype = {v: k for k, v in DTYPES.items()}.get(stored) or getattr(torch, stored.removeprefix("torch."))
+
+        def read_base(name: str) -> torch.Tensor:
+            return entries[name].join([weights.read(n) for n in entries[name].hf])
+        names = list(entries)
+    else:  # --lora-base, else the recorded checkpoint.load resolved as the run resolved it (models/lora/checkpoint.py)
+        base = lora_base(common, resolve_checkpoint(checkpoint, report=lambda *_: None), base)
+        reader = CheckpointReader(base)
+        base_cfg = ModelConfig(**reader.model)
+        if base_cfg.n_layer != cfg.n_layer or base_cfg.d_model != cfg.d_model:
+            raise ValueError(f"LoRA base {base} is model {base_cfg.name}, the adapters' is {cfg.name}")
+        read_base, names, dtype = reader.read, [n for n in reader.names() if ".lora." not in n], reader.param_dtype()
+
+    def read(name: str) -> torch.Tensor:
+        return merged_weight(name, read_base(name), adapters, cfg, lora, in_place=True)  # a fresh read: no clone
+    return cfg, read, names, dtype
 
 
 def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str | Path | None,
                 tokenizer=None, dtype=None, max_shard_bytes: int | None = None):
     """Write the merged HF model (merge) or the PEFT adapter into `staging`; returns (cfg, what was written,
-    (merged full state, the dtype written) or None for an adapter)."""
+    (the merged weights as a lazily read mapping in the dtype written, that dtype) or None for an adapter)."""
     if not merge:
         from megazoo.models.lora.peft_interop import write_peft_adapter
 
@@ -85,21 +103,18 @@ def export_lora(checkpoint: str | Path, staging: Path, *, merge: bool, base: str
         cfg, adapters = _full_state(checkpoint)
         write_peft_adapter(staging, adapters, cfg, lora)
         return cfg, "PEFT LoRA adapter", None
-    from megazoo.models.hf.converter import write_hf_folder
+    from megazoo.models.hf.converter import LazyState, write_hf_folder
     from megazoo.models.hf.families import family_of_config
     from megazoo.models.hf.safetensors_files import DEFAULT_MAX_SHARD
-    from megazoo.parallel.checkpoint.consolidate import CheckpointReader
 
-    cfg, full, _, _, base_path = merged_state(checkpoint, base)
+    cfg, read, names, base_dtype = merged_reader(checkpoint, base)
     family = family_of_config(cfg)
-    if dtype is None and (Path(base_path) / "config.json").is_file():  # an HF base: its files' dtype
-        dtype = next(iter(full.values())).dtype
-    dtype = dtype or CheckpointReader(base_path).param_dtype()  # merged in the base's dtype
-    files = write_hf_folder(staging, family, cfg, full.__getitem__, dtype, tokenizer=tokenizer,
+    dtype = dtype or base_dtype  # merged in the base's dtype
+    files = write_hf_folder(staging, family, cfg, read, dtype, tokenizer=tokenizer,
                             max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD)
     chat_export(staging, lora_checkpoint(checkpoint)[0], tokenizer)
     return (cfg, f"HF {family.exports(cfg)} directory (LoRA merged, {str(dtype).removeprefix('torch.')}, "
-            f"{len(files)} safetensors file(s))", (full, dtype))
+            f"{len(files)} safetensors file(s))", (LazyState(read, names, dtype), dtype))
 
 
 def sft_template(common: dict) -> str | None:

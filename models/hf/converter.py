@@ -37,7 +37,11 @@ def parse_dtype(text: str | None) -> torch.dtype | None:
     return DTYPE_NAMES[text]
 
 
-def _check_hf_names(weights: HFWeights, family: Family, cfg: ModelConfig) -> None:
+# Stored dtypes a conversion reads (safetensors' names; torch's in a pytorch_model.bin or a DCP folder).
+_CONVERTIBLE = {"F64", "F32", "BF16", "F16", "torch.float64", "torch.float32", "torch.bfloat16", "torch.float16"}
+
+
+def check_hf_names(weights: HFWeights, family: Family, cfg: ModelConfig) -> None:
     """Every tensor the key map needs is in the files at its shape, and nothing else is (headers only)."""
     entries = family.entries(cfg)
     wanted = {name: shape for e in entries for name, shape in zip(e.hf, e.hf_shapes)}
@@ -49,6 +53,10 @@ def _check_hf_names(weights: HFWeights, family: Family, cfg: ModelConfig) -> Non
     wrong = [f"{n}: {weights.shape(n)} != {s}" for n, s in wanted.items() if weights.shape(n) != tuple(s)]
     if wrong:
         raise ValueError(f"HF checkpoint {weights.dir}: tensor shapes do not match model {cfg.name}: {wrong[:8]}")
+    odd = [f"{n}: {weights.dtype(n)}" for n in wanted if weights.dtype(n) not in _CONVERTIBLE]
+    if odd:
+        raise ValueError(f"HF checkpoint {weights.dir} stores {len(odd)} tensor(s) in a dtype megazoo cannot convert, "
+                         f"e.g. {odd[:4]}; valid: F64, F32, BF16, F16 (a quantized model: dequantize it first)")
     tied = family.tied_head(cfg)
     extra = sorted(n for n in present - set(wanted) - ({tied[0]} if tied else set())
                    if not n.endswith(family.ignored))
@@ -59,7 +67,7 @@ def _check_hf_names(weights: HFWeights, family: Family, cfg: ModelConfig) -> Non
 
 def megazoo_tensors(weights: HFWeights, family: Family, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, full tensor) of every parameter, read from the HF files one entry at a time."""
-    _check_hf_names(weights, family, cfg)
+    check_hf_names(weights, family, cfg)
     tied = family.tied_head(cfg)
     if tied and tied[0] in weights.names() and not torch.equal(weights.read(tied[0]), weights.read(tied[1])):
         raise ValueError(f"{tied[0]} differs from {tied[1]} but model {cfg.name} ties its output head to the "
@@ -183,9 +191,10 @@ def read_local(weights: HFWeights, entry, spec: ShardSpec, start: int, stop: int
 
 def fill_views_from_hf(weights: HFWeights, family: Family, cfg: ModelConfig, views, kinds=("param", "master")):
     """Fill this rank's state views (parallel/checkpoint/views.py) of the given kinds straight from the HF files:
-    each view reads only its own elements. Returns how many views were filled."""
+    each view reads only its own elements. Returns how many views were filled; `weights.largest_read`: the bytes of
+    the largest single read (what recipes/planner/hf_load.py plans the host memory from)."""
     by_name = {e.ours: e for e in family.entries(cfg)}
-    _check_hf_names(weights, family, cfg)
+    check_hf_names(weights, family, cfg)
     last: tuple | None = None
     filled = 0
     for view in sorted((v for v in views if v.kind in kinds), key=lambda v: (v.name, v.start)):
@@ -194,7 +203,9 @@ def fill_views_from_hf(weights: HFWeights, family: Family, cfg: ModelConfig, vie
                              f"{family.name} key map does not name")
         key = (view.name, view.spec, view.start, view.stop)
         if last is None or last[0] != key:  # a master and its parameter share one read
+            before = weights.bytes_read
             last = (key, read_local(weights, by_name[view.name], view.spec, view.start, view.stop))
+            weights.largest_read = max(getattr(weights, "largest_read", 0), weights.bytes_read - before)
         view.tensor.copy_(last[1].to(view.tensor.dtype))
         filled += 1
     return filled

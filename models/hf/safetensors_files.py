@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,23 @@ import torch
 SINGLE, INDEX, PICKLE = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DEFAULT_MAX_SHARD = 5 * 10**9  # transformers' save_pretrained default, "5GB"
+_NUMBERED = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def storable(dtype: torch.dtype, what: str = "--dtype") -> torch.dtype:
+    """`dtype` when safetensors files written here hold it; else a ValueError naming the valid ones."""
+    if dtype not in DTYPES:
+        raise ValueError(f"{what} {str(dtype).removeprefix('torch.')} cannot be written to HF safetensors files "
+                         f"here; valid: {', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+    return dtype
+
+
+def missing_numbered(names) -> list[str]:
+    """Files model-0000k-of-0000n.safetensors that the numbering of `names` implies but `names` lacks."""
+    present = {_NUMBERED.fullmatch(Path(n).name).groups() for n in names if _NUMBERED.fullmatch(Path(n).name)}
+    totals = {total for _, total in present}
+    return [f"model-{k:05d}-of-{total}.safetensors" for total in sorted(totals)
+            for k in range(1, int(total) + 1) if (f"{k:05d}", total) not in present]
 
 
 def parse_size(text: str) -> int:
@@ -62,19 +80,31 @@ class HFWeights:
         elif index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as error:
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 raise ValueError(f"HF index {index} is not a safetensors index (weight_map): {error!r}") from None
-            shards = [self.dir / f for f in sorted(set(weight_map.values()))]
+            shards = [self.dir / f for f in files]
             missing = [str(f) for f in shards if not f.is_file()]
             if missing:
                 raise FileNotFoundError(f"HF index {index} names {len(missing)} file(s) that are not there: "
                                         f"{', '.join(missing[:4])} (an incomplete download?)")
+            gaps = missing_numbered(files)
+            if gaps:
+                raise FileNotFoundError(f"HF index {index} names {len(files)} shard(s) but their numbering implies "
+                                        f"{', '.join(gaps[:4])} too (a truncated index?)")
         elif pickle.is_file():
             shards = []
             self._pickle = self._load_pickle(pickle)
             for name, t in self._pickle.items():
                 self.files[name], self._meta[name] = pickle, (tuple(t.shape), str(t.dtype))
         else:
+            numbered = sorted(p.name for p in self.dir.glob("model-*-of-*.safetensors"))
+            if numbered:
+                gaps = missing_numbered(numbered)
+                raise FileNotFoundError(f"HF checkpoint directory {self.dir} holds {len(numbered)} sharded "
+                                        f"safetensors file(s) but no {INDEX}" + (f", and lacks {', '.join(gaps[:4])}"
+                                        if gaps else "") + " (an incomplete download? transformers needs the "
+                                        "index and every shard it names)")
             raise FileNotFoundError(f"HF checkpoint directory {self.dir} has no {SINGLE}, {INDEX} or {PICKLE}")
         for shard in shards:
             try:
@@ -86,6 +116,12 @@ class HFWeights:
             except Exception as error:  # safetensors raises its own error types for truncated / corrupt files
                 raise ValueError(f"cannot read the weights of HF checkpoint {self.dir}: {shard.name}: {error}") \
                     from error
+        if index.is_file() and not single.is_file():  # every tensor the index places is in that file
+            wrong = [f"{n} -> {f}" for n, f in weight_map.items() if self.files.get(n, self.dir / f).name != f
+                     or n not in self._meta]
+            if wrong:
+                raise ValueError(f"HF index {index} places {len(wrong)} tensor(s) in files that do not hold them, "
+                                 f"e.g. {wrong[:4]} (index and shards from different downloads?)")
 
     @staticmethod
     def _load_pickle(path: Path) -> dict:
@@ -108,6 +144,10 @@ class HFWeights:
 
     def dtypes(self) -> set[str]:
         return {dtype for _, dtype in self._meta.values()}
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype, as the file names it ("BF16"; "torch.bfloat16" in a pytorch_model.bin)."""
+        return self._meta[name][1]
 
     def _count(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes_read += tensor.numel() * tensor.element_size()
@@ -164,10 +204,8 @@ def write_shards(out_dir: str | Path, plan: list[tuple[str, tuple[int, ...], tor
                  tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int = DEFAULT_MAX_SHARD) -> list[str]:
     """Write `tensors` (arriving in `plan`'s order, each cast to its planned dtype) as safetensors files under
     `out_dir`; returns the file names written."""
-    unknown = sorted({str(d) for _, _, d in plan} - {str(d) for d in DTYPES})
-    if unknown:
-        raise ValueError(f"dtype {unknown[0]} cannot be stored in safetensors here; valid: "
-                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+    for dtype in {d for _, _, d in plan}:
+        storable(dtype, "dtype")
     out_dir = Path(out_dir)
     groups = shard_files(plan, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"

@@ -62,20 +62,35 @@ def freeze_base(model: nn.Module) -> None:
 def merge_lora(full_state: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
     """A full state (models/weights.py full_state_dict of a LoRA model) with every adapter folded into its base
     weight, W += (alpha / r) B A over the sections it covers, and the adapters' tensors dropped."""
-    merged = {name: t for name, t in full_state.items() if not is_lora_parameter(name)}
-    for i in range(cfg.n_layer):
-        for target, (path, covers) in adapter_layers(cfg, lora).items():
-            prefix = f"h.{i}.{path}"
-            a, b = full_state.get(f"{prefix}.lora.{target}.lora_A"), full_state.get(f"{prefix}.lora.{target}.lora_B")
-            if a is None or b is None:
-                raise ValueError(f"merge_lora: the state lacks {prefix}.lora.{target}.lora_A / lora_B")
-            weight = merged[f"{prefix}.weight"].clone()
-            delta = (b.double() @ a.double() * lora.scaling).to(weight.dtype)  # (covered out, in)
-            if not covers:  # row-parallel: the whole weight
-                weight += delta
-            else:
-                per = delta.shape[0] // len(covers)  # rows of one section
-                for k, s in enumerate(covers):
-                    weight[s * per:(s + 1) * per] += delta[k * per:(k + 1) * per]
-            merged[f"{prefix}.weight"] = weight
-    return merged
+    return {name: merged_weight(name, t, full_state, cfg, lora) for name, t in full_state.items()
+            if not is_lora_parameter(name)}
+
+
+def merged_weight(name: str, weight: torch.Tensor, adapters, cfg: ModelConfig, lora: LoRAConfig,
+                  in_place: bool = False) -> torch.Tensor:
+    """The base tensor `name` with the adapters that sit on it (looked up in `adapters`, a mapping holding at least
+    every lora_A / lora_B) folded in; a tensor no adapter covers is returned as it is. One tensor at a time, so a
+    merge streams (models/hf/convert_lora.py); `in_place`: `weight` is a fresh copy the caller gives up (no clone)."""
+    parts = name.split(".", 2)
+    if len(parts) < 3 or parts[0] != "h" or not parts[2].endswith(".weight"):
+        return weight
+    path = parts[2].removesuffix(".weight")
+    prefix = f"h.{parts[1]}.{path}"
+    targets = [(target, covers) for target, (p, covers) in adapter_layers(cfg, lora).items() if p == path]
+    if not targets:
+        return weight
+    weight = weight if in_place else weight.clone()
+    for target, covers in targets:
+        a, b = adapters.get(f"{prefix}.lora.{target}.lora_A"), adapters.get(f"{prefix}.lora.{target}.lora_B")
+        if a is None or b is None:
+            raise ValueError(f"merge_lora: the state lacks {prefix}.lora.{target}.lora_A / lora_B")
+        wide = b.double() @ a.double()  # (covered out, in), in fp64; one temporary at a time (a merge streams)
+        delta = wide.mul_(lora.scaling).to(weight.dtype)
+        del wide
+        if not covers:  # row-parallel: the whole weight
+            weight += delta
+        else:
+            per = delta.shape[0] // len(covers)  # rows of one section
+            for k, s in enumerate(covers):
+                weight[s * per:(s + 1) * per] += delta[k * per:(k + 1) * per]
+    return weight

@@ -44,6 +44,9 @@ def read_full_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     path = resolve_checkpoint(path)
     manifest = verify_checkpoint(path)
     model = read_common(path)["model"]
+    if manifest.get("storage") == "dcp":
+        reader = CheckpointReader(path)
+        return model, {name: reader.read(name).float() for name in reader.names()}
     by_name: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for entry in manifest["pieces"]:
         by_name[entry["name"]][entry["kind"]].append(entry)
@@ -87,6 +90,14 @@ class CheckpointReader:
         self._pieces: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
         for entry in self.manifest["pieces"]:
             self._pieces[entry["name"]][entry["kind"]].append(entry)
+        self._dcp = None
+        if self.manifest.get("storage") == "dcp":  # checkpoint.format = "dcp": keys "<kind>/<name>" (dcp_views.py)
+            from megazoo.parallel.checkpoint.dcp import DCPReader
+
+            self._dcp = DCPReader(self.path)
+            for key in self._dcp.names():
+                kind, name = key.split("/", 1)
+                self._pieces[name][kind].append({"dtype": self._dcp.dtype(key).removeprefix("torch."), "key": key})
 
     def names(self) -> list[str]:
         return list(self._pieces)
@@ -98,6 +109,14 @@ class CheckpointReader:
             dtypes = {e["dtype"] for kinds in self._pieces.values() for e in kinds.get("master", [])}
         return getattr(torch, "float32" if len(dtypes) != 1 else dtypes.pop())
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype read(name) returns (the fp32 masters' when saved, else the parameter's)."""
+        kinds = self._pieces.get(name) or {}
+        entries = kinds.get("master") or kinds.get("param")
+        if not entries:
+            raise CheckpointError(f"checkpoint {self.path} holds no weights for {name}")
+        return getattr(torch, entries[0]["dtype"])
+
     def read(self, name: str) -> torch.Tensor:
         """The full tensor `name` (fp32 masters when saved, else the parameters in their dtype), at the true
         vocabulary; only the rank files holding its pieces are mapped, and only for this read."""
@@ -105,6 +124,8 @@ class CheckpointReader:
         entries = kinds and (kinds.get("master") or kinds.get("param"))
         if not entries:
             raise CheckpointError(f"checkpoint {self.path} holds no weights for {name}")
+        if self._dcp is not None:  # stored at the true vocabulary already
+            return self._dcp.read(entries[0]["key"])
         files = {f: load_tensor_file(self.path / f) for f in sorted({e["file"] for e in entries})}
         full = _assemble(entries, files, name, self.path)
         del files  # the mappings go, and the pages they brought in with them

@@ -48,7 +48,7 @@ FORMAT = "megazoo-sharded-checkpoint/1"
 LATEST = "latest"
 MANIFEST, MANIFEST_SHA, COMMON = "manifest.json", "manifest.sha256", "common.json"
 STEP_NAME = re.compile(r"step_\d{8,}")
-FILE_NAME = re.compile(r"rank\d{5}\.pt|common\.json")
+FILE_NAME = re.compile(r"rank\d{5}\.pt|common\.json|__\d+_\d+\.distcp|\.metadata")  # the last two: format "dcp"
 SHARED_FS_HINT = "multi-node runs need a shared filesystem for run.dir"
 
 
@@ -151,10 +151,10 @@ def _write_rank(tmp: Path, rank: int, views: list[StateView] | tuple[dict, list[
     return status
 
 
-def _publish(root: Path, tmp: Path, step: int, gathered: list[dict], layout: dict, keep: int) -> Path:
+def _publish(root: Path, tmp: Path, step: int, gathered: list[dict], layout: dict, keep: int, **fields) -> Path:
     """Rank 0: check every rank's file is here, write the manifest (+ its sha256), rename, point `latest`."""
     manifest = {"format": FORMAT, "step": step, "layout": layout, "world_size": len(gathered), "files": {},
-                "pieces": []}
+                "pieces": [], **fields}  # fields: {"storage": "dcp"} for checkpoint.format = "dcp" (dcp_views.py)
     for status in gathered:
         for filename, info in status["files"].items():
             file = tmp / filename

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from megazoo.recipes.planner import hf_load
 from megazoo.recipes.planner.zero import GB, PlanError
 from megazoo.recipes.planner.cost_model import CostModel, search
 from megazoo.recipes.planner.fit import Layout, device_memory, heal_bytes, max_micro_batch, parse_gpu, recipe_layout
@@ -76,6 +77,13 @@ def _from_recipe(args):
         raise FitUsageError(f"--recipe {args.recipe}: {err}") from None
 
 
+def _from_hf(args) -> str:
+    """The recipe's model.from_hf as written (resolve_for_planning drops a folder not at hand)."""
+    from megazoo.recipes.catalog import find_recipe
+    from megazoo.recipes.config import load_recipe
+    return load_recipe(find_recipe(args.recipe), list(args.set or [])).model.from_hf
+
+
 def _from_flags(args):
     from megazoo.models.presets import presets
     registry = presets()
@@ -118,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     for line in mem.lines():
         print(line)
     print(f"  largest micro-batch that fits this layout: {best}" + (" (none: not even 1)" if not best else ""))
+    if args.recipe and (loading := hf_load.describe(_from_recipe(args)[2], _from_hf(args))):  # model.from_hf
+        print(loading)
     print("  activations: Korthikanti et al. 2022 per layer (recipes/planner/activations.py): s b h (10 + 24/t) bytes "
           "+ 5 a s^2 b / t for stored attention scores" + (" (none here: fused SDPA attention)"
                                                             if layout.flash_attention else "")

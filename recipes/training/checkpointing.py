@@ -119,12 +119,19 @@ def save(trainer: TrainingRun, step: int, phase=None) -> Path:
     if tokenizer is not None:  # eval, export and generate take it from here (data/tokenizers/store.py)
         common["tokenizer"] = tokenizer_record(tokenizer)
     written_layout = layout(res)
+    extras = {"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)}
+    if res.recipe.checkpoint.format == "dcp":  # torch.distributed.checkpoint files (parallel/checkpoint/dcp_views.py)
+        from megazoo.parallel.checkpoint.dcp_views import save_dcp_checkpoint, vocab_rows
+        views = state_views(trainer)
+        return save_dcp_checkpoint(Path(res.recipe.run.dir) / "checkpoints", step, views, extras=extras,
+                                   common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
+                                   clip_rows=vocab_rows(views, res.model.vocab_size),
+                                   verify=res.recipe.checkpoint.verify_on_save)
     write, more = save_checkpoint, {"phase": phase} if phase is not None else {}
     if res.recipe.checkpoint.async_save:  # returns after the copy to host memory; see wait_for_save
         write, more = async_saver(trainer).save, {}
     return write(Path(res.recipe.run.dir) / "checkpoints", step, state_views(trainer),
-                 extras={"rng": _rng_state(trainer), "layout": written_layout, **_optimizer_extras(trainer)},
-                 common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
+                 extras=extras, common=common, layout=written_layout, keep=res.recipe.checkpoint.keep,
                  verify=res.recipe.checkpoint.verify_on_save, **more)
 
 
@@ -160,7 +167,15 @@ def load(trainer: TrainingRun, path: str | Path, *, load_optimizer: bool = True)
     if mismatches:
         raise CheckpointError(f"checkpoint {path} is for a different model: {'; '.join(mismatches)}")
     wait_for_save(trainer)  # a background save of this run may be writing the very checkpoint asked for
-    load_views(path, state_views(trainer), kinds=None if load_optimizer else ("param", "master"), manifest=manifest)
+    views, kinds = state_views(trainer), None if load_optimizer else ("param", "master")
+    if manifest.get("storage") == "dcp":  # a checkpoint.format = "dcp" checkpoint: DCP reshards it
+        from megazoo.parallel.checkpoint.dcp_views import load_views_dcp, vocab_rows
+        try:
+            load_views_dcp(path, views, vocab_rows(views, trainer.res.model.vocab_size), kinds=kinds)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+    else:
+        load_views(path, views, kinds=kinds, manifest=manifest)
     trainer.zero.after_load()
     if not load_optimizer:
         return 0
@@ -195,6 +210,26 @@ def load_hf(trainer: TrainingRun, folder: str | Path, views=None) -> int:
     fill_views_from_hf(weights, family_of_config(trainer.res.model), trainer.res.model, views)
     trainer.zero.after_load()
     return weights.bytes_read
+
+
+def load_dcp_weights(trainer: TrainingRun, folder: str | Path) -> str:
+    """checkpoint.load = a DCP folder no megazoo run wrote (torchtitan's, or `megazoo convert megazoo-to-dcp`'s):
+    this rank's parameter views filled through the family's key map (torchtitan's names and q / k order,
+    models/hf/llama.py), each rank cutting its own tp / pp / ZeRO slices; weights only. Returns which names."""
+    from megazoo.models.hf.convert_dcp import dcp_family
+    from megazoo.models.hf.converter import fill_views_from_hf
+    from megazoo.models.hf.families import family_of_config
+    from megazoo.parallel.checkpoint.dcp import DCPReader
+
+    cfg = trainer.res.model
+    reader = DCPReader(folder)
+    names, family = dcp_family(reader, family_of_config(cfg), cfg)
+    try:
+        fill_views_from_hf(reader, family, cfg, state_views(trainer))
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint.load = {folder} ({names} DCP names): {err}") from None
+    trainer.zero.after_load()
+    return names
 
 
 def batch_changes(res: Resolved, common: dict) -> list[str]:
@@ -281,6 +316,10 @@ def restore(trainer: TrainingRun, report=print) -> int:
         return 0
     if ckpt.load:
         path = Path(ckpt.load)
+        if (path / ".metadata").is_file() and not (path / "manifest.json").is_file():  # a foreign DCP folder
+            names = load_dcp_weights(trainer, path)
+            report(f"megazoo: weights from the DCP folder {path} ({names} names), at step 0")
+            return 0
         if not (path / "manifest.json").is_file():  # a checkpoints folder: its latest good checkpoint
             found = latest_good_checkpoint(path, report=report)
             if found is None:

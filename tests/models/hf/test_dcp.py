@@ -114,3 +114,47 @@ def test_megazoo_names_round_trip(tmp_path):
 def test_not_a_dcp_folder_is_refused(tmp_path, capsys):
     assert cli.main(["convert", "dcp-to-megazoo", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "not a torch.distributed.checkpoint folder" in capsys.readouterr().err
+
+
+def _titan_run(titan: str, run_dir: str, parallel: dict, zero: dict):
+    """A megazoo run whose checkpoint.load is the torchtitan DCP folder: its full weights after restore()."""
+    import copy
+
+    from recipe_helpers import TINY
+
+    from megazoo.recipes.config import Recipe, from_dict
+    from megazoo.recipes.resolve import resolve
+    from megazoo.recipes.training import checkpointing
+    from megazoo.recipes.training.trainer import Trainer
+
+    table = copy.deepcopy(TINY)
+    table["model"] = {"preset": "llama-tiny", "n_layer": LAYERS, "d_model": HIDDEN, "n_head": HEADS, "n_kv_head": KV,
+                      "d_ff": 96, "vocab_size": 256, "n_positions": 64, "layer_norm_eps": 1e-6, "dropout": 0.0,
+                      "attn_dropout": 0.0}
+    table["parallel"].update(parallel)
+    table["zero"] = zero
+    table["train"].update(micro_batch=4 // parallel.get("dp", 1))
+    table["run"] = {"dir": run_dir}
+    table["checkpoint"].update(load=titan, load_optimizer=False)
+    res = resolve(from_dict(Recipe, table))
+    trainer = Trainer(res, Topology.of(res.recipe.parallel))
+    said = []
+    start = checkpointing.restore(trainer, report=said.append)
+    return start, said, trainer.full_state_dict(), res.model
+
+
+def test_a_torchtitan_dcp_checkpoint_loads_into_a_run(tmp_path):
+    """checkpoint.load = a torchtitan DCP folder: every rank of a dp 2 x tp 2 ZeRO-3 run reads its own slices
+    through the key map, and the run's model computes the HF model's logits."""
+    from harness import run_distributed
+
+    hf = _hf()
+    dcp.save(torchtitan_state(hf), storage_writer=dcp.FileSystemWriter(str(tmp_path / "titan")))
+    results = run_distributed(_titan_run, 4, str(tmp_path / "titan"), str(tmp_path / "run"), {"dp": 2, "tp": 2},
+                              {"stage": 3})
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    for start, said, state, cfg in results:
+        assert start == 0 and "torchtitan names" in said[-1]
+        model = gpt_from_full_state(cfg, state, Topology.solo(), dtype=torch.float64)
+        with torch.no_grad():
+            assert torch.allclose(model(ids)[..., :256], hf.double()(ids).logits, atol=1e-5, rtol=0)
