@@ -47,9 +47,9 @@ def check_mla(cfg) -> None:
         if not cfg.kv_lora_rank:
             raise ValueError("model.rope_scaling = 'yarn' is built for latent attention only (model.kv_lora_rank "
                              "> 0); valid for other attention: 'none', 'llama3'")
-        if not (cfg.rope_factor > 0 and cfg.rope_original_positions > 0 and cfg.rope_beta_fast > cfg.rope_beta_slow):
+        if not (cfg.rope_factor > 0 and cfg.rope_original_positions > 0 and cfg.rope_beta_fast >= cfg.rope_beta_slow):
             raise ValueError(f"model.rope_scaling = 'yarn' needs rope_factor > 0, rope_original_positions > 0 and "
-                             f"rope_beta_fast > rope_beta_slow; got {cfg.rope_factor}, {cfg.rope_original_positions},"
+                             f"rope_beta_fast >= rope_beta_slow; got {cfg.rope_factor}, {cfg.rope_original_positions},"
                              f" {cfg.rope_beta_fast}, {cfg.rope_beta_slow}")
     if not cfg.kv_lora_rank:
         set_ = [f for f in ("q_lora_rank", *MLA_DIMS) if getattr(cfg, f)]
