@@ -1,7 +1,7 @@
 """Latent attention in the real Trainer: fp64, 3 steps, every layout equals one process running the same
 micro-batches to 1e-10 (losses, gradient norms, every parameter and every layer's routing bias, exactly):
 tp 2 with sequence parallelism x ep 2 (the replicated down-projections' and latent norms' gradients summed over
-the tp ranks' positions, the latents gathered in one collective), pp 2 x ep 2, cp 2 (the shared rotary key
+the tp ranks' positions, the latents gathered in one collective), pp 2 x ep 2, cp 2 all-to-all and ring (the shared rotary key
 travelling with the heads' keys), dp 2 x ep 2 under ZeRO-3 with activation checkpointing, and the no-q-compression variant (V2-Lite's c_q) at tp 2. The model: the
 deepseek-tiny preset made smaller, YaRN on with an original context shorter than the sequence, and v_head_dim
 different from the q/k width (the kernels' padding)."""
@@ -52,6 +52,7 @@ def _check(outs, ref):
     ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, 2),
     ({"dp": 2, "pp": 2, "ep": 2}, 2),
     ({"cp": 2}, 4),
+    ({"cp": 2, "cp_attention": "ring"}, 4),
 ])
 def test_mla_layouts_equal_one_process(reference, parallel, grad_accum):
     _check(_run(parallel, grad_accum), reference)
