@@ -66,3 +66,15 @@ def test_mla_zero3_with_activation_checkpointing(reference):
 def test_mla_without_q_compression_at_tp2():
     plain_q = {"q_lora_rank": 0}
     _check(_run({"tp": 2}, 4, plain_q), train_run(_res({}, 4, plain_q), Topology.solo()))
+
+
+def test_resolver_refuses_packing_with_latent_attention(monkeypatch):
+    """Packed rows (segment ids) have no latent-attention path yet: refused before any process starts."""
+    from megazoo.recipes import sft_check
+    from megazoo.recipes.config import RecipeError
+
+    monkeypatch.setattr(sft_check, "_manifest", lambda key, prefix: {"seq_len": 8, "vocab_size": 10})
+    with pytest.raises(RecipeError, match=r"sft.packing = true with latent attention \(model.kv_lora_rank = 16\) "
+                                          r"is not supported yet; valid: sft.packing = false"):
+        tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": True})
+    assert tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": False}).model.mla
