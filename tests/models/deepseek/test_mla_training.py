@@ -78,3 +78,12 @@ def test_resolver_refuses_packing_with_latent_attention(monkeypatch):
                                           r"is not supported yet; valid: sft.packing = false"):
         tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": True})
     assert tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": False}).model.mla
+
+
+def test_lora_on_latent_attention_is_refused():
+    from megazoo.models.lora.config import LoRAConfig, check_lora
+    from megazoo.models.presets import get_preset
+
+    with pytest.raises(ValueError, match=r"lora.targets \['q', 'v'\] on model deepseek-tiny, which has latent "
+                                         r"attention \(model.kv_lora_rank = 32\): LoRA on it is not supported yet"):
+        check_lora(LoRAConfig(rank=4), get_preset("deepseek-tiny"))
