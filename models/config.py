@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megazoo.models.deepseek.fields import check_mla
 from megazoo.models.layout import parameter_layout
 
 
@@ -51,7 +52,14 @@ class ModelConfig:
     rope_factor: float = 8.0  # llama3: low frequencies divided by this
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are scaled
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high_freq_factor are kept
-    rope_original_positions: int = 8192  # llama3: the context the model was pretrained at
+    rope_original_positions: int = 8192  # llama3 / yarn: the context the model was pretrained at
+    # YaRN (rope_scaling = "yarn", latent attention only; with rope_factor): beta_fast / beta_slow bound the ramp
+    # between kept and interpolated frequencies; mscale / mscale_all_dim give the attention-scale correction
+    # (models/deepseek/fields.py: the softmax scale times mscale(factor, mscale_all_dim)^2, as DeepSeek-V3)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     # Block-sparse attention (models/sparse_attention.py): no weights, so none of these is an architecture field.
     attention: str = "dense"  # "dense" | "sparse"
     sparse_pattern: str = "fixed"  # "fixed" | "bigbird" | "sliding_window"
@@ -65,6 +73,15 @@ class ModelConfig:
     # head_width 0 (the default) keeps d_model / n_head, also across replace(d_model=...): `head_dim` reads it.
     head_width: int = 0
     qk_norm: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3, models/deepseek/mla.py), on when kv_lora_rank > 0: keys and
+    # values from one RMS-normalised kv_lora_rank latent per token, queries from a q_lora_rank latent (0: a full
+    # projection, as V2-Lite); q and k heads are qk_nope_head_dim + qk_rope_head_dim wide (the rotary part of k
+    # one head shared by all), values v_head_dim. Checked in models/deepseek/fields.py.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Mixture of experts (models/moe/): the MLP of an MoE layer is n_experts routed SwiGLU experts (no biases), of
     # which each token uses moe_top_k, plus optional always-on shared experts. n_experts = 0: a dense model.
     n_experts: int = 0
@@ -128,6 +145,7 @@ class ModelConfig:
         self._check_architecture()
         self._check_sparse()
         check_moe(self)
+        check_mla(self)
 
     def _check_architecture(self) -> None:
         for field, valid in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS), ("rope_scaling", ROPE_SCALINGS)):
@@ -137,7 +155,7 @@ class ModelConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_kv_head = {self.n_kv_head} does not divide model.n_head = {self.n_head}; "
                              f"valid: {[k for k in range(1, self.n_head + 1) if self.n_head % k == 0]}")
-        if self.positions == "rotary" and self.head_dim % 2:
+        if self.positions == "rotary" and self.head_dim % 2 and not self.kv_lora_rank:
             raise ValueError(f"model.positions = 'rotary' needs an even head dimension, got d_model / n_head = "
                              f"{self.head_dim}")
         for field in ("tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "qk_norm"):
@@ -187,6 +205,11 @@ class ModelConfig:
         return self.n_kv_head == self.n_head and self.head_dim * self.n_head == self.d_model
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank > 0) in place of multi-head / grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
@@ -229,7 +252,7 @@ class ModelConfig:
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 MLPS = ("gelu", "swiglu")
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "yarn")
 MOE_ROUTERS = ("softmax", "sigmoid_bias")
 MOE_EXPERT_IMPLS = ("grouped", "loop")
 MOE_AUX_SCOPES = ("model", "layer")
@@ -315,12 +338,14 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions", "n_kv_head", "norm",
                        "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_width",
                        "qk_norm", "n_experts", "moe_d_ff", "moe_shared_experts", "moe_shared_d_ff",
-                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers", "moe_router")
+                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers", "moe_router",
+                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
 _LATER_FIELDS = {"norm": "layernorm", "positions": "learned", "mlp": "gelu", "tie_embeddings": True,
                  "qkv_bias": True, "proj_bias": True, "mlp_bias": True, "qk_norm": False, "n_experts": 0,
                  "moe_shared_experts": 0, "moe_shared_gate": False, "moe_first_dense": 0, "moe_every": 1,
-                 "moe_dense_layers": (), "moe_router": "softmax"}
+                 "moe_dense_layers": (), "moe_router": "softmax", "kv_lora_rank": 0, "q_lora_rank": 0,
+                 "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0}
 
 
 def architecture_mismatches(saved: dict, mine: dict) -> list[str]:

@@ -18,7 +18,12 @@ from megazoo.models.config import ModelConfig
 
 def attention_matmul_params(cfg: ModelConfig) -> int:
     """Q and the output projection (d x n_head hd each), K and V (d x n_kv_head hd each: grouped-query
-    attention's are smaller)."""
+    attention's are smaller). Latent attention: its down-projections, up-projections and output projection."""
+    if cfg.mla:
+        qk, n, r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.n_head, cfg.kv_lora_rank
+        q = cfg.q_lora_rank * (cfg.d_model + n * qk) if cfg.q_lora_rank else cfg.d_model * n * qk
+        return q + cfg.d_model * (r + cfg.qk_rope_head_dim) + r * n * (cfg.qk_nope_head_dim + cfg.v_head_dim) + \
+            n * cfg.v_head_dim * cfg.d_model
     d, hd = cfg.d_model, cfg.head_dim
     return 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd
 
@@ -47,4 +52,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, vocab: int | None = No
     d, vocab = cfg.d_model, vocab or cfg.vocab_size
     matmul_params = sum(layer_matmul_params(cfg, i) for i in range(cfg.n_layer)) + vocab * d
     keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
+    if cfg.mla:  # q k^T over nope + rope dims, p v over v_head_dim: 6 x L x s' x n_head x (qk + v)
+        widths = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        return 6.0 * matmul_params + 6.0 * cfg.n_layer * keys * cfg.n_head * widths
     return 6.0 * matmul_params + 12.0 * cfg.n_layer * keys * cfg.n_head * cfg.head_dim

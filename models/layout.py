@@ -40,6 +40,12 @@ class ModelConfig(Protocol):
     proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    mla: bool
+    kv_lora_rank: int
+    q_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
     n_experts: int
     moe_d_ff: int
     moe_shared_experts: int
@@ -104,13 +110,16 @@ def block_parameters(cfg: ModelConfig, index: int, tp: int = 1) -> list[ParamSpe
     row-parallel weights split on dim 1 (their input). Grouped-query K/V is replicated where tp > n_kv_head."""
     d, f, h, hd = cfg.d_model, cfg.d_ff, f"h.{index}.", cfg.head_dim
     params = _norm(cfg, h + "ln_1")
-    if cfg.fused_qkv:
+    if cfg.mla:
+        params += mla_parameters(cfg, h)
+    elif cfg.fused_qkv:
         params += _linear(h + "attn.c_attn", 3 * d, d, 0, cfg.qkv_bias, 3)
     else:
         params += _linear(h + "attn.c_q", cfg.n_head * hd, d, 0, cfg.qkv_bias)
         params += _linear(h + "attn.c_kv", 2 * cfg.n_kv_head * hd, d, 0 if kv_split(cfg, tp) else None,
                           cfg.qkv_bias, 2)
-    params += _linear(h + "attn.c_proj", d, cfg.n_head * hd, 1, cfg.proj_bias)
+    if not cfg.mla:
+        params += _linear(h + "attn.c_proj", d, cfg.n_head * hd, 1, cfg.proj_bias)
     if cfg.qk_norm:  # Qwen3: one per-head RMSNorm weight for q and one for k, replicated
         params += [ParamSpec(h + "attn.q_norm.weight", (hd,), None), ParamSpec(h + "attn.k_norm.weight", (hd,), None)]
     params += _norm(cfg, h + "ln_2")
@@ -120,6 +129,24 @@ def block_parameters(cfg: ModelConfig, index: int, tp: int = 1) -> list[ParamSpe
     params += _linear(h + "mlp.c_fc", 2 * f if gated else f, d, 0, cfg.mlp_bias, 2 if gated else 1)
     params += _linear(h + "mlp.c_proj", d, f, 1, cfg.mlp_bias)
     return params
+
+
+def mla_parameters(cfg: ModelConfig, h: str) -> list[ParamSpec]:
+    """Latent attention (models/deepseek/mla.py): the down-projections (q_a, kv_a: [latent; shared rotary key])
+    and the latents' RMSNorm weights replicated over tp; the up-projections (q_b, or c_q without q compression,
+    and kv_b) column-parallel in whole heads; c_proj row-parallel. No biases (DeepSeek's attention_bias false)."""
+    d, n, r = cfg.d_model, cfg.n_head, cfg.kv_lora_rank
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        params = [ParamSpec(h + "attn.q_a.weight", (cfg.q_lora_rank, d), None),
+                  ParamSpec(h + "attn.q_a_norm.weight", (cfg.q_lora_rank,), None),
+                  ParamSpec(h + "attn.q_b.weight", (n * qk, cfg.q_lora_rank), 0)]
+    else:
+        params = [ParamSpec(h + "attn.c_q.weight", (n * qk, d), 0)]
+    return params + [ParamSpec(h + "attn.kv_a.weight", (r + cfg.qk_rope_head_dim, d), None),
+                     ParamSpec(h + "attn.kv_a_norm.weight", (r,), None),
+                     ParamSpec(h + "attn.kv_b.weight", (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), 0),
+                     ParamSpec(h + "attn.c_proj.weight", (d, n * cfg.v_head_dim), 1)]
 
 
 def moe_parameters(cfg: ModelConfig, h: str) -> list[ParamSpec]:

@@ -17,11 +17,16 @@ import math
 import torch
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.deepseek.fields import yarn_attention_factor
+from megazoo.models.deepseek.yarn import yarn_inv_freq
 
 
 def inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """(head_dim / 2,) fp32 inverse frequencies, exactly as transformers computes them for this config."""
-    hd = cfg.head_dim
+    """(head_dim / 2,) fp32 inverse frequencies, exactly as transformers computes them for this config (latent
+    attention: its rotary part, qk_rope_head_dim wide)."""
+    hd = cfg.qk_rope_head_dim if cfg.mla else cfg.head_dim
+    if cfg.rope_scaling == "yarn":
+        return yarn_inv_freq(cfg, hd, device)
     freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
     if cfg.rope_scaling == "none":
         return freq
@@ -43,6 +48,9 @@ def rotary_tables(cfg: ModelConfig, pos: torch.Tensor, dtype: torch.dtype) -> tu
     angle_dtype = torch.promote_types(dtype, torch.float32)
     freqs = pos.to(angle_dtype)[..., None] * inv_freq(cfg, pos.device).to(angle_dtype)  # (..., s, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)
+    scale = yarn_attention_factor(cfg)  # YaRN's cos / sin factor (1 otherwise), multiplied in as transformers does
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

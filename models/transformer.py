@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from megazoo.kernels import Implementation, KernelChoice, ModelOp, kernels_for_model
 from megazoo.models.attention import Attention, attention_ops
 from megazoo.models.config import ModelConfig
+from megazoo.models.deepseek.mla import MLA
 from megazoo.models.generation.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp, mlp_ops
 from megazoo.models.moe import MoE, RouterStats, load_balancing_loss, z_loss
@@ -59,7 +60,8 @@ class Block(nn.Module):
         sp = sequence_parallel if sequence_parallel is not None else plain(topo.tp_group)
         self.sequence_parallel, self.rng = sp, rng
         self.ln_1 = make_norm(cfg, kernels, device=device, dtype=dtype, sequence_parallel=sp)
-        self.attn = Attention(cfg, topo, rng, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
+        attention = MLA if cfg.mla else Attention  # latent attention (models/deepseek/mla.py) or MHA / GQA
+        self.attn = attention(cfg, topo, rng, device=device, dtype=dtype, kernels=kernels, sequence_parallel=sp)
         self.ln_2 = make_norm(cfg, kernels, device=device, dtype=dtype, sequence_parallel=sp)
         if cfg.moe_layer(index):  # the MoE block in place of the dense MLP (models/moe/)
             self.mlp = MoE(cfg, topo, device=device, dtype=dtype, sequence_parallel=sp)

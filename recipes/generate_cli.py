@@ -94,7 +94,7 @@ def _check(args: argparse.Namespace) -> Source:
 
 def continuation(args: argparse.Namespace, topo) -> str:
     """Decode on this rank (collective under tp) and return the new text (--chat: the answer alone)."""
-    from megazoo.models.generation.generate import decode
+    from megazoo.models.generation.generate import decode, new_cache
 
     source = _check(args)
     tokenizer = source.tokenizer
@@ -115,9 +115,12 @@ def continuation(args: argparse.Namespace, topo) -> str:
 
         prompt = chat_prompt(tokenizer, source.template, args.prompt)
         marker = end_of_turn(resolve_template(tokenizer, source.template)[1])
+    cache = new_cache(model.cfg)
     ids = decode(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed,
+                 top_p=args.top_p, seed=args.seed, cache=cache,
                  stop=lambda new: new[-1] == eos or (marker is not None and marker in tokenizer.decode(new)))
+    if getattr(args, "verbose", False) and topo.tp_rank == 0:
+        print(cache_line(model.cfg, cache), file=sys.stderr, flush=True)
     new = ids[len(prompt):]
     if new and new[-1] == eos:  # the end-of-text mark ends the text; it is not part of it
         new = new[:-1]
@@ -129,11 +132,22 @@ def continuation(args: argparse.Namespace, topo) -> str:
     return text
 
 
+def cache_line(cfg, cache) -> str:
+    """--verbose: the decoding cache's bytes per token (one sequence, this rank, every layer) and what makes them."""
+    layers, total = cfg.n_layer, cache.bytes_per_token()
+    if cfg.mla:
+        how = (f"latent cache: (kv_lora_rank {cfg.kv_lora_rank} + qk_rope_head_dim {cfg.qk_rope_head_dim}) x "
+               f"{layers} layers x {total // (layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))} bytes")
+    else:
+        how = f"key/value cache: 2 x this rank's heads x head dim x {layers} layers x dtype bytes"
+    return f"cache bytes per token: {total} ({how})"
+
+
 def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     argv = [str(args.checkpoint)] if args.checkpoint is not None else ["--hf", str(args.hf)]
     argv += ["--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
              "--temperature", repr(args.temperature), "--top-k", str(args.top_k), "--top-p", repr(args.top_p),
-             "--seed", str(args.seed), "--tp", str(args.tp)]
+             "--seed", str(args.seed), "--tp", str(args.tp)] + (["--verbose"] if args.verbose else [])
     for flag, value in (("--tokenizer", args.tokenizer), ("--lora-base", args.lora_base), ("--chat", args.chat)):
         if value:
             argv += [flag, str(value)]
@@ -190,6 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer spec (default: the one the checkpoint records)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print (to stderr) the decoding cache's bytes per token")
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megazoo.models.config import ModelConfig
 from megazoo.models.generation.kv_cache import KVCache
+from megazoo.models.generation.latent_cache import LatentCache
 from megazoo.models.transformer import GPT
 from megazoo.parallel.tensor import gather_from_tp_region
 
@@ -36,6 +38,13 @@ def check_decodable(model: GPT) -> None:
     if getattr(model.cfg, "attention", "dense") != "dense" or getattr(model.topo, "cp", 1) > 1:
         raise ValueError(f"decoding with a KV cache needs dense attention at cp = 1 (model.attention = "
                          f"{getattr(model.cfg, 'attention', 'dense')!r}, cp = {getattr(model.topo, 'cp', 1)})")
+
+
+def new_cache(cfg: ModelConfig, capacity: int | None = None) -> KVCache | LatentCache:
+    """The decoding cache a model takes: latent attention's LatentCache (c_kv and k_pe only, the up-projections
+    absorbed at decode time), else the per-head KVCache. `capacity` defaults to the model's context."""
+    capacity = capacity or cfg.n_positions
+    return LatentCache(capacity) if cfg.mla else KVCache(capacity)
 
 
 def full_logits(model: GPT, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -67,11 +76,14 @@ def pick(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
 @torch.no_grad()
 def decode(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int = 0, stop: Callable[[list[int]], bool] | None = None,
-           forward: Callable[[torch.Tensor, KVCache], torch.Tensor] | None = None) -> list[int]:
+           forward: Callable[[torch.Tensor, KVCache], torch.Tensor] | None = None,
+           cache: KVCache | LatentCache | None = None) -> list[int]:
     """prompt + up to max_new_tokens new ids. `stop(new_ids)` is asked after each token (e.g. "was it EOS?");
     decoding ends when it says so, with that token kept. Collective under tp: every rank calls it alike.
     `forward(ids, cache)` -> full logits replaces `full_logits(model, ids, cache)` (the lm-eval adapter's rank 0
-    uses it to have the other tp ranks run the same forward)."""
+    uses it to have the other tp ranks run the same forward). `cache`: an empty cache to fill (new_cache's by
+    default; a KVCache for latent attention decodes with full per-head keys and values, the reference), left
+    holding the last window for the caller to read (bytes_per_token)."""
     check_sampling(temperature, top_k, top_p)
     check_decodable(model)
     if not prompt:
@@ -81,7 +93,7 @@ def decode(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, temperatur
     draw = torch.Generator().manual_seed(seed)
     context = model.cfg.n_positions
     ids = list(prompt)
-    cache = KVCache(context)
+    cache = cache if cache is not None else new_cache(model.cfg, context)
     fresh = ids[-context:]  # positions the cache does not hold yet
     try:
         for _ in range(max_new_tokens):

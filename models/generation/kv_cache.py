@@ -73,6 +73,11 @@ class KVCache:
         self._v[layer][:, :, self.length:end] = v
         return store_k[:, :, :end], self._v[layer][:, :, :end]
 
+    def bytes_per_token(self) -> int:
+        """Bytes one position takes in one sequence's cache on this rank, over every layer: 2 x local heads x
+        head dim x layers x dtype bytes."""
+        return sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k in self._k.values())
+
     def advance(self, new: int) -> None:
         """Called by GPT.forward once every layer has appended `new` positions."""
         self.length += new

@@ -112,6 +112,7 @@ def hf_dir_logits_fn(hf_dir: str | Path):
     # MoE families: transformers' default grouped-matmul experts refuse fp64 on CPU; its per-expert loop takes it
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     experts = {"experts_implementation": "eager"} if config.get("num_local_experts") or config.get("num_experts") \
+        or config.get("n_routed_experts") \
         else {}
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float64, attn_implementation="eager",
                                                  **experts)

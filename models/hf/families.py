@@ -22,9 +22,11 @@ if TYPE_CHECKING:  # imported when used: `megazoo convert --help` and the eval i
 def families() -> tuple[Family, ...]:
     """Every family, in the order a megazoo config is offered to them (the first whose `exports` claims it). Read
     at call time, so a test may replace a module's FAMILY."""
+    from megazoo.models.deepseek import hf as deepseek
     from megazoo.models.hf import gpt2, llama, moe_families
 
-    return (gpt2.FAMILY, llama.FAMILY, moe_families.FAMILY)
+    # deepseek first: it claims latent attention, which the Llama-style families would misread
+    return (deepseek.FAMILY, gpt2.FAMILY, llama.FAMILY, moe_families.FAMILY)
 
 
 def hf_model_type(hf_dir: str | Path) -> str:

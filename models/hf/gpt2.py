@@ -144,6 +144,9 @@ def load_full_state_into(model: GPT, full_state: dict[str, torch.Tensor]) -> Non
         if name in VOCAB_PARAMETERS and full.shape[0] < spec.global_shape[0]:
             full = torch.cat([full, full.new_zeros(spec.global_shape[0] - full.shape[0], full.shape[1])])
         param.copy_(shard_of(full.to(param.dtype), spec))
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's routing bias, where the full state carries it
+        if name.endswith("router.expert_bias") and name in full_state:
+            buffer.copy_(full_state[name])
 
 
 def gpt_from_full_state(cfg: ModelConfig, full_state: dict[str, torch.Tensor], topology: Topology,

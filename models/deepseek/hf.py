@@ -1,0 +1,193 @@
+"""Hugging Face DeepseekV3ForCausalLM (DeepSeek-V3, Kimi K2) <-> megazoo: the configs both ways, the key map and
+`FAMILY`, the registry's family (models/hf/families.py; it lives here as models/hf/ is a full room). A megazoo config is this family's when it has latent
+attention (model.kv_lora_rank > 0, models/deepseek/mla.py).
+
+Under model.layers.<i>. (embedding, final norm, head, block norms and dense MLPs as models/hf/llama.py):
+
+    ours                        HF checkpoint files
+    attn.q_a / attn.c_q         self_attn.q_a_proj / self_attn.q_proj (no q compression)
+    attn.q_a_norm               self_attn.q_a_layernorm
+    attn.q_b                    self_attn.q_b_proj
+    attn.kv_a                   self_attn.kv_a_proj_with_mqa   rows [latent; shared rotary key]
+    attn.kv_a_norm              self_attn.kv_a_layernorm
+    attn.kv_b                   self_attn.kv_b_proj            rows per head [k_nope; v]
+    attn.c_proj                 self_attn.o_proj
+    mlp.router.weight           mlp.gate.weight
+    mlp.router.expert_bias      mlp.gate.e_score_correction_bias   (a buffer: the routing bias)
+    mlp.experts.c_fc / c_proj   mlp.experts.<e>.gate_proj ; up_proj / down_proj  (stacked as moe_families.py)
+    mlp.shared.c_fc / c_proj    mlp.shared_experts.gate_proj ; up_proj / down_proj
+
+Rotary layout: DeepSeek's checkpoints (config rope_interleave = true, transformers' default) rotate interleaved
+pairs (x0, x1), (x2, x3), ... of each head's rotary part, and transformers' rotation returns [evens; odds]; ours
+rotates halves (models/rotary.py). Permuting the rotary rows of q_b (q_proj) per head and of kv_a's rotary key to
+[even rows; odd rows] on reading (and back on writing) makes the two the same function: q.k is unchanged by
+the same permutation of q's and k's rotary dims. Configs written here say rope_interleave = true.
+Not mapped: multi-token-prediction layers (model.layers.<n_layer>.*, transformers ignores them on load too) and
+attention_bias (DeepSeek has none; refused).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from megazoo.models.config import ModelConfig
+from megazoo.models.hf import llama, moe_families
+from megazoo.models.hf.family import Entry, Family
+from megazoo.models.layout import parameter_layout
+
+ATTENTION = {"attn.q_a": "self_attn.q_a_proj", "attn.c_q": "self_attn.q_proj", "attn.q_a_norm": "self_attn.q_a_layernorm",
+             "attn.q_b": "self_attn.q_b_proj", "attn.kv_a": "self_attn.kv_a_proj_with_mqa",
+             "attn.kv_a_norm": "self_attn.kv_a_layernorm", "attn.kv_b": "self_attn.kv_b_proj",
+             "attn.c_proj": "self_attn.o_proj", "mlp.router": "mlp.gate"}
+SHARED = {"mlp.shared.c_fc": ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+          "mlp.shared.c_proj": ("mlp.shared_experts.down_proj",)}
+BIAS = "mlp.router.expert_bias"
+
+
+def _permute_rope(cfg: ModelConfig, heads: int, block: int, inverse: bool, tensor: torch.Tensor) -> torch.Tensor:
+    """Rows: `heads` blocks of `block` rows each ending in the rotary part; its rows to [evens; odds] (inverse: back)."""
+    rope = cfg.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if inverse:
+        order = torch.argsort(order)
+    t = tensor.view(heads, block, *tensor.shape[1:])
+    return torch.cat([t[:, :block - rope], t[:, block - rope:][:, order]], dim=1).reshape(tensor.shape).contiguous()
+
+
+def entries(cfg: ModelConfig) -> list[Entry]:
+    out = []
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    for p in parameter_layout(cfg, vocab=cfg.vocab_size):
+        if p.name in llama.TOP_LEVEL:
+            out.append(Entry(p.name, (llama.TOP_LEVEL[p.name],), (p.shape,)))
+            continue
+        _, index, rest = p.name.split(".", 2)
+        module, kind = rest.rsplit(".", 1)
+        layer = f"model.layers.{index}."
+        if module in moe_families.EXPERT_MODULES:
+            out.append(Entry(p.name, *_expert_names(cfg, layer, module, p.shape)))
+            continue
+        names = SHARED.get(module) or ((ATTENTION[module],) if module in ATTENTION else llama.BLOCK_MODULES[module])
+        hf = tuple(f"{layer}{n}.{kind}" for n in names)
+        shapes = tuple((p.shape[0] // len(hf), *p.shape[1:]) for _ in hf)
+        rope_rows = {"attn.q_b": (cfg.n_head, qk), "attn.c_q": (cfg.n_head, qk),
+                     "attn.kv_a": (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)}.get(module)
+        if rope_rows:
+            out.append(Entry(p.name, hf, shapes,
+                             join_fn=lambda ts, r=rope_rows: _permute_rope(cfg, *r, False, ts[0]),
+                             split_fn=lambda t, r=rope_rows: [_permute_rope(cfg, *r, True, t)]))
+        else:
+            out.append(Entry(p.name, hf, shapes))
+        if module == "mlp.router":
+            out.append(Entry(f"h.{index}.{BIAS}", (f"{layer}mlp.gate.e_score_correction_bias",), ((cfg.n_experts,),)))
+    return out
+
+
+def _expert_names(cfg: ModelConfig, layer: str, module: str, shape) -> tuple:
+    mats = ("gate_proj", "up_proj") if module.endswith("c_fc") else ("down_proj",)
+    names = tuple(f"{layer}mlp.experts.{e}.{m}.weight" for e in range(cfg.n_experts) for m in mats)
+    rows = shape[1] // len(mats)
+    return (names, ((rows, shape[2]),) * len(names), False,
+            functools.partial(moe_families._join_experts, cfg.n_experts),
+            functools.partial(moe_families._split_experts, len(mats)))
+
+
+def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
+    """ModelConfig of an HF DeepseekV3 config; refuses what our decoder does not compute."""
+    if hf_config.model_type != "deepseek_v3":
+        raise ValueError(f"HF model_type {hf_config.model_type!r} is not deepseek_v3")
+    rope = llama._rope_parameters(hf_config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = []
+    if hf_config.hidden_act != "silu":
+        unsupported.append(f"hidden_act={hf_config.hidden_act!r}")
+    if kind not in ("default", "yarn"):
+        unsupported.append(f"rope type {kind!r} (supported: default, yarn)")
+    if getattr(hf_config, "attention_bias", False):
+        unsupported.append("attention_bias=true")
+    if not getattr(hf_config, "rope_interleave", True):
+        unsupported.append("rope_interleave=false")
+    if kind == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate", True) is False
+                           or rope.get("factor") is None or (rope.get("mscale_all_dim") and rope.get("mscale") is None)):
+        unsupported.append("yarn with attention_factor, truncate=false, no factor, or mscale_all_dim without mscale")
+    if unsupported:
+        raise ValueError(f"unsupported deepseek_v3 variant: {'; '.join(unsupported)}")
+    layers, dense = hf_config.num_hidden_layers, hf_config.first_k_dense_replace or 0
+    fields = {}
+    if dense < layers:
+        fields = dict(n_experts=hf_config.n_routed_experts, moe_top_k=hf_config.num_experts_per_tok,
+                      moe_d_ff=hf_config.moe_intermediate_size, moe_shared_experts=hf_config.n_shared_experts,
+                      moe_first_dense=dense, moe_router="sigmoid_bias", moe_norm_topk_prob=bool(hf_config.norm_topk_prob),
+                      moe_n_group=hf_config.n_group or 1, moe_topk_group=hf_config.topk_group or 1,
+                      moe_routed_scaling_factor=float(hf_config.routed_scaling_factor))
+    if kind == "yarn":
+        fields.update(rope_scaling="yarn", rope_factor=float(rope["factor"]),
+                      rope_original_positions=int(rope["original_max_position_embeddings"]),
+                      rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                      rope_mscale=float(rope.get("mscale") or 1.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
+    return ModelConfig(
+        name=name or Path(getattr(hf_config, "name_or_path", "") or "hf-deepseek_v3").name or "hf-deepseek_v3",
+        n_layer=layers, n_head=hf_config.num_attention_heads, d_model=hf_config.hidden_size,
+        d_ff=hf_config.intermediate_size, n_positions=hf_config.max_position_embeddings,
+        vocab_size=hf_config.vocab_size, norm="rmsnorm", positions="rotary", mlp="swiglu", mlp_bias=False,
+        qkv_bias=False, proj_bias=False, layer_norm_eps=hf_config.rms_norm_eps,
+        tie_embeddings=bool(hf_config.tie_word_embeddings), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        dropout=0.0, attn_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_std=hf_config.initializer_range, kv_lora_rank=hf_config.kv_lora_rank,
+        q_lora_rank=hf_config.q_lora_rank or 0, qk_nope_head_dim=hf_config.qk_nope_head_dim,
+        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim, **fields)
+
+
+def exports(cfg: ModelConfig) -> str | None:
+    """"deepseek_v3" for a latent-attention config (ValueError for what DeepseekV3 does not compute), else None."""
+    if not cfg.mla:
+        return None
+    wrong = []
+    if cfg.mlp != "swiglu" or cfg.mlp_bias:
+        wrong.append(f"model.mlp = {cfg.mlp!r}, mlp_bias = {cfg.mlp_bias}")
+    if cfg.n_experts:
+        if cfg.moe_router != "sigmoid_bias":
+            wrong.append(f"model.moe_router = {cfg.moe_router!r} (DeepseekV3: 'sigmoid_bias')")
+        if cfg.moe_every != 1 or cfg.moe_dense_layers or cfg.moe_shared_gate:
+            wrong.append("model.moe_every / moe_dense_layers / moe_shared_gate (DeepseekV3: only the first k dense)")
+        if cfg.moe_shared_experts < 1 or cfg.moe_shared_d_ff != cfg.moe_d_ff:
+            wrong.append("shared experts other than n_shared_experts of moe_d_ff each (DeepseekV3 always has them)")
+    if wrong:
+        raise ValueError(f"model {cfg.name}: HF deepseek_v3 does not compute {'; '.join(wrong)}")
+    return "deepseek_v3"
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None):
+    import transformers
+
+    exports(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "yarn":
+        rope = dict(rope, rope_type="yarn", factor=cfg.rope_factor, original_max_position_embeddings=cfg.rope_original_positions,
+                    beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, mscale=cfg.rope_mscale,
+                    mscale_all_dim=cfg.rope_mscale_all_dim)
+    moe = dict(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
+               moe_intermediate_size=cfg.moe_d_ff, n_shared_experts=cfg.moe_shared_experts,
+               first_k_dense_replace=cfg.moe_first_dense, norm_topk_prob=cfg.moe_norm_topk_prob,
+               n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+               routed_scaling_factor=cfg.moe_routed_scaling_factor) if cfg.n_experts else \
+        dict(first_k_dense_replace=cfg.n_layer, n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1)
+    return transformers.DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head, hidden_act="silu",
+        max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.layer_norm_eps, initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attn_dropout, attention_bias=False,
+        rope_parameters=rope, rope_interleave=True, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, architectures=["DeepseekV3ForCausalLM"],
+        **moe, **(special or {}))
+
+
+FAMILY = Family(
+    name="DeepSeek-V3", model_types=("deepseek_v3",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    exports=exports, entries=entries,
+    tied_head=lambda cfg: ("lm_head.weight", llama.TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
+    ignored=llama._IGNORED_SUFFIXES, fp32_in_hf=True)
