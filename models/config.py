@@ -100,6 +100,10 @@ class ModelConfig:
     moe_aux_loss_scope: str = "model"
     moe_capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(factor x tokens x k / E) at most
     moe_experts_impl: str = "grouped"  # "grouped": one grouped matmul (torch._grouped_mm) | "loop": per expert
+    # DeepSeek-V3's multi-token prediction (models/deepseek/mtp.py): mtp_depth extra modules on the last stage, the
+    # k-th predicting token t + 1 + k; their mean loss times mtp_loss_weight is added to the loss in training.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3  # DeepSeek-V3's lambda (0.3, then 0.1 for its last 4.8T tokens)
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -128,6 +132,7 @@ class ModelConfig:
         self._check_architecture()
         self._check_sparse()
         check_moe(self)
+        check_mtp(self)
 
     def _check_architecture(self) -> None:
         for field, valid in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS), ("rope_scaling", ROPE_SCALINGS)):
@@ -198,7 +203,7 @@ class ModelConfig:
     def num_active_parameters(self, vocab: int | None = None) -> int:
         """Parameters one token uses: all of them but the routed experts it is not sent to (each MoE layer's
         n_experts - moe_top_k experts' weights are left out), the convention of "30B-A3B"."""
-        idle = sum(self.n_experts - self.moe_top_k for i in range(self.n_layer) if self.moe_layer(i))
+        idle = sum(self.n_experts - self.moe_top_k for i in range(self.n_layer + self.mtp_depth) if self.moe_layer(i))
         return self.num_parameters(vocab) - idle * 3 * self.d_model * self.moe_d_ff
 
     def padded_vocab(self, tp: int) -> int:
@@ -280,6 +285,19 @@ def check_moe(cfg: ModelConfig) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
 
+def check_mtp(cfg: ModelConfig) -> None:
+    """The multi-token prediction fields (see ModelConfig)."""
+    if not isinstance(cfg.mtp_depth, int) or isinstance(cfg.mtp_depth, bool) or cfg.mtp_depth < 0:
+        raise ValueError(f"model.mtp_depth = {cfg.mtp_depth!r} is invalid: it must be an integer >= 0 (0: no "
+                         "multi-token prediction)")
+    w = cfg.mtp_loss_weight
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w < float("inf"):
+        raise ValueError(f"model.mtp_loss_weight = {w!r} is invalid: it must be a finite number >= 0")
+    if cfg.mtp_depth >= cfg.n_positions:
+        raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} must be smaller than model.n_positions = "
+                         f"{cfg.n_positions} (depth k predicts k + 1 tokens ahead)")
+
+
 def _check_sigmoid_bias(cfg: ModelConfig) -> None:
     for field in ("moe_n_group", "moe_topk_group"):
         value = getattr(cfg, field)
@@ -315,12 +333,13 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_positions", "n_kv_head", "norm",
                        "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_width",
                        "qk_norm", "n_experts", "moe_d_ff", "moe_shared_experts", "moe_shared_d_ff",
-                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers", "moe_router")
+                       "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers", "moe_router",
+                       "mtp_depth")
 # Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
 _LATER_FIELDS = {"norm": "layernorm", "positions": "learned", "mlp": "gelu", "tie_embeddings": True,
                  "qkv_bias": True, "proj_bias": True, "mlp_bias": True, "qk_norm": False, "n_experts": 0,
                  "moe_shared_experts": 0, "moe_shared_gate": False, "moe_first_dense": 0, "moe_every": 1,
-                 "moe_dense_layers": (), "moe_router": "softmax"}
+                 "moe_dense_layers": (), "moe_router": "softmax", "mtp_depth": 0}
 
 
 def architecture_mismatches(saved: dict, mine: dict) -> list[str]:

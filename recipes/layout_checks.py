@@ -138,8 +138,21 @@ def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
         raise RecipeError(f"model.moe_seq_aux_loss_coef = {cfg.moe_seq_aux_loss_coef} (DeepSeek-V3's sequence-wise "
                           f"loss) is not built for parallel.cp = {par.cp}, which splits each sequence; valid: "
                           "moe_seq_aux_loss_coef = 0 or cp = 1")
+    _check_mtp(recipe, cfg)
     _check_nodes(recipe)
     try:
         recipe.kernels.choice()
     except ValueError as err:
         raise RecipeError(f"[kernels]: {err}") from None
+
+
+def _check_mtp(recipe: Recipe, cfg: ModelConfig) -> None:
+    """Multi-token prediction shifts each row by 1 + depth tokens (models/deepseek/mtp.py): a row split over cp
+    ranks or packed with several examples would shift across a boundary."""
+    depth = getattr(cfg, "mtp_depth", 0)
+    if depth and recipe.parallel.cp > 1:
+        raise RecipeError(f"model.mtp_depth = {depth} (multi-token prediction) is not built for parallel.cp = "
+                          f"{recipe.parallel.cp}, which splits each sequence; valid: mtp_depth = 0 or cp = 1")
+    if depth and recipe.sft.path and recipe.sft.packing:
+        raise RecipeError(f"model.mtp_depth = {depth} (multi-token prediction) with sft.packing = true would "
+                          "predict across packed examples; valid: sft.packing = false or mtp_depth = 0")

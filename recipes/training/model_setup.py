@@ -158,7 +158,8 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     # group); under zbv's V both ends are on rank 0 and share one parameter: nothing to sum, but it still gets a
     # bucket of its own: its gradient hook fires in both chunks' W, and a bucket shared with one chunk's other
     # parameters would be completed (ZeRO-2: copied, then overwritten) by one W without the other's part.
-    if topo.pp == 1 or not res.model.tie_embeddings:  # an untied lm_head shares nothing with the embedding
+    # an untied lm_head shares nothing with the embedding; multi-token prediction's lookup on the last stage does
+    if topo.pp == 1 or not (res.model.tie_embeddings or res.model.mtp_depth):
         tied = TiedParameters()
     elif placement(res.recipe.parallel.schedule) == "v":
         tied = TiedParameters(frozenset({"wte.weight"}), None, counted_in_norm=True)

@@ -97,10 +97,12 @@ class Trainer:
         self.stragglers = straggler_watch(res.recipe.fault_tolerance, topo)
 
     def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
-        """The micro-batch's mean token loss; SFT rows pass (targets, weight): its share of the step's mean."""
+        """The micro-batch's mean token loss. A tuple (targets, weight, inputs): SFT rows' weight (its share of the
+        step's mean, None: 1) and, with multi-token prediction, the inputs its next-token embeddings read."""
         if isinstance(targets, tuple):
-            targets, weight = targets
-            return self.chunks[-1].loss(logits, targets) * weight
+            targets, weight, inputs = (*targets, None)[:3]
+            loss = self.chunks[-1].loss(logits, targets, inputs)
+            return loss if weight is None else loss * weight
         return self.chunks[-1].loss(logits, targets)
 
     def _batches(self, samples: Samples, micro_batches: list[list[int]],
@@ -108,7 +110,7 @@ class Trainer:
         """(inputs, targets) per micro-batch: the samples' tokens shifted by one; with cp > 1 this cp rank's two
         load-balanced chunks of both (parallel/context/layout.py), (b, s / cp) each."""
         out, cp, cp_rank = [], self.topo.cp, self.topo.cp_rank
-        weights = None
+        weights, mtp = None, self.res.model.mtp_depth > 0  # MTP: the last stage reads the inputs too
         if isinstance(samples, SFTRows) and step is not None:  # training: the step's mean over all response tokens
             weights = samples.micro_batch_weights(self.sampler.global_indices_for_step(step), micro_batches,
                                                   len(micro_batches) * self.topo.dp)
@@ -116,12 +118,13 @@ class Trainer:
             if isinstance(samples, SFTRows):  # fine-tuning rows: targets already -100 off the responses
                 inputs, targets, segments = (t.to(self.topo.device, non_blocking=True) for t in samples.batch(indices))
                 inputs, targets = split_sequence(inputs, cp, cp_rank), split_sequence(targets, cp, cp_rank)
-                if weights is not None:
-                    targets = (targets, weights[k])
+                if weights is not None or mtp:
+                    targets = (targets, None if weights is None else weights[k], inputs)
                 out.append((inputs, targets, segments) if samples.packing else (inputs, targets))  # segments: packed
                 continue
             batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
-            out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
+            inputs, targets = split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)
+            out.append((inputs, (targets, None, inputs) if mtp else targets))
         return out
 
     def _host_values(self, total: torch.Tensor, stop: bool = False, norm: torch.Tensor | None = None,

@@ -136,7 +136,8 @@ def test_architecture_fields_are_model_fields():
                                         "proj_bias", "mlp_bias", "head_width", "qk_norm", "n_experts", "moe_d_ff",
                                         "moe_shared_experts", "moe_shared_d_ff", "moe_shared_gate",
                                         "moe_first_dense", "moe_every", "moe_dense_layers",
-                                        "moe_router"}  # sigmoid_bias adds router.expert_bias
+                                        "moe_router",  # sigmoid_bias adds router.expert_bias
+                                        "mtp_depth"}  # the multi-token prediction modules
 
 
 def test_architecture_mismatches():
