@@ -182,8 +182,9 @@ class GPT(nn.Module):
                 x = block(x) if segments is None else block(x, segments=segments)
         if not self.with_head:
             return x
-        # the last block's output, which multi-token prediction continues from (a training forward only)
-        self._mtp_hidden = x if self.mtp is not None and self.training and cache is None else None
+        # the last block's output, which multi-token prediction continues from (training; speculative decoding's
+        # draft, models/deepseek/speculative.py, reads it after a cached forward)
+        self._mtp_hidden = x if self.mtp is not None and (self.training or cache is not None) else None
         x = self.ln_f(x)
         self._hidden = None
         if self.fused_loss and cache is None and torch.is_grad_enabled():

@@ -55,13 +55,14 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(d, eps, device=device, dtype=dtype, sequence_parallel=sp)
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """hidden, embedded (b, s, d) -> this depth's hidden state (b, s, d), before its final norm."""
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, cache=None) -> torch.Tensor:
+        """hidden, embedded (b, s, d) -> this depth's hidden state (b, s, d), before its final norm. `cache`: the
+        block's LayerCache when drafting (models/deepseek/speculative.py)."""
         x = torch.cat([self.hnorm(hidden), self.enorm(embedded)], dim=-1)
         # Replicated over tp; under sequence parallelism each rank projects its own positions, so the weight's
         # gradient is summed over tp (replicated(): identity forward, all-reduce backward).
         x = F.linear(x, self.sequence_parallel.replicated(self.eh_proj.weight))
-        return self.block(x)
+        return self.block(x) if cache is None else self.block(x, cache)
 
 
 class MTP(nn.Module):
