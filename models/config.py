@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megazoo.models.deepseek.checks import check_mtp, check_node_limit
 from megazoo.models.layout import parameter_layout
 
 
@@ -88,6 +89,12 @@ class ModelConfig:
     moe_n_group: int = 1  # DeepSeek's n_group: the experts in this many equal groups (sigmoid_bias only)
     moe_topk_group: int = 1  # DeepSeek's topk_group: a token's experts come from this many groups
     moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (sigmoid_bias only)
+    # DeepSeek-V3's node-limited routing (sigmoid_bias only): the experts lie on moe_nodes nodes (expert e on node
+    # e // (n_experts / moe_nodes), as expert parallelism places them: the resolver checks the layout does) and
+    # a token's experts come from at most moe_max_nodes of them, those with the highest sums of their
+    # ceil(top_k / moe_max_nodes) best biased scores; 0: no limit
+    moe_nodes: int = 1
+    moe_max_nodes: int = 0
     moe_bias_update_rate: float = 0.0  # DeepSeek-V3's bias update speed gamma (0.001 in its report); 0: frozen
     # DeepSeek-V3's sequence-wise balance loss (its alpha, 0.0001 in the report; sigmoid_bias only), each MoE
     # layer's own, summed over layers, averaged over the micro-batch's sequences (models/moe/losses.py)
@@ -285,19 +292,6 @@ def check_moe(cfg: ModelConfig) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
 
-def check_mtp(cfg: ModelConfig) -> None:
-    """The multi-token prediction fields (see ModelConfig)."""
-    if not isinstance(cfg.mtp_depth, int) or isinstance(cfg.mtp_depth, bool) or cfg.mtp_depth < 0:
-        raise ValueError(f"model.mtp_depth = {cfg.mtp_depth!r} is invalid: it must be an integer >= 0 (0: no "
-                         "multi-token prediction)")
-    w = cfg.mtp_loss_weight
-    if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w < float("inf"):
-        raise ValueError(f"model.mtp_loss_weight = {w!r} is invalid: it must be a finite number >= 0")
-    if cfg.mtp_depth >= cfg.n_positions:
-        raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} must be smaller than model.n_positions = "
-                         f"{cfg.n_positions} (depth k predicts k + 1 tokens ahead)")
-
-
 def _check_sigmoid_bias(cfg: ModelConfig) -> None:
     for field in ("moe_n_group", "moe_topk_group"):
         value = getattr(cfg, field)
@@ -309,7 +303,8 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
     if cfg.moe_router != "sigmoid_bias":
         changed = [f for f, default in (("moe_n_group", 1), ("moe_topk_group", 1), ("moe_routed_scaling_factor", 1.0),
-                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0))
+                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0),
+                                        ("moe_nodes", 1), ("moe_max_nodes", 0))
                    if getattr(cfg, f) != default]
         if changed:
             raise ValueError(f"model.{', model.'.join(changed)} set but model.moe_router = {cfg.moe_router!r}: "
@@ -327,6 +322,7 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
     if cfg.moe_top_k > g * (e // n):
         raise ValueError(f"model.moe_top_k = {cfg.moe_top_k} is more than the {g * (e // n)} experts of "
                          f"model.moe_topk_group = {g} groups of {e // n}; valid: 1..{g * (e // n)}")
+    check_node_limit(cfg)
 
 
 # The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.
