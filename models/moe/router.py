@@ -92,6 +92,15 @@ def update_expert_bias(modules, rate: float) -> None:
             module.load.zero_()
 
 
+def materialize_router_buffers(modules, device) -> None:
+    """A model built on the meta device (ZeRO-3 materialises parameters unit by unit, never buffers): every
+    sigmoid_bias Router's expert_bias and load made real, at their initial zeros, on `device`."""
+    for module in modules:
+        if isinstance(module, Router) and module.expert_bias is not None and module.expert_bias.is_meta:
+            module.expert_bias = torch.zeros_like(module.expert_bias, device=device)
+            module.load = torch.zeros_like(module.load, device=device)
+
+
 class Router(nn.Module):
     """W_r (E, d), replicated over tp. forward: x (T, d) -> logits (T, E) in fp32 (or wider)."""
 

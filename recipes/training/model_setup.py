@@ -15,6 +15,7 @@ import torch
 from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.moe.dispatch import expert_parameter_names
+from megazoo.models.moe.router import materialize_router_buffers
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.expert.zero import JointLedger, build_expert_split
@@ -114,6 +115,8 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
             enable_fp8(chunk, train.fp8)
         if device != "meta":
             init_weights(chunk, train.seed)
+        else:  # ZeRO-3 makes the parameters real unit by unit; the routing bias buffers are made here
+            materialize_router_buffers(chunk.modules(), topo.device)
         if chunks and hasattr(chunk, "wte") and hasattr(chunks[0], "wte"):
             chunk.wte = chunks[0].wte  # the V's last stage beside the first: one tied weight
         chunks.append(chunk)

@@ -1,6 +1,6 @@
 """DeepSeek-V3's multi-token prediction (models/deepseek/mtp.py): the loss equals a hand-written formula on one
-process; the real Trainer at tp 2 (sequence parallel) and pp 2 (the MTP module and an embedding copy on the last
-stage, untied head) equals one process in fp64 to 1e-10 over 3 steps (losses, gradient norms, every parameter,
+process; the real Trainer at tp 2 (sequence parallel), pp 2 (the MTP module and an embedding copy on the last
+stage, untied head) and dp 2 under ZeRO-3 equals one process in fp64 to 1e-10 over 3 steps (losses, gradient norms, every parameter,
 the MTP ones included); the layout lists what the model allocates; bad fields and layouts are refused."""
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def test_mtp_loss_equals_hand_reference():
     torch.testing.assert_close(model.loss(model(x), y, x), main, rtol=1e-12, atol=0)
 
 
-def _res(parallel: dict, grad_accum: int, model: dict | None = None, run_dir: str | None = None):
-    return tiny_resolved(model={**MODEL, **(model or {})}, parallel=parallel, zero={"stage": 1},
+def _res(parallel: dict, grad_accum: int, model: dict | None = None, run_dir: str | None = None, stage: int = 1):
+    return tiny_resolved(model={**MODEL, **(model or {})}, parallel=parallel, zero={"stage": stage},
                          run={"dir": run_dir} if run_dir else {},
                          train={"steps": STEPS, "micro_batch": 2, "grad_accum": grad_accum, "eval_batches": 1})
 
@@ -94,12 +94,13 @@ def test_reference_trains_the_mtp_module(reference):
     assert reference["losses"][0] > without["losses"][0] + 0.4 * 5.0
 
 
-@pytest.mark.parametrize("parallel, grad_accum", [
-    ({"tp": 2, "sequence_parallel": True}, 4),  # vocab-parallel head and lookup; eh_proj's gradient summed over tp
-    ({"pp": 2}, 4),  # the MTP module on the last stage, beside a copy of the embedding summed with the first's
+@pytest.mark.parametrize("parallel, grad_accum, stage", [
+    ({"tp": 2, "sequence_parallel": True}, 4, 1),  # vocab-parallel head and lookup; eh_proj's gradient summed over tp
+    ({"pp": 2}, 4, 1),  # the MTP module on the last stage, beside a copy of the embedding summed with the first's
+    ({"dp": 2}, 2, 3),  # ZeRO-3: the MTP module in the root unit (and the routing bias buffers made real)
 ])
-def test_mtp_training_equals_one_process(reference, parallel, grad_accum):
-    res = _res(parallel, grad_accum, MOE)
+def test_mtp_training_equals_one_process(reference, parallel, grad_accum, stage):
+    res = _res(parallel, grad_accum, MOE, stage=stage)
     for got in run_distributed(lambda: train_run(res, Topology.of(res.recipe.parallel)), res.world_size):
         assert_same_training(got, reference)
 
