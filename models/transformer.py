@@ -135,6 +135,7 @@ class GPT(nn.Module):
                                                     init_std=cfg.init_std, device=device, dtype=dtype,
                                                     sequence_parallel=sp)
         self.mtp, self._mtp_hidden, self._mtp_stats = None, None, []
+        self.mtp_losses: list[torch.Tensor] = []  # each training loss's MTP mean CE (detached; the Trainer reports)
         if with_head and cfg.mtp_depth:  # DeepSeek-V3's multi-token prediction (models/deepseek/mtp.py)
             self.mtp = MTP(cfg, lambda index: Block(cfg, topo, self.rng, device=device, dtype=dtype,
                                                     kernels=self.kernels, sequence_parallel=sp, index=index),
@@ -234,7 +235,9 @@ class GPT(nn.Module):
             total = total + per_token.sum() / (shifted != -100).sum().clamp(min=1)
         self._mtp_stats = [layer.block.mlp.stats for layer in self.mtp.layers.values()
                            if isinstance(layer.block.mlp, MoE) and layer.block.mlp.stats is not None]
-        return total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)
+        mean = total / self.cfg.mtp_depth
+        self.mtp_losses.append(mean.detach())
+        return mean * self.cfg.mtp_loss_weight
 
     def _with_moe_losses(self, loss: torch.Tensor) -> torch.Tensor:
         if self.training and self.cfg.moe_aux_loss_scope == "model" and self.moe_stats():  # MoE: the router's

@@ -95,6 +95,7 @@ class Trainer:
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports
         self.rank_times: tuple[list[float], list[float]] | None = None  # the last step's per-rank compute / wait
         self.stragglers = straggler_watch(res.recipe.fault_tolerance, topo)
+        self.mtp_loss: float | None = None  # the last step's MTP loss (model.mtp_depth > 0)
 
     def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
         """The micro-batch's mean token loss. A tuple (targets, weight, inputs): SFT rows' weight (its share of the
@@ -128,7 +129,8 @@ class Trainer:
         return out
 
     def _host_values(self, total: torch.Tensor, stop: bool = False, norm: torch.Tensor | None = None,
-                     per_rank: tuple[float, float] | None = None) -> tuple[float, bool, float]:
+                     per_rank: tuple[float, float] | None = None,
+                     mtp: torch.Tensor | None = None) -> tuple[float, bool, float]:
         """The step's host reads, in one place and one collective: the loss averaged over dp x cp (only the last
         pipeline stage computed it; tp ranks hold copies, so tp rank 0 speaks for them), whether any rank asked
         to stop (SIGTERM may reach ranks at different steps) and the gradient norm (the same on every rank:
@@ -141,6 +143,9 @@ class Trainer:
         # torch.full, not torch.tensor: a tensor built from a Python number on CUDA is a blocking host-to-device copy
         # (measured on an H100 by tests/gpu/test_host_syncs_cuda.py: two syncs per step instead of one).
         packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
+        if mtp is not None:  # the MTP modules' mean loss (last stage), averaged like the loss; after the 3 above
+            mtp_share = mtp.to(f64) / self.topo.grad_size if self.topo.tp_rank == 0 else torch.zeros_like(share)
+            packed = torch.cat([packed, mtp_share.reshape(1)])
         world = self.topo.world_size
         if per_rank is not None and world > 1:  # each rank's (compute, wait) seconds in its own two slots
             slots = torch.zeros(2 * world, dtype=f64, device=device)
@@ -150,8 +155,21 @@ class Trainer:
         if world > 1:
             dist.all_reduce(packed)
         loss, stops, grad_norm, *slots_ = packed.tolist()
+        self.mtp_loss = slots_.pop(0) if mtp is not None else None
         self.rank_times = (slots_[0::2], slots_[1::2]) if slots_ else None
         return loss, stops > 0, grad_norm
+
+    def _mtp_losses(self, micro_batches: int) -> torch.Tensor | None:
+        """The step's mean MTP loss on this rank (0 off the last stage), or None without MTP: the micro-batches'
+        values the last stage's chunk kept (models/transformer.py: GPT.mtp_losses), cleared here."""
+        if not self.res.model.mtp_depth:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for chunk in self.chunks:  # only the last stage's chunk has any (under zbv not this rank's last chunk)
+            for value in chunk.mtp_losses:
+                total += value
+            chunk.mtp_losses = []
+        return total / micro_batches
 
     def _set_mode(self, training: bool) -> None:
         for chunk in self.chunks:
@@ -195,7 +213,8 @@ class Trainer:
         self._enter(step, "step metrics (loss, norm and stop all-reduce)")
         busy = time.perf_counter() - start
         loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm,
-                                                        per_rank=(busy - outcome.wait_s, outcome.wait_s))
+                                                        per_rank=(busy - outcome.wait_s, outcome.wait_s),
+                                                        mtp=self._mtp_losses(t.grad_accum))
         if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
                                      f"(try a lower train.lr or train.grad_clip)")
@@ -204,6 +223,8 @@ class Trainer:
                    "tokens_per_s": self.res.tokens_per_step / elapsed, "step_time_s": elapsed,
                    "peak_memory_bytes": peak_memory_bytes(self.topo.device),
                    "comm_bytes": zero.comm.summary()["total_bytes"], "stop": stop}
+        if self.mtp_loss is not None:  # the MTP modules' own loss (mean over depths), unweighted
+            metrics["mtp_loss"] = self.mtp_loss
         if self.peak_flops:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
@@ -333,7 +354,8 @@ class Trainer:
             if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
                 result.checkpoint = self.save_checkpoint(step + 1)
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                mtp = {"mtp": f"{metrics['mtp_loss']:.3f}"} if "mtp_loss" in metrics else {}  # the MTP modules' own
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", **mtp, tok_s=f"{metrics['tokens_per_s']:.0f}")
                 bar.update(1)
             if stop:
                 result.stopped_at = step + 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
-from parity_helpers import assert_same_training, train_run
+from parity_helpers import assert_same_training
 from recipe_helpers import tiny_recipe, tiny_resolved
 
 from megazoo.models.config import ModelConfig
@@ -28,6 +28,18 @@ MODEL = {"preset": "llama-tiny", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv
 MOE = {"n_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_first_dense": 1, "moe_router": "sigmoid_bias",
        "moe_bias_update_rate": 0.01}
 STEPS = 3
+
+
+def train_run(res, topo):
+    """parity_helpers' record plus each step's reported MTP loss (metrics' mtp_loss)."""
+    trainer, mtp = Trainer(res, topo), []
+    record = {"losses": [], "norms": []}
+    for step in range(res.recipe.train.steps):
+        metrics = trainer.train_step(step)
+        record["losses"].append(metrics["loss"])
+        record["norms"].append(metrics["grad_norm"])
+        mtp.append(metrics.get("mtp_loss"))
+    return {**record, "val": trainer.evaluate(), "params": trainer.full_state_dict(), "mtp": mtp}
 
 
 def _cfg(**extra) -> ModelConfig:
@@ -90,8 +102,10 @@ def test_reference_trains_the_mtp_module(reference):
     assert "mtp.layers.1.block.mlp.router.expert_bias" in mtp and "mtp.layers.0.eh_proj.weight" in mtp
     assert reference["params"]["mtp.layers.1.block.mlp.router.expert_bias"].abs().max() > 0
     without = train_run(_res({}, 4, {**MOE, "mtp_depth": 0}), Topology.solo())
-    # the first step's loss: main + 0.5 x the mean of two CEs near ln(300) each
-    assert reference["losses"][0] > without["losses"][0] + 0.4 * 5.0
+    # the first step's loss (the same initial main model and batch): main + 0.5 x the reported MTP loss, the mean
+    # of two CEs near ln(300) each
+    assert without["mtp"] == [None] * STEPS and 5.0 < reference["mtp"][0] < 6.5
+    assert abs(reference["losses"][0] - (without["losses"][0] + 0.5 * reference["mtp"][0])) < 1e-12
 
 
 @pytest.mark.parametrize("parallel, grad_accum, stage", [
@@ -103,6 +117,7 @@ def test_mtp_training_equals_one_process(reference, parallel, grad_accum, stage)
     res = _res(parallel, grad_accum, MOE, stage=stage)
     for got in run_distributed(lambda: train_run(res, Topology.of(res.recipe.parallel)), res.world_size):
         assert_same_training(got, reference)
+        torch.testing.assert_close(torch.tensor(got["mtp"]), torch.tensor(reference["mtp"]), rtol=1e-10, atol=0)
 
 
 def _save_after(steps: int, run_dir: str) -> None:
