@@ -13,6 +13,7 @@ from parity_helpers import assert_same_training
 from recipe_helpers import tiny_recipe, tiny_resolved
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.flops import model_flops_per_token
 from megazoo.models.layout import parameter_layout
 from megazoo.models.presets import get_preset
 from megazoo.models.transformer import GPT
@@ -154,6 +155,14 @@ def test_layout_lists_the_mtp_parameters():
     assert "wte.weight" in [p.name for p in parameter_layout(cfg, layers=range(1, 2), embedding=False)]
     # the MTP block of layer n_layer is MoE: its idle experts are not active parameters
     assert cfg.num_parameters() - cfg.num_active_parameters() == 3 * (4 - 2) * 3 * 32 * 16
+
+
+def test_flops_count_the_mtp_modules():
+    cfg = _cfg(**MOE)
+    d, v, s = cfg.d_model, cfg.vocab_size, 64
+    block = 4 * d * d // 2 + 2 * d * d // 2 + cfg.n_experts * d + 2 * 3 * d * 16  # GQA attention, router, 2 experts
+    per_depth = 6.0 * (2 * d * d + block + v * d) + 12.0 * s * d
+    assert model_flops_per_token(cfg, s) - model_flops_per_token(cfg.replace(mtp_depth=0), s) == 2 * per_depth
 
 
 def test_bad_fields_and_layouts_are_refused():
