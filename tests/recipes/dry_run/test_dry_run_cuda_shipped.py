@@ -69,9 +69,10 @@ def reports():
 # 1,283,336,504 B, all of it backward temporaries): CUDA autocast ran torch's LayerNorm in fp32, so each recomputed
 # block held fp32 copies of its LayerNorm inputs and fp32 gradients. A 16-bit input now runs outside autocast
 # (kernels/layer_norm.py layer_norm_outside_autocast), as on the CPU.
-# Known defect, open: moe-demo's CPU dry run passes, but on fake CUDA the expert dispatch reads per-expert counts
+# Known defect, open: moe-demo's (and deepseek-demo's) CPU dry run passes, but on fake CUDA the expert dispatch reads per-expert counts
 # of zero (split_with_sizes [0, 0, 0, 0] for 2,048 rows). strict: the day it passes, this mark must go.
-FAKE_CUDA_DEFECTS = {"moe-demo": "MoE dispatch on fake CUDA counts zero rows per expert (issue 38's closing note)"}
+FAKE_CUDA_DEFECTS = {"moe-demo": "MoE dispatch on fake CUDA counts zero rows per expert (issue 38's closing note)",
+                     "deepseek-demo": "the same MoE dispatch defect as moe-demo (its CPU dry run passes)"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=FAKE_CUDA_DEFECTS[n]))
