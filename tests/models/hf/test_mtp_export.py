@@ -94,3 +94,24 @@ def test_adding_mtp_to_a_folder_without_it_is_refused(tmp_path):
     table["model"] = {"from_hf": str(tmp_path), "mtp_depth": 2, "dropout": 0.0, "attn_dropout": 0.0}
     with pytest.raises(RecipeError, match="model.mtp_depth = 2 here, 0 in the checkpoint"):
         resolve(from_dict(Recipe, table))
+
+
+def test_convert_cli_says_the_modules_are_left_out(tmp_path, capsys):
+    """A trained MTP model's checkpoint through `megazoo convert megazoo-to-hf` (the logits: the test above)."""
+    from recipe_helpers import tiny_resolved
+
+    from megazoo.parallel.topology import Topology
+    from megazoo.recipes.cli import main as megazoo
+    from megazoo.recipes.training.trainer import Trainer
+
+    res = tiny_resolved(model={"preset": "llama-tiny", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2,
+                               "d_ff": 48, "n_positions": 64, "vocab_size": 300, "dropout": 0.0, "attn_dropout": 0.0,
+                               "mtp_depth": 1}, train={"steps": 1, "seq_len": 16, "eval_batches": 1},
+                        run={"dir": str(tmp_path / "run")}, checkpoint={"at_end": True})
+    Trainer(res, Topology.solo()).fit()
+    capsys.readouterr()
+    assert megazoo(["convert", "megazoo-to-hf", str(tmp_path / "run" / "checkpoints"), "--out", str(tmp_path / "hf"),
+                    "--tokenizer", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "the 1 multi-token prediction module(s) are left out: HF llama has no place for them" in out
+    assert not any("layers.2" in n for n in HFWeights(tmp_path / "hf").names())
