@@ -121,6 +121,20 @@ def test_mtp_training_equals_one_process(reference, parallel, grad_accum, stage)
         torch.testing.assert_close(torch.tensor(got["mtp"]), torch.tensor(reference["mtp"]), rtol=1e-10, atol=0)
 
 
+def test_tied_head_fused_loss_and_pp2_equal_the_plain_loss():
+    """A tied head (GPT-2 style): the MTP lookups and heads run after the main fused head + loss, each lookup
+    paired with its own head's kept gradient; at pp 2 the last stage's tied copy serves both."""
+    def res(fused: str, parallel: dict):
+        return tiny_resolved(model={**MODEL, "tie_embeddings": True}, parallel=parallel,
+                             train={"steps": STEPS, "micro_batch": 2, "grad_accum": 4, "eval_batches": 1,
+                                    "fused_loss": fused})
+    plain = train_run(res("off", {}), Topology.solo())
+    assert_same_training(train_run(res("on", {}), Topology.solo()), plain)
+    pp2 = res("on", {"pp": 2})
+    for got in run_distributed(lambda: train_run(pp2, Topology.of(pp2.recipe.parallel)), 2):
+        assert_same_training(got, plain)
+
+
 def _save_after(steps: int, run_dir: str) -> None:
     res = _res({"pp": 2}, 4, MOE, run_dir)
     trainer = Trainer(res, Topology.of(res.recipe.parallel))
