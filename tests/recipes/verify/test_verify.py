@@ -37,6 +37,7 @@ PASSING = {
     "offload": ["demo", "--set", "zero.stage=1", "--set", "zero.offload=cpu"],
     "sft-demo": ["sft-demo"],
     "moe-demo": ["moe-demo"],  # ep 2: the experts over both ranks, the one process on the same micro-batches
+    "deepseek-demo": ["deepseek-demo"],  # sigmoid + bias in groups (shrunk to 2 of 4 experts), MTP, ep 2
     "window-cp": ["llama-demo", "--set", "model.sliding_window=8", "--set", "parallel.tp=1", "--set", "parallel.cp=2",
                   "--set", "parallel.cp_attention=all_to_all"],  # Mistral's window (8 < 32 tokens) under cp
 }
