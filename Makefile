@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megazoo-installed
 
-.PHONY: install demo moe-demo moe-dry-run sft-demo test test-gpu bench-gpu clean
+.PHONY: install demo moe-demo moe-dry-run deepseek-demo sft-demo test test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ moe-dry-run: install
 	mkdir -p runs
 	$(VENV)/bin/megazoo plan --recipe recipes/qwen3-235b-a22b.toml --dry-run --set train.grad_accum=16 \
 		--set train.global_batch=128 --json runs/moe-dry-run-qwen3-235b.json
+
+# The DeepSeek-V3-style demo (recipes/deepseek-demo.toml): sigmoid + bias routing over 8 experts at ep 2, one shared
+# expert, the first layer dense, one multi-token prediction module; then the MTP module drafts for greedy decoding.
+deepseek-demo: install
+	$(VENV)/bin/megazoo train recipes/deepseek-demo.toml
+	$(VENV)/bin/megazoo generate runs/deepseek-demo/checkpoints --prompt "def " --max-new-tokens 48 --speculative
 
 # The fine-tuning demo (recipes/sft-demo.toml): LoRA on `make demo`'s model (trained first if it is missing), taught
 # to answer a docstring with its signature through the ChatML template; prints the answers before and after.

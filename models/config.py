@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megazoo.models.deepseek.fields import check_mla
+from megazoo.models.deepseek.checks import check_mtp, check_node_limit
 from megazoo.models.layout import parameter_layout
 
 
@@ -105,6 +106,12 @@ class ModelConfig:
     moe_n_group: int = 1  # DeepSeek's n_group: the experts in this many equal groups (sigmoid_bias only)
     moe_topk_group: int = 1  # DeepSeek's topk_group: a token's experts come from this many groups
     moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (sigmoid_bias only)
+    # DeepSeek-V3's node-limited routing (sigmoid_bias only): the experts lie on moe_nodes nodes (expert e on node
+    # e // (n_experts / moe_nodes), as expert parallelism places them: the resolver checks the layout does) and
+    # a token's experts come from at most moe_max_nodes of them, those with the highest sums of their
+    # ceil(top_k / moe_max_nodes) best biased scores; 0: no limit
+    moe_nodes: int = 1
+    moe_max_nodes: int = 0
     moe_bias_update_rate: float = 0.0  # DeepSeek-V3's bias update speed gamma (0.001 in its report); 0: frozen
     # DeepSeek-V3's sequence-wise balance loss (its alpha, 0.0001 in the report; sigmoid_bias only), each MoE
     # layer's own, summed over layers, averaged over the micro-batch's sequences (models/moe/losses.py)
@@ -117,6 +124,10 @@ class ModelConfig:
     moe_aux_loss_scope: str = "model"
     moe_capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(factor x tokens x k / E) at most
     moe_experts_impl: str = "grouped"  # "grouped": one grouped matmul (torch._grouped_mm) | "loop": per expert
+    # DeepSeek-V3's multi-token prediction (models/deepseek/mtp.py): mtp_depth extra modules on the last stage, the
+    # k-th predicting token t + 1 + k; their mean loss times mtp_loss_weight is added to the loss in training.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3  # DeepSeek-V3's lambda (0.3, then 0.1 for its last 4.8T tokens)
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -146,6 +157,7 @@ class ModelConfig:
         self._check_sparse()
         check_moe(self)
         check_mla(self)
+        check_mtp(self)
 
     def _check_architecture(self) -> None:
         for field, valid in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS), ("rope_scaling", ROPE_SCALINGS)):
@@ -221,7 +233,7 @@ class ModelConfig:
     def num_active_parameters(self, vocab: int | None = None) -> int:
         """Parameters one token uses: all of them but the routed experts it is not sent to (each MoE layer's
         n_experts - moe_top_k experts' weights are left out), the convention of "30B-A3B"."""
-        idle = sum(self.n_experts - self.moe_top_k for i in range(self.n_layer) if self.moe_layer(i))
+        idle = sum(self.n_experts - self.moe_top_k for i in range(self.n_layer + self.mtp_depth) if self.moe_layer(i))
         return self.num_parameters(vocab) - idle * 3 * self.d_model * self.moe_d_ff
 
     def padded_vocab(self, tp: int) -> int:
@@ -314,7 +326,8 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
     if cfg.moe_router != "sigmoid_bias":
         changed = [f for f, default in (("moe_n_group", 1), ("moe_topk_group", 1), ("moe_routed_scaling_factor", 1.0),
-                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0))
+                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0),
+                                        ("moe_nodes", 1), ("moe_max_nodes", 0))
                    if getattr(cfg, f) != default]
         if changed:
             raise ValueError(f"model.{', model.'.join(changed)} set but model.moe_router = {cfg.moe_router!r}: "
@@ -332,6 +345,7 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
     if cfg.moe_top_k > g * (e // n):
         raise ValueError(f"model.moe_top_k = {cfg.moe_top_k} is more than the {g * (e // n)} experts of "
                          f"model.moe_topk_group = {g} groups of {e // n}; valid: 1..{g * (e // n)}")
+    check_node_limit(cfg)
 
 
 # The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.
@@ -339,13 +353,13 @@ ARCHITECTURE_FIELDS = ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "n_
                        "positions", "mlp", "tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "head_width",
                        "qk_norm", "n_experts", "moe_d_ff", "moe_shared_experts", "moe_shared_d_ff",
                        "moe_shared_gate", "moe_first_dense", "moe_every", "moe_dense_layers", "moe_router",
-                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_depth")
 # Fields added after checkpoints already existed: a checkpoint that does not record one has the default (GPT-2's).
 _LATER_FIELDS = {"norm": "layernorm", "positions": "learned", "mlp": "gelu", "tie_embeddings": True,
                  "qkv_bias": True, "proj_bias": True, "mlp_bias": True, "qk_norm": False, "n_experts": 0,
                  "moe_shared_experts": 0, "moe_shared_gate": False, "moe_first_dense": 0, "moe_every": 1,
                  "moe_dense_layers": (), "moe_router": "softmax", "kv_lora_rank": 0, "q_lora_rank": 0,
-                 "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0}
+                 "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0, "mtp_depth": 0}
 
 
 def architecture_mismatches(saved: dict, mine: dict) -> list[str]:

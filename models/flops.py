@@ -7,7 +7,8 @@ square, the usual convention). The hardware's peak is recipes/gpus.py's peak_flo
 
 Mixture of experts: only the parameters a token uses count (the MFU convention of Megatron-core and torchtitan
 for MoE): the router, the k routed experts it is sent to, the shared experts and their gate; the other E - k
-experts' weights do no work for it. Dropped tokens (a capacity factor) are not subtracted: the count is the
+experts' weights do no work for it. Multi-token prediction's modules count as trained (DeepSeek-V3's report
+does not say whether its MFU counts them). Dropped tokens (a capacity factor) are not subtracted: the count is the
 model's, not the run's.
 """
 
@@ -49,10 +50,13 @@ def layer_matmul_params(cfg: ModelConfig, index: int) -> int:
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, vocab: int | None = None) -> float:
     """Training FLOPs per token: 6 x matmul parameters a token uses (blocks + the output head, tied or not) + 12 x
     L x s' x n_head hd, with s' the keys a query sees: the sequence, or at most the sliding window."""
-    d, vocab = cfg.d_model, vocab or cfg.vocab_size
+    d, vocab, depth = cfg.d_model, vocab or cfg.vocab_size, cfg.mtp_depth
     matmul_params = sum(layer_matmul_params(cfg, i) for i in range(cfg.n_layer)) + vocab * d
+    # multi-token prediction (trained with the model): per depth its 2d -> d projection, its block (layer
+    # n_layer + k - 1) and the shared head once more
+    matmul_params += sum(2 * d * d + layer_matmul_params(cfg, cfg.n_layer + k) + vocab * d for k in range(depth))
     keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
     if cfg.mla:  # q k^T over nope + rope dims, p v over v_head_dim: 6 x L x s' x n_head x (qk + v)
         widths = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-        return 6.0 * matmul_params + 6.0 * cfg.n_layer * keys * cfg.n_head * widths
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * keys * cfg.n_head * cfg.head_dim
+        return 6.0 * matmul_params + 6.0 * (cfg.n_layer + depth) * keys * cfg.n_head * widths
+    return 6.0 * matmul_params + 12.0 * (cfg.n_layer + depth) * keys * cfg.n_head * cfg.head_dim

@@ -182,7 +182,7 @@ def parameter_layout(cfg: ModelConfig, tp: int = 1, *, vocab: int | None = None,
     d = cfg.d_model
     vocab = cfg.padded_vocab(tp) if vocab is None else vocab
     params = []
-    if embedding or (head and cfg.tie_embeddings):
+    if embedding or (head and (cfg.tie_embeddings or getattr(cfg, "mtp_depth", 0))):  # MTP's next-token lookup
         params.append(ParamSpec("wte.weight", (vocab, d), 0))
     if embedding and cfg.positions == "learned":
         params.append(ParamSpec("wpe.weight", (cfg.n_positions, d), None))
@@ -192,6 +192,21 @@ def parameter_layout(cfg: ModelConfig, tp: int = 1, *, vocab: int | None = None,
         params += _norm(cfg, "ln_f")
         if not cfg.tie_embeddings:
             params.append(ParamSpec("lm_head.weight", (vocab, d), 0))
+        params += mtp_parameters(cfg, tp)
+    return params
+
+
+def mtp_parameters(cfg: ModelConfig, tp: int = 1) -> list[ParamSpec]:
+    """DeepSeek-V3's multi-token prediction modules (models/deepseek/mtp.py) on the last stage, depth k under
+    "mtp.layers.{k-1}.": hnorm, enorm (RMSNorm), eh_proj (d, 2d) replicated, the decoder's block for layer
+    n_layer + k - 1 (MoE where that layer would be), its final norm."""
+    d, params = cfg.d_model, []
+    for k in range(getattr(cfg, "mtp_depth", 0)):
+        m, index = f"mtp.layers.{k}.", cfg.n_layer + k
+        params += [ParamSpec(m + "hnorm.weight", (d,), None), ParamSpec(m + "enorm.weight", (d,), None),
+                   ParamSpec(m + "eh_proj.weight", (d, 2 * d), None)]
+        params += [p._replace(name=m + "block." + p.name[len(f"h.{index}."):]) for p in block_parameters(cfg, index, tp)]
+        params.append(ParamSpec(m + "norm.weight", (d,), None))
     return params
 
 

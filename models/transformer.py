@@ -31,6 +31,7 @@ from megazoo.kernels import Implementation, KernelChoice, ModelOp, kernels_for_m
 from megazoo.models.attention import Attention, attention_ops
 from megazoo.models.config import ModelConfig
 from megazoo.models.deepseek.mla import MLA
+from megazoo.models.deepseek.mtp import MTP, mtp_targets
 from megazoo.models.generation.kv_cache import KVCache, LayerCache
 from megazoo.models.mlp import make_mlp, mlp_ops
 from megazoo.models.moe import MoE, RouterStats, load_balancing_loss, z_loss
@@ -117,7 +118,8 @@ class GPT(nn.Module):
         sp = self.sequence_parallel
         self.vocab_padded = cfg.padded_vocab(topo.tp)
         tied = cfg.tie_embeddings
-        if with_embedding or (with_head and tied):  # a tied head reuses wte
+        # a tied head reuses wte; so does multi-token prediction (its next-token embeddings), on the last stage
+        if with_embedding or (with_head and (tied or cfg.mtp_depth)):
             self.wte = VocabParallelEmbedding(self.vocab_padded, cfg.d_model, topo.tp_group,
                                               init_std=cfg.init_std, device=device, dtype=dtype,
                                               tied_head=with_embedding and with_head and tied,
@@ -134,6 +136,12 @@ class GPT(nn.Module):
                 self.lm_head = ColumnParallelLinear(cfg.d_model, self.vocab_padded, topo.tp_group, bias=False,
                                                     init_std=cfg.init_std, device=device, dtype=dtype,
                                                     sequence_parallel=sp)
+        self.mtp, self._mtp_hidden, self._mtp_stats = None, None, []
+        self.mtp_losses: list[torch.Tensor] = []  # each training loss's MTP mean CE (detached; the Trainer reports)
+        if with_head and cfg.mtp_depth:  # DeepSeek-V3's multi-token prediction (models/deepseek/mtp.py)
+            self.mtp = MTP(cfg, lambda index: Block(cfg, topo, self.rng, device=device, dtype=dtype,
+                                                    kernels=self.kernels, sequence_parallel=sp, index=index),
+                           sp, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,6 +185,9 @@ class GPT(nn.Module):
                 x = block(x) if segments is None else block(x, segments=segments)
         if not self.with_head:
             return x
+        # the last block's output, which multi-token prediction continues from (training; speculative decoding's
+        # draft, models/deepseek/speculative.py, reads it after a cached forward)
+        self._mtp_hidden = x if self.mtp is not None and (self.training or cache is not None) else None
         x = self.ln_f(x)
         self._hidden = None
         if self.fused_loss and cache is None and torch.is_grad_enabled():
@@ -190,8 +201,9 @@ class GPT(nn.Module):
             return self.lm_head(x)  # logits for this rank's vocab shard (b, s, V/tp)
         return self.wte.head(x)  # tied head: logits for this rank's vocab shard (b, s, V/tp)
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits.
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over non-ignored targets, from vocab-sharded logits; in training with
+        multi-token prediction and the micro-batch's `inputs` (b, s), plus the MTP loss (`mtp_loss`).
 
         cp > 1: the mean is over the whole sequences (tokens counted over the cp group), and this rank's sum is
         scaled by cp: gradients are averaged over dp x cp, so the cp ranks' mean is the unsplit sequence's loss.
@@ -199,11 +211,35 @@ class GPT(nn.Module):
         hidden = self._hidden is not None and self._hidden() is logits
         self._hidden = None
         if hidden:
-            return self._with_moe_losses(self._fused_loss(logits, targets))
-        per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
-        count = all_reduce_count((targets != -100).sum(), self.topo.cp_group)
-        loss = per_token.sum() * self.topo.cp / count.clamp(min=1)
+            loss = self._fused_loss(logits, targets)
+        else:
+            per_token = self.kernels["cross_entropy"].fn(logits, targets, self.topo.tp_group, self.cfg.vocab_size)
+            count = all_reduce_count((targets != -100).sum(), self.topo.cp_group)
+            loss = per_token.sum() * self.topo.cp / count.clamp(min=1)
+        self._mtp_stats = []
+        if inputs is not None and self._mtp_hidden is not None:  # after the main head: a tied head's fused
+            loss = loss + self.mtp_loss(targets, inputs)  # gradient pairs each lookup with its own head
         return self._with_moe_losses(loss)
+
+    def mtp_loss(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """mtp_loss_weight / D x the sum over depths k of the mean cross-entropy of t_{i+k+1}, continuing from the
+        last training forward's hidden state (models/deepseek/mtp.py); cp is refused by the resolver."""
+        hidden, self._mtp_hidden = self._mtp_hidden, None
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:  # split over tp under sequence parallelism, as the main one
+            return self.sequence_parallel.shard(self.wte(ids))
+
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        for k, out in enumerate(self.mtp(hidden, inputs, embed), start=1):
+            shifted = mtp_targets(targets, k)
+            per_token = self.kernels["cross_entropy"].fn(self.logits(out), shifted, self.topo.tp_group,
+                                                         self.cfg.vocab_size)
+            total = total + per_token.sum() / (shifted != -100).sum().clamp(min=1)
+        self._mtp_stats = [layer.block.mlp.stats for layer in self.mtp.layers.values()
+                           if isinstance(layer.block.mlp, MoE) and layer.block.mlp.stats is not None]
+        mean = total / self.cfg.mtp_depth
+        self.mtp_losses.append(mean.detach())
+        return mean * self.cfg.mtp_loss_weight
 
     def _with_moe_losses(self, loss: torch.Tensor) -> torch.Tensor:
         if self.training and self.cfg.moe_aux_loss_scope == "model" and self.moe_stats():  # MoE: the router's
@@ -212,9 +248,10 @@ class GPT(nn.Module):
         return loss
 
     def moe_stats(self) -> list[RouterStats]:
-        """The RouterStats of this stage's MoE layers from the last forward (models/moe/losses.py)."""
+        """The RouterStats of this stage's MoE layers from the last forward (models/moe/losses.py), the MTP
+        blocks' too where the last loss ran them."""
         return [block.mlp.stats for block in self.h.values()
-                if isinstance(block.mlp, MoE) and block.mlp.stats is not None]
+                if isinstance(block.mlp, MoE) and block.mlp.stats is not None] + self._mtp_stats
 
     def moe_aux_losses(self) -> torch.Tensor:
         """moe_aux_loss_coef x load balancing + moe_z_loss_coef x z-loss, pooled over this stage's MoE layers

@@ -82,6 +82,10 @@ def _check(args: argparse.Namespace) -> Source:
         cfg, tokenizer = ckpt.cfg, ckpt.tokenizer
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
+    if getattr(args, "speculative", False) and (not cfg.mtp_depth or args.temperature != 0):
+        raise ValueError(f"--speculative drafts with the model's multi-token prediction module and decodes greedily: "
+                         f"model.mtp_depth = {cfg.mtp_depth}, --temperature {args.temperature}; valid: a model "
+                         "trained with mtp_depth >= 1 and --temperature 0")
     template = _template(args, ckpt, tokenizer)
     if template is not None:
         from megazoo.data.sft.chat_template import resolve_template
@@ -92,8 +96,9 @@ def _check(args: argparse.Namespace) -> Source:
     return Source(cfg, tokenizer, ckpt, template)
 
 
-def continuation(args: argparse.Namespace, topo) -> str:
-    """Decode on this rank (collective under tp) and return the new text (--chat: the answer alone)."""
+def continuation(args: argparse.Namespace, topo, report=None) -> str:
+    """Decode on this rank (collective under tp) and return the new text (--chat: the answer alone); `report`
+    gets --speculative's line (forwards, tokens, drafts accepted per step)."""
     from megazoo.models.generation.generate import decode, new_cache
 
     source = _check(args)
@@ -115,12 +120,24 @@ def continuation(args: argparse.Namespace, topo) -> str:
 
         prompt = chat_prompt(tokenizer, source.template, args.prompt)
         marker = end_of_turn(resolve_template(tokenizer, source.template)[1])
-    cache = new_cache(model.cfg)
-    ids = decode(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, cache=cache,
-                 stop=lambda new: new[-1] == eos or (marker is not None and marker in tokenizer.decode(new)))
-    if getattr(args, "verbose", False) and topo.tp_rank == 0:
-        print(cache_line(model.cfg, cache), file=sys.stderr, flush=True)
+    def stop(new: list[int]) -> bool:
+        return new[-1] == eos or (marker is not None and marker in tokenizer.decode(new))
+
+    if getattr(args, "speculative", False):  # the MTP module drafts, the model verifies (greedy tokens)
+        from megazoo.models.deepseek.speculative import speculative_decode
+
+        result = speculative_decode(model, prompt, args.max_new_tokens, stop=stop)
+        ids = result.ids
+        if report is not None:
+            report(f"speculative: {len(result.accepted) + 1} forwards for {len(ids) - len(prompt)} tokens "
+                   f"({result.tokens_per_forward:.2f} per forward after the prompt's); drafts accepted per step: "
+                   f"{' '.join(str(a) for a in result.accepted) or '-'}")
+    else:
+        cache = new_cache(model.cfg)
+        ids = decode(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                     top_p=args.top_p, seed=args.seed, cache=cache, stop=stop)
+        if getattr(args, "verbose", False) and topo.tp_rank == 0:
+            print(cache_line(model.cfg, cache), file=sys.stderr, flush=True)
     new = ids[len(prompt):]
     if new and new[-1] == eos:  # the end-of-text mark ends the text; it is not part of it
         new = new[:-1]
@@ -151,6 +168,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--tokenizer", args.tokenizer), ("--lora-base", args.lora_base), ("--chat", args.chat)):
         if value:
             argv += [flag, str(value)]
+    if args.speculative:
+        argv.append("--speculative")
     return argv
 
 
@@ -171,9 +190,12 @@ def _pin_checkpoint(args: argparse.Namespace) -> None:
 
 
 def _decode_and_print(args: argparse.Namespace, topo) -> None:
-    text = continuation(args, topo)
+    lines = []
+    text = continuation(args, topo, report=lines.append)
     if topo.tp_rank == 0:
         print(text, flush=True)
+        for line in lines:
+            print(line, flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -201,6 +223,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="sample from the smallest set holding probability P (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="greedy self-speculative decoding: the model's multi-token prediction module drafts "
+                             "the token after next, the model verifies it (the same tokens as without; prints "
+                             "the drafts accepted per step)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer spec (default: the one the checkpoint records)")

@@ -138,8 +138,48 @@ def _check_with_torch(recipe: Recipe, cfg: ModelConfig) -> None:
         raise RecipeError(f"model.moe_seq_aux_loss_coef = {cfg.moe_seq_aux_loss_coef} (DeepSeek-V3's sequence-wise "
                           f"loss) is not built for parallel.cp = {par.cp}, which splits each sequence; valid: "
                           "moe_seq_aux_loss_coef = 0 or cp = 1")
+    _check_mtp(recipe, cfg)
+    _check_node_limit(recipe, cfg)
     _check_nodes(recipe)
     try:
         recipe.kernels.choice()
     except ValueError as err:
         raise RecipeError(f"[kernels]: {err}") from None
+
+
+def _check_mtp(recipe: Recipe, cfg: ModelConfig) -> None:
+    """Multi-token prediction shifts each row by 1 + depth tokens (models/deepseek/mtp.py): a row split over cp
+    ranks or packed with several examples would shift across a boundary."""
+    depth = getattr(cfg, "mtp_depth", 0)
+    if depth and recipe.parallel.cp > 1:
+        raise RecipeError(f"model.mtp_depth = {depth} (multi-token prediction) is not built for parallel.cp = "
+                          f"{recipe.parallel.cp}, which splits each sequence; valid: mtp_depth = 0 or cp = 1")
+    if depth and recipe.sft.path and recipe.sft.packing:
+        raise RecipeError(f"model.mtp_depth = {depth} (multi-token prediction) with sft.packing = true would "
+                          "predict across packed examples; valid: sft.packing = false or mtp_depth = 0")
+
+
+def _check_node_limit(recipe: Recipe, cfg: ModelConfig) -> None:
+    """DeepSeek-V3's node limit (model.moe_max_nodes of model.moe_nodes) means what it says under expert
+    parallelism only when each node group's experts (n_experts / moe_nodes, in order) sit on one node: whole ep
+    ranks (ep a multiple of moe_nodes) whose processes share a node (parallel.node_size, when given)."""
+    nodes, par = getattr(cfg, "moe_nodes", 1), recipe.parallel
+    if not getattr(cfg, "moe_max_nodes", 0) or par.ep == 1:
+        return
+    if par.ep % nodes:
+        raise RecipeError(f"model.moe_nodes = {nodes} does not divide parallel.ep = {par.ep}: each node's experts "
+                          f"must be whole ep ranks' (ep / moe_nodes of them); valid moe_nodes: "
+                          f"{[d for d in range(1, par.ep + 1) if par.ep % d == 0 and cfg.n_experts % d == 0]}")
+    if not par.node_size:
+        return  # not known: one node (the resolver's node_size check covers the rest)
+    per_node = par.node_size // par.tp  # dp x cp positions per node (node_size holds whole tp x cp groups)
+    ranks_per_node, grad = par.ep // nodes, par.dp * par.cp
+    for p in range(par.pp):
+        for first in range(0, grad, ranks_per_node):  # one node group's ep ranks: consecutive dp x cp positions
+            spanned = {(p * grad + m) // per_node for m in range(first, first + ranks_per_node)}
+            if len(spanned) > 1:
+                raise RecipeError(f"model.moe_nodes = {nodes} with parallel.ep = {par.ep}: a node group's "
+                                  f"{ranks_per_node} ep ranks span {len(spanned)} nodes at parallel.node_size = "
+                                  f"{par.node_size} (tp = {par.tp}); valid: a node_size holding "
+                                  f"{ranks_per_node} x tp = {ranks_per_node * par.tp} processes (or a multiple), "
+                                  "or moe_nodes = ep / (ep ranks per node)")

@@ -228,6 +228,9 @@ def _megazoo_to_hf(args: argparse.Namespace) -> int:
         print(f"megazoo: convert megazoo-to-hf: {refused}", file=sys.stderr)
         return 1
     what = "with its tokenizer" if tokenizer is not None else "without a tokenizer (none recorded or given)"
+    if cfg.mtp_depth and not family.mtp:  # models/hf/family.py: exported_config
+        print(f"the {cfg.mtp_depth} multi-token prediction module(s) are left out: HF {family.exports(cfg)} has no "
+              "place for them (the exported model's logits are the main model's, as with them)")
     print(f"converted megazoo checkpoint {args.checkpoint} ({cfg.name}) to HF {family.exports(cfg)} directory "
           f"{args.out} ({len(files)} safetensors file(s), {str(dtype).removeprefix('torch.')}), {what}")
     return 0

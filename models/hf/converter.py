@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.hf.family import Family
+from megazoo.models.hf.family import Family, exported_config
 from megazoo.models.hf.safetensors_files import DEFAULT_MAX_SHARD, HFWeights, write_shards
 from megazoo.parallel.tensor import ShardSpec, shard_of
 
@@ -98,6 +98,7 @@ def write_hf_folder(out_dir: str | Path, family: Family, cfg: ModelConfig, read,
 
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model {cfg.name} only {cfg.vocab_size}")
+    cfg = exported_config(family, cfg)  # MTP modules the format has no place for: left out (family.py)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     special = special_ids(tokenizer) if tokenizer is not None else None

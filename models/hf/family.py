@@ -80,3 +80,14 @@ class Family:
     ignored: tuple[str, ...] = ()
     fp32_in_hf: bool = False
     torchtitan: Callable[[ModelConfig], list[Entry]] | None = None
+    # Whether the HF format holds multi-token prediction modules (DeepSeek-V3's, as layers n_layer + k: see
+    # models/deepseek/mtp_hf.py); the other families' folders leave them out (exported_config).
+    mtp: bool = False
+
+
+def exported_config(family: Family, cfg: ModelConfig) -> ModelConfig:
+    """`cfg` as `family`'s HF folder holds it. The MTP modules (models/deepseek/mtp.py) only add a training loss
+    and a draft for speculative decoding: where the format has no place for them they are dropped on export
+    (the logits are the main model's either way). Such a folder reads back as a model without them (mtp_depth 0;
+    `model.from_hf` with mtp_depth set is refused as any architecture override is)."""
+    return cfg if family.mtp or not cfg.mtp_depth else cfg.replace(mtp_depth=0)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from megazoo.models.config import ModelConfig
-from megazoo.models.hf.family import Entry, Family
+from megazoo.models.hf.family import Entry, Family, exported_config
 from megazoo.models.layout import parameter_layout
 
 # Our block module -> the HF modules whose rows it concatenates (under model.layers.<i>.).
@@ -251,7 +251,9 @@ def export_hf_dir(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     become the model's bos / eos / pad."""
     from megazoo.models.hf.converter import write_hf_folder
 
-    megazoo_to_hf_state(full_state, cfg)  # names and shapes checked before anything is written
+    held = exported_config(FAMILY, cfg)  # multi-token prediction modules: no place in these formats, left out
+    megazoo_to_hf_state({k: v for k, v in full_state.items() if held.mtp_depth or not k.startswith("mtp.")},
+                        held)  # names and shapes checked before anything is written
     write_hf_folder(out_dir, FAMILY, cfg, full_state.__getitem__, dtype or next(iter(full_state.values())).dtype,
                     tokenizer=tokenizer)
     return Path(out_dir)

@@ -89,7 +89,8 @@ class MoE(nn.Module):
         cfg = self.cfg
         weights, indices, scores = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob,
                                     bias=self.router.expert_bias, n_group=cfg.moe_n_group,
-                                    topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor)
+                                    topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor,
+                                    nodes=cfg.moe_nodes, max_nodes=cfg.moe_max_nodes)
         # training: every rank routes as many rows (a capacity factor's padded splits are then static)
         done = self.dispatcher(rows, weights, indices, self.experts, same_shapes=self.training)
         stats = RouterStats.of(logits, done.counts, done.dropped)

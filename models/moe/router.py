@@ -11,8 +11,9 @@ since every layout scores the same token with the same fp32 arithmetic.
 Scoring "sigmoid_bias" (DeepSeek-V3, Kimi K2; transformers' DeepseekV3TopkRouter): scores = sigmoid(logits);
 the choice is made on scores + b, b (E,) a per-expert bias that is never in the weights and gets no gradient
 (`Router.expert_bias`, a buffer), optionally limited to topk_group of n_group expert groups (a group's score: the
-sum of its two best biased scores; the other groups' experts are masked to -inf); the weights are the chosen
-experts' unbiased scores, renormalised when norm_topk_prob (+1e-20, as transformers) and scaled by
+sum of its two best biased scores; the other groups' experts are masked to -inf) or to max_nodes of the nodes
+the experts lie on (DeepSeek-V3's node limit: a node's score is the sum of its ceil(top_k / max_nodes) best);
+the weights are the chosen experts' unbiased scores, renormalised when norm_topk_prob (+1e-20, as transformers) and scaled by
 routed_scaling_factor. b moves after every optimizer step against the load (`update_expert_bias`): DeepSeek-V3's
 auxiliary-loss-free balancing, b_e += rate x sign(mean load - load_e), the load being the step's assignments
 counted over every rank that routes (block.py sums them over tp under sequence parallelism and over dp x cp, so
@@ -40,11 +41,12 @@ def router_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = True, *,
           bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-          scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          scaling: float = 1.0, nodes: int = 1, max_nodes: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights (T, k) fp32, indices (T, k) int64, probs (T, E) fp32) from router logits (T, E); "sigmoid_bias"
-    takes the selection bias (E,) and the group limit (module docstring) and returns its sigmoid scores."""
+    takes the selection bias (E,), the group limit and the node limit (module docstring) and returns its sigmoid
+    scores."""
     if scoring == "sigmoid_bias":
-        return _sigmoid_bias(logits, top_k, norm_topk_prob, bias, n_group, topk_group, scaling)
+        return _sigmoid_bias(logits, top_k, norm_topk_prob, bias, n_group, topk_group, scaling, nodes, max_nodes)
     if scoring != "softmax":
         raise ValueError(f"model.moe_router = {scoring!r} is not built; valid: 'softmax', 'sigmoid_bias'")
     probs = torch.softmax(logits.float(), dim=-1)
@@ -54,16 +56,23 @@ def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", norm_topk_
     return weights, indices, probs
 
 
-def _sigmoid_bias(logits, top_k, norm_topk_prob, bias, n_group, topk_group, scaling):
+def _limit(choice: torch.Tensor, groups: int, kept: int, best: int) -> torch.Tensor:
+    """choice (T, E) with the experts outside each token's `kept` of `groups` equal groups masked to -inf, a
+    group's score being the sum of its `best` highest entries."""
+    rows, n_experts = choice.shape
+    grouped = choice.view(rows, groups, n_experts // groups)
+    group_scores = grouped.topk(min(best, grouped.shape[-1]), dim=-1).values.sum(-1)  # (T, groups)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(kept, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(rows, n_experts)
+
+
+def _sigmoid_bias(logits, top_k, norm_topk_prob, bias, n_group, topk_group, scaling, nodes=1, max_nodes=0):
     scores = torch.sigmoid(logits.float())
     choice = scores.detach() + (bias.to(scores.dtype) if bias is not None else 0.0)  # selection only: no gradient
-    if n_group > 1:
-        rows, n_experts = choice.shape
-        grouped = choice.view(rows, n_group, n_experts // n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
-            1, group_scores.topk(topk_group, dim=-1).indices, True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(rows, n_experts)
+    if n_group > 1:  # transformers' group limit: a group's score is its two best
+        choice = _limit(choice, n_group, topk_group, 2)
+    if max_nodes:  # DeepSeek-V3's node limit: a node's score is its ceil(K / M) best (the report's K_r / M)
+        choice = _limit(choice, nodes, max_nodes, -(-top_k // max_nodes))
     indices = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, indices)
     if norm_topk_prob:
@@ -81,6 +90,15 @@ def update_expert_bias(modules, rate: float) -> None:
             if rate:
                 module.expert_bias += rate * torch.sign(load.mean() - load)
             module.load.zero_()
+
+
+def materialize_router_buffers(modules, device) -> None:
+    """A model built on the meta device (ZeRO-3 materialises parameters unit by unit, never buffers): every
+    sigmoid_bias Router's expert_bias and load made real, at their initial zeros, on `device`."""
+    for module in modules:
+        if isinstance(module, Router) and module.expert_bias is not None and module.expert_bias.is_meta:
+            module.expert_bias = torch.zeros_like(module.expert_bias, device=device)
+            module.load = torch.zeros_like(module.load, device=device)
 
 
 class Router(nn.Module):

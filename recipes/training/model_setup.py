@@ -15,6 +15,7 @@ import torch
 from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.moe.dispatch import expert_parameter_names
+from megazoo.models.moe.router import materialize_router_buffers
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.expert.zero import JointLedger, build_expert_split
@@ -115,6 +116,8 @@ def build_model(res: Resolved, topo: Topology, device=None, dtype: torch.dtype =
             enable_fp8(chunk, train.fp8)
         if device != "meta":
             init_weights(chunk, train.seed)
+        else:  # ZeRO-3 makes the parameters real unit by unit; the routing bias buffers are made here
+            materialize_router_buffers(chunk.modules(), topo.device)
         if chunks and hasattr(chunk, "wte") and hasattr(chunks[0], "wte"):
             chunk.wte = chunks[0].wte  # the V's last stage beside the first: one tied weight
         chunks.append(chunk)
@@ -159,7 +162,8 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     # group); under zbv's V both ends are on rank 0 and share one parameter: nothing to sum, but it still gets a
     # bucket of its own: its gradient hook fires in both chunks' W, and a bucket shared with one chunk's other
     # parameters would be completed (ZeRO-2: copied, then overwritten) by one W without the other's part.
-    if topo.pp == 1 or not res.model.tie_embeddings:  # an untied lm_head shares nothing with the embedding
+    # an untied lm_head shares nothing with the embedding; multi-token prediction's lookup on the last stage does
+    if topo.pp == 1 or not (res.model.tie_embeddings or res.model.mtp_depth):
         tied = TiedParameters()
     elif placement(res.recipe.parallel.schedule) == "v":
         tied = TiedParameters(frozenset({"wte.weight"}), None, counted_in_norm=True)

@@ -98,12 +98,15 @@ class Trainer:
         self.stragglers = straggler_watch(res.recipe.fault_tolerance, topo)
         # MoE: the routing figures of each step (moe_metrics.py), read with the loss
         self.moe = MoEStepMetrics(self.chunks, res.model, topo) if res.model.n_experts else None
+        self.mtp_loss: float | None = None  # the last step's MTP loss (model.mtp_depth > 0)
 
     def _loss(self, logits: torch.Tensor, targets) -> torch.Tensor:
-        """The micro-batch's mean token loss; SFT rows pass (targets, weight): its share of the step's mean."""
+        """The micro-batch's mean token loss. A tuple (targets, weight, inputs): SFT rows' weight (its share of the
+        step's mean, None: 1) and, with multi-token prediction, the inputs its next-token embeddings read."""
         if isinstance(targets, tuple):
-            targets, weight = targets
-            return self.chunks[-1].loss(logits, targets) * weight
+            targets, weight, inputs = (*targets, None)[:3]
+            loss = self.chunks[-1].loss(logits, targets, inputs)
+            return loss if weight is None else loss * weight
         return self.chunks[-1].loss(logits, targets)
 
     def _batches(self, samples: Samples, micro_batches: list[list[int]],
@@ -111,7 +114,7 @@ class Trainer:
         """(inputs, targets) per micro-batch: the samples' tokens shifted by one; with cp > 1 this cp rank's two
         load-balanced chunks of both (parallel/context/layout.py), (b, s / cp) each."""
         out, cp, cp_rank = [], self.topo.cp, self.topo.cp_rank
-        weights = None
+        weights, mtp = None, self.res.model.mtp_depth > 0  # MTP: the last stage reads the inputs too
         if isinstance(samples, SFTRows) and step is not None:  # training: the step's mean over all response tokens
             weights = samples.micro_batch_weights(self.sampler.global_indices_for_step(step), micro_batches,
                                                   len(micro_batches) * self.topo.dp)
@@ -119,17 +122,18 @@ class Trainer:
             if isinstance(samples, SFTRows):  # fine-tuning rows: targets already -100 off the responses
                 inputs, targets, segments = (t.to(self.topo.device, non_blocking=True) for t in samples.batch(indices))
                 inputs, targets = split_sequence(inputs, cp, cp_rank), split_sequence(targets, cp, cp_rank)
-                if weights is not None:
-                    targets = (targets, weights[k])
+                if weights is not None or mtp:
+                    targets = (targets, None if weights is None else weights[k], inputs)
                 out.append((inputs, targets, segments) if samples.packing else (inputs, targets))  # segments: packed
                 continue
             batch = samples.stack(indices).to(self.topo.device, non_blocking=True)  # (b, s + 1)
-            out.append((split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)))
+            inputs, targets = split_sequence(batch[:, :-1], cp, cp_rank), split_sequence(batch[:, 1:], cp, cp_rank)
+            out.append((inputs, (targets, None, inputs) if mtp else targets))
         return out
 
     def _host_values(self, total: torch.Tensor, stop: bool = False, norm: torch.Tensor | None = None,
                      per_rank: tuple[float, float] | None = None,
-                     extra: torch.Tensor | None = None) -> tuple[float, bool, float]:
+                     extra: torch.Tensor | None = None, mtp: torch.Tensor | None = None) -> tuple[float, bool, float]:
         """The step's host reads, in one place and one collective: the loss averaged over dp x cp (only the last
         pipeline stage computed it; tp ranks hold copies, so tp rank 0 speaks for them), whether any rank asked
         to stop (SIGTERM may reach ranks at different steps) and the gradient norm (the same on every rank:
@@ -145,6 +149,9 @@ class Trainer:
         packed = torch.stack([share, torch.full((), float(stop), dtype=f64, device=device), norm])
         if extra is not None:
             packed = torch.cat([packed, extra.to(device, f64)])
+        if mtp is not None:  # the MTP modules' mean loss (last stage), averaged like the loss; after the 3 above
+            mtp_share = mtp.to(f64) / self.topo.grad_size if self.topo.tp_rank == 0 else torch.zeros_like(share)
+            packed = torch.cat([packed, mtp_share.reshape(1)])
         world = self.topo.world_size
         if per_rank is not None and world > 1:  # each rank's (compute, wait) seconds in its own two slots
             slots = torch.zeros(2 * world, dtype=f64, device=device)
@@ -156,8 +163,21 @@ class Trainer:
         loss, stops, grad_norm, *slots_ = packed.tolist()
         n_extra = 0 if extra is None else extra.numel()
         self.extra_values, slots_ = slots_[:n_extra], slots_[n_extra:]
+        self.mtp_loss = slots_.pop(0) if mtp is not None else None
         self.rank_times = (slots_[0::2], slots_[1::2]) if slots_ else None
         return loss, stops > 0, grad_norm
+
+    def _mtp_losses(self, micro_batches: int) -> torch.Tensor | None:
+        """The step's mean MTP loss on this rank (0 off the last stage), or None without MTP: the micro-batches'
+        values the last stage's chunk kept (models/transformer.py: GPT.mtp_losses), cleared here."""
+        if not self.res.model.mtp_depth:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for chunk in self.chunks:  # only the last stage's chunk has any (under zbv not this rank's last chunk)
+            for value in chunk.mtp_losses:
+                total += value
+            chunk.mtp_losses = []
+        return total / micro_batches
 
     def _set_mode(self, training: bool) -> None:
         for chunk in self.chunks:
@@ -204,7 +224,8 @@ class Trainer:
         busy = time.perf_counter() - start
         loss_value, stop, grad_norm = self._host_values(loss_sum / t.grad_accum, stop, outcome.grad_norm,
                                                         per_rank=(busy - outcome.wait_s, outcome.wait_s),
-                                                        extra=None if self.moe is None else self.moe.slots(len(batches)))
+                                                        extra=self.moe.slots(len(batches)) if self.moe else None,
+                                                        mtp=self._mtp_losses(t.grad_accum))
         if not math.isfinite(loss_value) and self.scaler is None:
             raise FloatingPointError(f"training loss is {loss_value} at step {step}: the run diverged "
                                      f"(try a lower train.lr or train.grad_clip)")
@@ -215,6 +236,8 @@ class Trainer:
                    "comm_bytes": zero.comm.summary()["total_bytes"], "stop": stop}
         if self.moe is not None:
             metrics.update(self.moe.read(self.extra_values))
+        if self.mtp_loss is not None:  # the MTP modules' own loss (mean over depths), unweighted
+            metrics["mtp_loss"] = self.mtp_loss
         if self.peak_flops:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.topo.world_size * self.peak_flops)
         if self.scaler is not None:
@@ -346,7 +369,8 @@ class Trainer:
             if stop or (every and (step + 1) % every == 0) or (last and (every or at_end)):
                 result.checkpoint = self.save_checkpoint(step + 1)
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                mtp = {"mtp": f"{metrics['mtp_loss']:.3f}"} if "mtp_loss" in metrics else {}  # the MTP modules' own
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", **mtp, tok_s=f"{metrics['tokens_per_s']:.0f}",
                                 **progress_fields(metrics))
                 bar.update(1)
             if stop:

@@ -120,6 +120,12 @@ def moe_experts(cfg, n_layer: int, d_model: int) -> dict:
                   moe_shared_d_ff=width(cfg.moe_shared_d_ff), moe_every=min(cfg.moe_every, n_layer),
                   moe_first_dense=min(cfg.moe_first_dense, n_layer - 1),
                   moe_dense_layers=tuple(i for i in cfg.moe_dense_layers if i < n_layer))
+    if getattr(cfg, "moe_n_group", 1) > 1:  # DeepSeek's group limit on the 4 experts: 2 groups of 2, fewer kept
+        e = fields["n_experts"]  # than there are when the recipe keeps fewer (the top-k still fits in them)
+        groups = max(g for g in range(1, e // 2 + 1) if e % g == 0 and g <= cfg.moe_n_group)
+        kept = min(cfg.moe_topk_group, groups - 1 if cfg.moe_topk_group < cfg.moe_n_group else groups)
+        fields.update(moe_n_group=groups, moe_topk_group=kept,
+                      moe_top_k=min(fields["moe_top_k"], kept * (e // groups)))
     if not any(cfg.replace(n_layer=n_layer, **fields).moe_layer(i) for i in range(n_layer)):
         fields.update(moe_first_dense=0, moe_dense_layers=())
     return fields

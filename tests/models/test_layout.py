@@ -138,7 +138,7 @@ def test_architecture_fields_are_model_fields():
                                         "moe_first_dense", "moe_every", "moe_dense_layers",
                                         "moe_router",  # sigmoid_bias adds router.expert_bias
                                         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                        "v_head_dim"}  # latent attention's shapes
+                                        "v_head_dim", "mtp_depth"}  # latent attention's shapes, the MTP modules
 
 
 def test_architecture_mismatches():
