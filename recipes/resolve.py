@@ -273,6 +273,12 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         _choice("train.fp8", train.fp8, ("none", *FP8_RECIPES))
         if why := fp8_problem(cfg, par.tp, train.precision, recipe.lora.enabled):
             raise RecipeError(f"train.fp8 = {train.fp8!r} is unsupported here: {why}; or set train.fp8 = 'none'")
+    if recipe.zero.fp8_all_gather and (recipe.zero.stage != 3 or train.fp8 != "tensorwise" or recipe.zero.hpz
+                                       or recipe.zero.quantized_weights):
+        raise RecipeError(f"zero.fp8_all_gather = true needs zero.stage = 3 and train.fp8 = 'tensorwise' without "
+                          f"zero.hpz / zero.quantized_weights (got stage {recipe.zero.stage}, train.fp8 = "
+                          f"{train.fp8!r}, hpz = {recipe.zero.hpz}, quantized_weights = "
+                          f"{recipe.zero.quantized_weights}); valid: those, or zero.fp8_all_gather = false")
     if train.fused_loss == "on" and train.precision == "fp16":
         raise RecipeError("train.fused_loss = 'on' with train.precision = 'fp16': under dynamic loss scaling at dp 2 "
                           "it diverged from the plain loss (a known defect); valid: fused_loss = 'auto' (off in fp16) "
