@@ -1,8 +1,8 @@
 """Recipes: TOML files -> frozen dataclasses that reject unknown keys at every level.
 
-`load_recipe(path, overrides)` parses the file with stdlib tomllib, applies `--set section.key=value` overrides to
-the raw table (an override of an unknown key is rejected like a typo in the file), and builds a `Recipe`. Derived
-values (global batch, padded vocabulary, the model config after overrides) are computed once, by `resolve()`.
+`load_recipe(path, overrides)` parses the file with stdlib tomllib, applies `--set section.key=value` overrides to the
+raw table (an unknown key is rejected like a typo in the file), and builds a `Recipe`. Derived values (global
+batch, padded vocabulary, the model config after overrides) are computed once, by `resolve()`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ def _overrides_of(config: type, *, skip: tuple[str, ...] = ("name",)):
 @dataclass(frozen=True)
 @_overrides_of(ModelConfig)
 class ModelSection:
-    """`[model]`: a preset, plus optional overrides of every ModelConfig field but its name (n_layer, n_head,
-    d_model, n_positions, vocab_size, d_ff, dropout, ...; None keeps the preset's value)."""
+    """`[model]`: a preset, plus optional overrides of every ModelConfig field but its name (None: the preset's)."""
 
     preset: str = "gpt2-tiny"
     from_checkpoint: bool = False  # true: the architecture from checkpoint.load (overrides: dropout, init only)
@@ -120,6 +119,7 @@ class ZeroSection:
     hpz: bool = False  # stage 3: ZeRO++ hpZ, backward all-gathers from a secondary shard inside the node
     quantized_weights: bool = False  # stage 3: ZeRO++ qwZ, parameter gathers in int8 blocks of 256 (masters exact)
     quantized_gradients: str = "none"  # stages 1-3: ZeRO++ qgZ "int8" | "int4" hierarchical reduce (zero/qgz.py)
+    fp8_all_gather: bool = False  # stage 3 + train.fp8 "tensorwise": FP8 linears' weights gathered as float8
 
 
 @dataclass(frozen=True)

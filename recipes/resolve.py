@@ -49,8 +49,7 @@ class Resolved:
     @property
     def fused_loss(self) -> bool:
         """train.fused_loss resolved: "on" only, for now. "auto" stays the plain head + loss until the planner counts
-        the fused path at scale (its head-gradient term put the 405B recipe's last stage at 0.86 of the plan) and
-        fp16 is found (with loss scaling at dp 2 its losses rose while the plain loss's fell: refused)."""
+        the fused path at scale (its head-gradient term put the 405B recipe's last stage at 0.86 of the plan)."""
         return self.recipe.train.fused_loss == "on"
 
     @property
@@ -281,10 +280,12 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         _choice("train.fp8", train.fp8, ("none", *FP8_RECIPES))
         if why := fp8_problem(cfg, par.tp, train.precision, recipe.lora.enabled):
             raise RecipeError(f"train.fp8 = {train.fp8!r} is unsupported here: {why}; or set train.fp8 = 'none'")
-    if train.fused_loss == "on" and train.precision == "fp16":
-        raise RecipeError("train.fused_loss = 'on' with train.precision = 'fp16': under dynamic loss scaling at dp 2 "
-                          "it diverged from the plain loss (a known defect); valid: fused_loss = 'auto' (off in fp16) "
-                          "or 'off', or precision = 'bf16' / 'fp32'")
+    if recipe.zero.fp8_all_gather and (recipe.zero.stage != 3 or train.fp8 != "tensorwise" or recipe.zero.hpz
+                                       or recipe.zero.quantized_weights):
+        raise RecipeError(f"zero.fp8_all_gather = true needs zero.stage = 3 and train.fp8 = 'tensorwise' without "
+                          f"zero.hpz / zero.quantized_weights (got stage {recipe.zero.stage}, train.fp8 = "
+                          f"{train.fp8!r}, hpz = {recipe.zero.hpz}, quantized_weights = "
+                          f"{recipe.zero.quantized_weights}); valid: those, or zero.fp8_all_gather = false")
     if train.fused_loss == "on" and par.pp > 1 and par.schedule in SPLIT_BACKWARD:
         raise RecipeError(f"train.fused_loss = 'on' with parallel.schedule = {par.schedule!r} (pp = {par.pp}): its split "
                           "backward would drop the head's weight gradient; valid: fused_loss = 'auto' or 'off', or "

@@ -56,6 +56,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=compute, device=h.device)
         dh = torch.empty_like(h) if need_grad[0] else None
         dw = torch.zeros(weight.shape, dtype=compute, device=h.device) if need_grad[1] else None
+        # fp16: d z = w (softmax - onehot) with w = 1 / tokens is far below fp16's normal range (6e-5) at a
+        # realistic vocabulary and token count; the plain head receives it times the loss scale (2^16 at first).
+        # So dz, dh and dW are kept times S = 2^-floor(log2 max w) (|dz| <= 1), a power of two that backward
+        # divides out exactly. bf16 has fp32's range: S = 1. A 0-dim tensor: no host sync.
+        prescale = (torch.exp2(-torch.floor(torch.log2(token_weight.abs().max().clamp(min=2.0 ** -100))))
+                    if h.dtype == torch.float16 else torch.ones((), dtype=compute, device=h.device))
         for lo in range(0, tokens, chunk_rows):
             rows = slice(lo, lo + chunk_rows)
             z = h[rows].matmul(weight.t()).to(compute)  # (c, V/tp); a copy in fp32 when h is 16-bit
@@ -74,7 +80,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             z.div_(sums[0].unsqueeze(-1))  # softmax
             z.scatter_add_(-1, local_target[rows].unsqueeze(-1), -here[rows].to(compute).unsqueeze(-1))
-            dz = z.mul_(w.unsqueeze(-1)).to(h.dtype)  # what the unfused head's backward would receive
+            dz = z.mul_((w * prescale).unsqueeze(-1)).to(h.dtype)  # the unfused head's backward's input, x S
             del z
             if dh is not None:
                 dh[rows] = dz.matmul(weight)
@@ -87,7 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if dw is not None:
             dw = dw.to(weight.dtype)
         ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
-        ctx.has, ctx.shared = (dh is not None, dw is not None), shared
+        ctx.has, ctx.shared, ctx.prescale, ctx.rows = (dh is not None, dw is not None), shared, prescale, chunk_rows
         return loss
 
     @staticmethod
@@ -95,15 +101,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         dh = dw = None
         # saved for this one backward: scaled in place, so no second weight-sized gradient exists beside them
+        factor = grad_loss.to(ctx.prescale.dtype) / ctx.prescale  # the loss scale: 2^16 is inf in fp16
         if ctx.has[0]:
-            dh = saved.pop(0)
-            dh.mul_(grad_loss.to(dh.dtype))
+            dh = _scale_(saved.pop(0), factor, ctx.rows)
         if ctx.has[1]:
-            dw = saved.pop(0)
-            dw.mul_(grad_loss.to(dw.dtype))
+            dw = _scale_(saved.pop(0), factor, ctx.rows)
             if ctx.shared is not None:  # a tied weight: the embedding's lookup adds its rows in place
                 ctx.shared.grad, dw = dw, None
         return dh, dw, None, None, None, None, None, None, None
+
+
+def _scale_(t: torch.Tensor, factor: torch.Tensor, rows: int) -> torch.Tensor:
+    """t *= factor in place, computed in fp32 (or t's wider dtype) and rounded once; 16-bit tensors a block of
+    `rows` rows at a time, so the fp32 temporary stays one block."""
+    if t.element_size() >= 4:
+        return t.mul_(factor.to(t.dtype))
+    for lo in range(0, t.shape[0], rows):
+        block = t[lo:lo + rows]
+        block.copy_(block.float().mul_(factor))
+    return t
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,

@@ -83,7 +83,8 @@ class ZeroEngine:
     inside a node, the owned gradient chunks cross nodes once per step), `hpz=True` stage 3's backward gathers
     inside the node (ZeRO++ hpZ), `quantized_weights=True` stage 3's gathers in int8 blocks (qwZ; the masters
     and full_state_dict stay exact), `quantized_gradients="int8" | "int4"` the hierarchical quantized gradient
-    reduce (qgZ, stages 1-3, flat or hpZ).
+    reduce (qgZ, stages 1-3, flat or hpZ). `fp8_all_gather=True` (stage 3, FP8 tensorwise linears): their
+    weights gathered as float8 e4m3 with one scale per weight (gather/fp8.py).
     """
 
     def __init__(self, model: nn.Module, topology: Topology, *, stage: int = 2, lr: float = 1e-3,
@@ -93,7 +94,7 @@ class ZeroEngine:
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, offload: str = "none",
                  loss_scaler: DynamicLossScaler | None = None, broadcast_parameters: bool = True,
                  shard_group: str = "dp", hpz: bool = False, quantized_weights: bool = False,
-                 quantized_gradients: str = "none"):
+                 quantized_gradients: str = "none", fp8_all_gather: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage = {stage!r} is invalid; valid: 0, 1, 2, 3")
         if not isinstance(grad_accum, int) or grad_accum < 1:
@@ -124,7 +125,8 @@ class ZeroEngine:
         self.zero = build_zero(stage, model, named, topology, lr=lr, betas=betas, eps=eps,
                                weight_decay=weight_decay, bucket_elements=bucket_elements, offload=offload,
                                units=units or (), init_fn=init_fn, shard_group=shard_group, hpz=hpz,
-                               quantized_weights=quantized_weights, quantized_gradients=quantized_gradients)
+                               quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
+                               fp8_all_gather=fp8_all_gather)
         self.optimizer, self.comm = self.zero.optimizer, self.zero.comm
         if stage == 3:
             self._retie()  # a tied alias still points at the meta parameter its first name replaced

@@ -27,7 +27,8 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
                units: Sequence[nn.Module] = (), init_fn: InitFn | None = None,
                tied: TiedParameters = TiedParameters(), group_of: Callable[[str], Hashable] | None = None,
                adamw: Callable | None = None, compression=None, shard_group: str = "dp", hpz: bool = False,
-               quantized_weights: bool = False, quantized_gradients: str = "none", replica_reduce: bool = True):
+               quantized_weights: bool = False, quantized_gradients: str = "none", replica_reduce: bool = True,
+               fp8_all_gather: bool = False):
     """The data-parallel optimizer for ZeRO `stage` (0-3). Stage 3 needs `units` (the submodules gathered one at
     a time, e.g. the transformer blocks) and, for a model built on the meta device, `init_fn`. `tied` names
     parameters held by two pipeline stages; `group_of(name)` keeps groups (pipeline chunks) in separate buckets.
@@ -38,8 +39,12 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
     (stage 3): qwZ, the gathers in int8 blocks (quantized.py); `quantized_gradients` "int8" | "int4" (stages
     1-3): qgZ, the hierarchical quantized gradient reduce (qgz.py). `replica_reduce=False` (stage 0, or HSDP): the
     gradients are averaged inside the node only (DiLoCo, parallel/fault_tolerance/diloco.py, crosses nodes in its
-    outer step instead); the other nodes' ranks still never write the owned states of a checkpoint."""
+    outer step instead); the other nodes' ranks still never write the owned states of a checkpoint. `fp8_all_gather`
+    (stage 3, FP8 tensorwise linears): their weights gathered as float8 (gather/fp8.py)."""
     adamw = adamw or _torch_adamw
+    if fp8_all_gather and stage != 3:
+        raise ValueError(f"zero.fp8_all_gather = true needs zero.stage = 3 (got {stage}): only stage 3 gathers "
+                         "weights for compute")
     check_shard_choice(shard_group, hpz, stage, topo.cp, quantized_weights, quantized_gradients, offload)
     if compression is not None and quantized_gradients != "none":
         raise ValueError(f"zero.quantized_gradients = {quantized_gradients!r} with optimizer {compression.name!r} "
@@ -69,7 +74,7 @@ def build_zero(stage: int, model: nn.Module, named: list[tuple[str, nn.Parameter
             raise ValueError("zero.stage = 3 with parallel.pp > 1 is not supported; valid: zero.stage 0-2 with pp")
         return ZeroStage3(model, named, list(units), topo, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           init_fn=init_fn, offload=offload, adamw=adamw, groups=groups,
-                          quantized_weights=quantized_weights)
+                          quantized_weights=quantized_weights, fp8_all_gather=fp8_all_gather)
     raise ValueError(f"zero.stage = {stage} is invalid; valid: 0, 1, 2, 3")
 
 

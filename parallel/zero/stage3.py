@@ -42,8 +42,10 @@ from megazoo.parallel.collectives import all_gather_flat
 from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero.buckets import Bucket, build_buckets
+from megazoo.parallel.zero.gather.fp8 import Fp8Gather, fp8_gather_problem, fp8_weight_names
 from megazoo.parallel.zero.groups import ShardGroups, shard_groups
 from megazoo.parallel.zero.quantized import quantized_all_gather
+from megazoo.parallel.zero.gather.spare import SpareStorages
 from megazoo.parallel.zero.partitioned import PartitionedOptimizer
 
 Named = list[tuple[str, nn.Parameter, ShardSpec]]
@@ -99,14 +101,18 @@ class ZeroStage3(PartitionedOptimizer):
             unit.secondary = None
             if unit.gathered:
                 self._free(unit)
+        self.spare.clear()
 
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,
                  check_order: bool = True, offload: str = "none", adamw: Callable | None = None,
-                 groups: ShardGroups | None = None, quantized_weights: bool = False):
+                 groups: ShardGroups | None = None, quantized_weights: bool = False, fp8_all_gather: bool = False):
         self.groups = groups = groups or shard_groups(topo)
         self.qwz = quantized_weights  # forward/backward gathers in int8 blocks (quantized.py); never the masters
         self._exact = False  # gathered(): full weights for export / checkpoints, never quantized
+        if fp8_all_gather and (why := fp8_gather_problem(model, 3, quantized_weights, groups.hpz)):
+            raise ValueError(f"zero.fp8_all_gather = true is unsupported here: {why}")
+        fp8_names = fp8_weight_names(model) if fp8_all_gather else set()  # own buckets, gathered as float8
         self.dp_group = groups.shard_group  # dp x cp: every rank holding these parameters; HSDP: the node's
         module_names = {m: n for n, m in model.named_modules()}
         prefixes = [module_names[u] + "." for u in units]
@@ -115,21 +121,27 @@ class ZeroStage3(PartitionedOptimizer):
             owner = next((i for i, pre in enumerate(prefixes) if entry[0].startswith(pre)), len(units))
             per_unit[owner].append(entry)
         self.units: list[Unit] = []
+        self.spare = SpareStorages(limit=0)  # nothing parked while constructing (one full unit at a time)
         for i, unit_named in enumerate(per_unit):
             unit_named = _materialise(model, unit_named, init_fn, topo.device)
             half = sum(p.numel() for _, p, _ in unit_named) / 2  # a parameter this large gets its own bucket
             alone = {name for name, p, _ in unit_named if p.numel() >= half}
             buckets, frozen = (build_buckets(unit_named, groups.shard_size, groups.shard_rank, UNBOUNDED,
-                                             group_of=lambda name: name if name in alone else None, frozen=f)
+                                             group_of=lambda n: n if n in alone else ("fp8" if n in fp8_names else None),
+                                             frozen=f)
                                if unit_named else [] for f in (False, True))
             unit = Unit(i, prefixes[i][:-1] if i < len(units) else "<root>", buckets, frozen)
             self.units.append(unit)
             self._free(unit)
         all_buckets = [b for u in self.units for b in u.buckets]
+        self.spare.limit = max(sum(b.flat_params.numel() * b.flat_params.element_size() for b in u.buckets + u.frozen)
+                               for u in self.units)  # one unit's memory parked between its free and the next gather
         super().__init__(all_buckets, [s for u in self.units for s in u.shards], topo, lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay, offload=offload,
                          specs={name: spec for name, _, spec in named}, adamw=adamw, max_in_flight=1,
                          groups=groups)
+        self.fp8 = Fp8Gather(self.dp_group, groups.shard_size, self.comm, topo.tp_group) if fp8_names else None
+        self._fp8_buckets = {id(b) for b in all_buckets if b.names[0] in fp8_names}
         self._owned_grad_of = {}  # (unit, bucket) -> what the reducer adds the reduced chunk into
         self._key: dict[tuple[int, int], int] = {}
         k = 0
@@ -188,9 +200,11 @@ class ZeroStage3(PartitionedOptimizer):
             shards = unit.secondary if from_node else unit.shards + unit.frozen_shards  # (frozen: LoRA's base)
             for b, shard in zip(unit.buckets + unit.frozen, shards):
                 flat = b.flat_params
-                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+                self.spare.fill(flat.untyped_storage(), flat.numel() * flat.element_size())
                 if group is None:
                     flat.copy_(shard)
+                elif id(b) in self._fp8_buckets and not self._exact:
+                    unit.works.append(self.fp8.gather(b, flat, shard))
                 elif self.qwz and not from_node and not self._exact:
                     unit.works.append(quantized_all_gather(flat, shard, group, self.groups.shard_size,
                                                            ledger=self.comm))
@@ -218,7 +232,7 @@ class ZeroStage3(PartitionedOptimizer):
             unit.works.clear()
             self._gathered(unit)
         for b in unit.buckets + unit.frozen:
-            b.flat_params.untyped_storage().resize_(0)
+            self.spare.free(b.flat_params.untyped_storage())
         unit.gathered = False
 
     def _pre_forward(self, i: int) -> None:
@@ -272,6 +286,7 @@ class ZeroStage3(PartitionedOptimizer):
             self._saving = None
         if not torch.is_grad_enabled():  # no backward will follow (evaluation, generation)
             self._free(self.root)
+            self.spare.clear()
             for unit in self.units:
                 unit.secondary = None
 
@@ -344,12 +359,15 @@ class ZeroStage3(PartitionedOptimizer):
         while self._frozen_pending:
             self._free(self._frozen_pending.pop())
         self.reducer.drain()
+        self.spare.clear()  # nothing transient is held between steps
         self._in_backward = False
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         for unit in self.units:
             unit.secondary = None  # hpZ: stale once the parameters change
+        if self.fp8 is not None:
+            self.fp8.invalidate()
         self.update_owned(lr)
         for k, shard in enumerate(self.shards):  # every unit's shards, in the masters' order
             self.write_owned(k, shard)
@@ -362,7 +380,7 @@ class ZeroStage3(PartitionedOptimizer):
         self._exact = True
         try:
             for unit in self.units:
-                if self.qwz and unit.gathered:
+                if (self.qwz or self.fp8) and unit.gathered:
                     self._free(unit)
                 self._gather(unit)
             yield
@@ -370,11 +388,13 @@ class ZeroStage3(PartitionedOptimizer):
             self._exact = False
             for unit in self.units:
                 self._free(unit)
+            self.spare.clear()
 
     def memory_bytes(self) -> dict[str, int]:
         params = sum(s.numel() * s.element_size() for u in self.units for s in u.shards + u.frozen_shards)
         params += sum(b.flat_params.untyped_storage().nbytes()  # gathered right now
                       for u in self.units for b in u.buckets + u.frozen)
         params += sum(s.numel() * s.element_size() for u in self.units for s in u.secondary or [])  # hpZ
+        params += self.spare.nbytes()
         grads = self.owned_grad_bytes() + self.reducer.in_flight_bytes()  # grad_flats are in the reducer's pool
         return {"params": params, "grads": grads, "optimizer": self.optimizer_bytes()}

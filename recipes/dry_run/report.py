@@ -26,7 +26,7 @@ from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.dry_run.run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
                                         stage_states, state_memory)
-from megazoo.recipes.planner.links import link_bytes
+from megazoo.recipes.planner.links import fp8_gathered, link_bytes
 from megazoo.recipes.planner.moe import all_to_all_link_bytes
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
@@ -68,7 +68,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
         links = link_bytes(st.numel, grad_ranks, layout.dp_per_node * layout.cp, layout.zero, layout.sharding,
                            grad_accum=layout.grad_accum, root=root, element_bytes=state.params,
                            quantized_weights=layout.quantized_weights,
-                           quantized_gradients=layout.quantized_gradients)  # ZeRO++ qwZ / qgZ bytes
+                           quantized_gradients=layout.quantized_gradients,  # ZeRO++ qwZ / qgZ bytes
+                           **fp8_gathered(st.tensors) if layout.fp8_all_gather else {})
         out["link_bytes"] = {"intra": links.intra, "inter": links.inter}
     return out
 

@@ -65,6 +65,7 @@ class Layout:
     node_size: int = 0  # GPUs per node (HSDP / hpZ); 0: one node
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
+    fp8_all_gather: bool = False  # stage 3: the FP8 linears' weights gathered as float8 (links.link_bytes)
     packed: bool = False  # SFT rows packing several examples (activations.ActivationSpec.packed)
     ep: int = 1  # expert parallelism: routed experts split over ep of the dp x cp ranks (expert_split_states)
     fused_ce: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
@@ -271,7 +272,8 @@ def recipe_layout(resolved) -> Layout:
                   cp=par.cp, sequence_parallel=par.sequence_parallel, lora=r.lora if r.lora.enabled else None,
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
-                  quantized_gradients=zero.quantized_gradients, packed=bool(r.sft.path) and r.sft.packing,
+                  quantized_gradients=zero.quantized_gradients,
+                  fp8_all_gather=zero.fp8_all_gather, packed=bool(r.sft.path) and r.sft.packing,
                   ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss,
                   replica_groups=r.fault_tolerance.replica_groups if r.fault_tolerance.enabled else 1)
 

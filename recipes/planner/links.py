@@ -26,7 +26,9 @@ secondaries stays unquantized; HSDP: both, inside the node) as int8 + one scale 
 or hpZ) replaces the gradient reduce-scatter of R = Psi (stage 1) or A Psi (stages 2-3) elements by a quantized
 all-to-all inside the node, R (n - 1) / n elements, and one across nodes of the node's partial sums, R / n
 (m - 1) / m, at b + s / 256 bytes each (b = 1 int8, 1/2 int4): per rank, n times fewer elements cross nodes
-than in the flat reduce-scatter, each 2-8x smaller.
+than in the flat reduce-scatter, each 2-8x smaller. The FP8 all-gather (zero.fp8_all_gather, stage 3, flat or
+HSDP) sends the `fp8` elements of the FP8 linears' weights (never root) at 1 byte in both gathers, plus one
+all-reduce per step of one fp32 amax per FP8 weight (`fp8_weights` of them) over the gathers' group.
 
 Memory (model states, parallel/zero/groups.py): HSDP partitions over n instead of N; hpZ keeps stage 3's
 partition over N plus a secondary copy of Psi / n parameters (held from a unit's forward to its backward, here
@@ -115,7 +117,7 @@ def wire_bytes(kind: str, element_bytes: float) -> float:
 
 def link_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str = "flat", *, grad_accum: int = 1,
                root: int = 0, element_bytes: float = 2, quantized_weights: bool = False,
-               quantized_gradients: str = "none") -> LinkBytes:
+               quantized_gradients: str = "none", fp8: int = 0, fp8_weights: int = 0) -> LinkBytes:
     """link_volume in bytes, with qwZ (`quantized_weights`, stage 3) and qgZ (`quantized_gradients` "int8" |
     "int4", stages 1-3, not HSDP) applied to the collectives they replace (module docstring)."""
     vol = link_volume(psi, dp, per_node, stage, sharding, grad_accum=grad_accum, root=root)
@@ -141,6 +143,9 @@ def link_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str = "fl
         else:
             gathers, link = a * (2 * psi - root) * (n - 1) / n, "intra"
         moved[link] += gathers * (wire_bytes("int8", eb) - eb)
+    if fp8:  # zero.fp8_all_gather: those elements at 1 byte in every gather, + the step's amax all-reduce
+        k, link = (dp, spans) if sharding == "flat" else (n, "intra")
+        moved[link] += a * 2 * fp8 * (k - 1) / k * (1 - eb) + 2 * fp8_weights * (k - 1) / k * 4
     if quantized_gradients != "none":
         reduced = psi * (1 if stage == 1 else a)
         moved[spans] -= reduced * (dp - 1) / dp * eb  # the flat reduce-scatter, gone
@@ -178,3 +183,13 @@ def rank_shardings(psi: int, dp: int, per_node: int, stage: int, *, element_byte
         out.append(LinkChoice(vol, vol.seconds(element_bytes, intra_bw, inter_bw),
                               link_state_bytes(psi, dp, per_node, stage, sharding, state)))
     return sorted(out, key=lambda c: (c.seconds, c.state_bytes))
+
+
+def fp8_gathered(tensors) -> dict[str, int]:
+    """link_bytes' `fp8` / `fp8_weights` for a stage's tensors (shards.TensorCount) under zero.fp8_all_gather: the
+    blocks' attention and MLP projection weights (parallel/tensor/fp8.py enable_fp8; norms and a router stay). A
+    ReplicatedKV projection (tp a multiple of the KV heads) also stays high precision and is counted here: an
+    over-count of its few elements' bytes."""
+    fp8 = [t for t in tensors if t.name.startswith("h.") and (".attn." in t.name or ".mlp." in t.name)
+           and t.name.endswith(".weight") and "norm" not in t.name and "router" not in t.name]
+    return {"fp8": sum(t.numel for t in fp8), "fp8_weights": len(fp8)}

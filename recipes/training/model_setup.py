@@ -188,6 +188,7 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
         quantized_weights=zero.quantized_weights,  # ZeRO++ qwZ (parallel/zero/quantized.py)
         quantized_gradients=zero.quantized_gradients,  # ZeRO++ qgZ (parallel/zero/qgz.py)
         replica_reduce=not res.recipe.diloco.enabled,  # DiLoCo: gradients stay in the node, its outer step crosses
+        **({"fp8_all_gather": True} if zero.fp8_all_gather else {}),  # float8 weight gathers (zero/gather/fp8.py)
         init_fn=lambda module, name, tensor, spec: init_parameter_(model, module, name, tensor, spec, t.seed))
     if topo.ep > 1 and isinstance(zero.comm, JointLedger):  # the step's traffic includes the MoE all-to-alls
         zero.comm.ledgers += [m.dispatcher.comm for chunk in chunks for m in chunk.modules()

@@ -11,23 +11,30 @@ from megazoo.recipes.planner.cli import main as plan_main
 from megazoo.recipes.planner.cost_model import CostModel, search
 from megazoo.recipes.dry_run.run import roles, run_role
 from megazoo.recipes.dry_run.report import report, to_text
-from megazoo.recipes.planner.links import link_bytes, link_volume, rank_shardings
+from megazoo.recipes.planner.links import fp8_gathered, link_bytes, link_volume, rank_shardings
+from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.planner.zero import MIXED_ADAM, PlanError
 
 DP, NODE = 8, 2  # 4 "nodes" of 2 dp ranks
 
 
 QWZ, QGZ8, QGZ4 = {"quantized_weights": True}, {"quantized_gradients": "int8"}, {"quantized_gradients": "int4"}
+FP8 = {"fp8_all_gather": True}  # with train.fp8 = "tensorwise": the FP8 linears' weights gathered as float8
+
+
+def _stage_tensors(res):
+    return shard_parameters(res.model, 1, 1, res.stage_layers).stages[0].tensors
 
 
 @pytest.mark.parametrize("stage, sharding, quantized", [
     (2, "flat", {}), (3, "flat", {}), (1, "hsdp", {}), (2, "hsdp", {}), (3, "hsdp", {}), (3, "hpz", {}),
-    (3, "flat", QWZ), (1, "flat", QGZ4), (2, "flat", QGZ8), (3, "hpz", {**QWZ, **QGZ4})])
+    (3, "flat", QWZ), (1, "flat", QGZ4), (2, "flat", QGZ8), (3, "hpz", {**QWZ, **QGZ4}), (3, "flat", FP8)])
 def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding, quantized):
     zero = {"stage": stage, "reduce_bucket_size": 20_000, "shard_group": "node" if sharding == "hsdp" else "dp",
             "hpz": sharding == "hpz", **quantized}
     res = tiny_resolved(parallel={"dp": DP, "node_size": NODE}, zero=zero,
-                        train={"micro_batch": 1, "grad_accum": 2, "precision": "fp32", "steps": 1},
+                        train={"micro_batch": 1, "grad_accum": 2, "precision": "fp32", "steps": 1,
+                               "fp8": "tensorwise" if quantized == FP8 else "none"},
                         kernels={"adamw": ""})  # the reference loop reads the step count on the host
     result = run_role(res, roles(res)[0])
     measured = result.measured.link_bytes
@@ -36,15 +43,17 @@ def test_dry_run_counts_the_planned_bytes_per_link(stage, sharding, quantized):
     root = sum(p.numel for p in parameter_layout(res.model) if not p.name.startswith("h.")) if stage == 3 else 0
     planned = link_bytes(psi, DP, NODE, stage, sharding, grad_accum=2, root=root, element_bytes=4,
                          quantized_weights=bool(quantized.get("quantized_weights")),
-                         quantized_gradients=quantized.get("quantized_gradients", "none"))
+                         quantized_gradients=quantized.get("quantized_gradients", "none"),
+                         **(fp8_gathered(_stage_tensors(res)) if quantized == FP8 else {}))
     # Buckets are padded to a multiple of dp (< dp elements each) and the gradient norm adds 2 numbers: 0.1%;
     # quantized chunks are padded to whole blocks of 256 (the tiny model's chunks are a few thousand elements)
     rel = 1e-2 if quantized else 1e-3  # measured: at most 0.54% (hpZ + qwZ + qgZ, inter)
     assert measured.get("inter", 0.0) == pytest.approx(planned.inter, rel=rel)
     assert measured.get("intra", 0.0) == pytest.approx(planned.intra, rel=rel)
-    if quantized:  # the quantized collectives did run, and cut the cross-node bytes
+    if quantized:  # the quantized collectives did run, and cut the cross-node bytes (HSDP's gathers: in the node)
         exact = link_volume(psi, DP, NODE, stage, sharding, grad_accum=2, root=root)
-        assert measured["inter"] < 0.8 * exact.inter * 4
+        link = "intra" if sharding == "hsdp" else "inter"
+        assert measured[link] < 0.8 * getattr(exact, link) * 4
     # the dry run's report puts the same plan beside the measurement (megazoo plan --recipe R --dry-run)
     rep = report(res, [result], 80.0, 0.0)
     row = rep["roles"][0]
@@ -142,3 +151,14 @@ def test_quantized_collectives_bytes_per_link():
         link_bytes(psi, dp, node, 3, "hsdp", quantized_gradients="int8")
     with pytest.raises(PlanError, match=r"quantization 'int2' is invalid; valid: none, int8, int4"):
         link_bytes(psi, dp, node, 3, quantized_gradients="int2")
+
+
+def test_fp8_all_gather_halves_the_gathered_bytes_of_bf16():
+    """zero.fp8_all_gather: the FP8 weights' two gathers per micro-batch at 1 byte instead of 2 (bf16); the
+    reduce-scatter and the other parameters' gathers unchanged; + one fp32 amax per FP8 weight per step."""
+    psi, root, fp8, weights, dp, node = 10_000_000, 2_000_000, 6_000_000, 40, 8, 8  # one node: all intra
+    plain = link_bytes(psi, dp, node, 3, root=root, element_bytes=2, grad_accum=2)
+    ours = link_bytes(psi, dp, node, 3, root=root, element_bytes=2, grad_accum=2, fp8=fp8, fp8_weights=weights)
+    gathers = 2 * 2 * fp8 * (dp - 1) / dp  # 2 micro-batches x (forward + backward)
+    assert plain.intra - ours.intra == pytest.approx(gathers * 2 / 2 - 2 * weights * (dp - 1) / dp * 4)
+    assert ours.inter == plain.inter == 0.0
