@@ -175,8 +175,7 @@ class CheckpointSection:
     # a mismatch keeps the older ones, sets the new one aside as bad-step_N, stops the run. false: skip it (cost below)
     verify_on_save: bool = True  # damage is otherwise found at load; cost: benchmarks/checkpoint_verify.py
     # true: the save returns once the state is in host memory; a thread writes, verifies and publishes it
-    # (parallel/checkpoint/async_save.py); the next save, the end or a stop waits for it (benchmarks/checkpoint_async)
-    async_save: bool = False
+    async_save: bool = False  # (parallel/checkpoint/async_save.py); the next save, the end or a stop waits for it
     format: str = "megazoo"  # "megazoo" (rank files + manifest) or "dcp" (torch.distributed.checkpoint: dcp_views.py)
     export_hf: str = ""  # a new folder: the last checkpoint written there as an HF model (streamed, sharded, verified)
 
