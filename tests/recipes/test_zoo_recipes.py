@@ -51,7 +51,8 @@ def test_every_zoo_recipe_is_listed():
                                                       "sft-demo.toml",  # tests/recipes/training/test_sft_demo.py
                                                       "llama-8b-lora.toml", "llama-8b-full-ft.toml",  # test_lora_planner
                                                       "llama3.1-405b.toml", "llama3.1-405b-128k.toml",
-                                                      "llama-70b-full-ft.toml"}  # tests/recipes/test_llama_recipes.py
+                                                      "llama-70b-full-ft.toml",  # tests/recipes/test_llama_recipes.py
+                                                      "deepseek-v3.toml", "kimi-k2.toml"}  # test_deepseek_recipes.py
     assert zoo == set(ZOO)
 
 
