@@ -294,7 +294,8 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
         raise RecipeError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's data.vocab_size = "
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
     _check_run_and_sample(recipe, global_batch)
-    check_sft(recipe.sft, seq_len=train.seq_len, vocab_size=cfg.vocab_size, cp=par.cp, attention=cfg.attention)
+    check_sft(recipe.sft, seq_len=train.seq_len, vocab_size=cfg.vocab_size, cp=par.cp, attention=cfg.attention,
+              kv_lora_rank=cfg.kv_lora_rank)
     _check_with_torch(recipe, cfg)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
                     world_size=layout, stage_layers=stages)

@@ -17,7 +17,8 @@ def _manifest(key: str, prefix: str) -> dict:
     return json.loads(path.read_text())
 
 
-def check_sft(sft: SFTSection, *, seq_len: int, vocab_size: int, cp: int, attention: str) -> None:
+def check_sft(sft: SFTSection, *, seq_len: int, vocab_size: int, cp: int, attention: str,
+              kv_lora_rank: int = 0) -> None:
     """RecipeError naming the field for an [sft] section that cannot run with this recipe."""
     if not sft.path:
         if sft.valid_path:
@@ -41,3 +42,6 @@ def check_sft(sft: SFTSection, *, seq_len: int, vocab_size: int, cp: int, attent
     if sft.packing and attention != "dense":
         raise RecipeError(f"sft.packing = true needs model.attention = 'dense', got {attention!r}; or set "
                           "sft.packing = false")
+    if sft.packing and kv_lora_rank:  # models/deepseek/mla.py has no segment-aware path yet
+        raise RecipeError(f"sft.packing = true with latent attention (model.kv_lora_rank = {kv_lora_rank}) is not "
+                          "supported yet; valid: sft.packing = false")

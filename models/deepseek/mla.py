@@ -103,8 +103,10 @@ class MLA(nn.Module):
         sp, cfg = self.sequence_parallel, self.cfg
         r = cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            weight = torch.cat([self.q_a.weight, self.kv_a.weight])  # one matmul for both down-projections
-            c_q, c_kv, k_pe = F.linear(x, sp.replicated(weight)).split([cfg.q_lora_rank, r, self.rope], dim=-1)
+            # two matmuls, not one over the concatenated weights: that concatenation would be a weight-sized
+            # tensor kept for backward in every layer
+            c_q = F.linear(x, sp.replicated(self.q_a.weight))
+            c_kv, k_pe = F.linear(x, sp.replicated(self.kv_a.weight)).split([r, self.rope], dim=-1)
             latents = sp.enter(torch.cat([self.q_a_norm(c_q), self.kv_a_norm(c_kv), k_pe], dim=-1))
             c_q, c_kv, k_pe = latents.split([cfg.q_lora_rank, r, self.rope], dim=-1)
             return self.q_b.local(c_q), c_kv, k_pe

@@ -50,6 +50,11 @@ def check_lora(lora: LoRAConfig, cfg: ModelConfig, tp: int = 1) -> None:
     if bad or not lora.targets or len(set(lora.targets)) != len(lora.targets):
         raise ValueError(f"lora.targets = {list(lora.targets)} is invalid for model {cfg.name}: give each at most once"
                          f", from {list(valid)}")
+    attention_targets = [t for t in lora.targets if t in ("qkv", "q", "k", "v", "o")]
+    if cfg.mla and attention_targets:  # models/deepseek/mla.py's projections take no adapters yet
+        raise ValueError(f"lora.targets {attention_targets} on model {cfg.name}, which has latent attention "
+                         f"(model.kv_lora_rank = {cfg.kv_lora_rank}): LoRA on it is not supported yet; valid targets: "
+                         f"{[t for t in valid if t not in attention_targets]} (dense MLP layers only)")
     mlp_targets = [t for t in lora.targets if t in ("gate", "up", "down")]
     if cfg.n_experts and mlp_targets:  # the MoE layers' MLP is the stacked experts, which take no adapters
         raise ValueError(f"lora.targets {mlp_targets} on model {cfg.name}, which has {cfg.n_experts} experts: LoRA on "

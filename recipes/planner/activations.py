@@ -89,6 +89,10 @@ class ActivationSpec:
     # The cross-entropy: fused (kernels/cross_entropy.py's torch and Triton, what training's `auto` runs) keeps the
     # logits and three fp32 numbers per row; False: the reference's fp32 copy of the whole shard (the paper's).
     fused_ce: bool = False
+    # Attention per token, in units of h: tp-sharded (Q, K, V and the output projection's input: 4), and
+    # replicated over tp (latent attention's down-projection outputs and its gathered latents: 0 otherwise).
+    attention_elements: float = 4.0
+    latent_elements: float = 0.0
 
     @property
     def residual(self) -> int:
@@ -107,9 +111,16 @@ class ActivationSpec:
         # GELU keeps its input and fc2's (d_ff each); SwiGLU keeps [gate; up] (2 d_ff), silu(gate) and the
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
+        attention, latent = 4.0, 0.0
+        if cfg.mla:  # models/deepseek/mla.py: q, k, v at the padded width (and a fused kernel's output: the
+            # projection's input is its copy, sliced to v), the projection's input (n v), the down-projections'
+            # outputs and the gathered latents (q_lora + r + rope each)
+            width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+            attention = cfg.n_head * ((4 if flash_attention else 3) * width + cfg.v_head_dim) / h
+            latent = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
                               4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h,
-                              packed, fused_ce)
+                              packed, fused_ce, attention, latent)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -128,7 +139,8 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
         replicated = (4 * spec.residual + 2 * m_drop) / t
     # Q, K, V (as the attention kernel keeps them: grouped-query K / V repeated to every query head), the output
     # projection's input, and the MLP's.
-    sharded = (4 + spec.mlp_elements) * e
+    sharded = (spec.attention_elements + spec.mlp_elements) * e
+    replicated += spec.latent_elements * e
     sbh = s * b * h
     weights = e * spec.block_weights * h * h / t if spec.weight_copies else 0.0  # the matmul weights' 16-bit casts
     if spec.flash_attention or (spec.packed and not spec.attn_dropout):

@@ -168,6 +168,12 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     if topo.ep > 1:  # expert weights over their expert-data-parallel group, dense ones over dp x cp
         experts = {name for chunk in chunks for name in expert_parameter_names(chunk)}
         build, split = build_expert_split, {"build": build_zero, "is_expert": experts.__contains__}
+    for chunk in chunks:  # ZeRO-3 materialises parameters only: the buffers (DeepSeek's routing bias and its
+        for module in chunk.modules():  # load counts, both zeros at the start) are made here, on every rank
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf.is_meta:
+                    module.register_buffer(name, torch.zeros(buf.shape, dtype=buf.dtype, device=topo.device),
+                                           persistent=name not in module._non_persistent_buffers_set)
     zero = build(
         stage=zero.stage, model=model, named=named, topo=topo, **split, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
         weight_decay=t.weight_decay, bucket_elements=zero.reduce_bucket_size, offload=zero.offload,

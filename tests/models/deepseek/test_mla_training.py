@@ -1,8 +1,8 @@
 """Latent attention in the real Trainer: fp64, 3 steps, every layout equals one process running the same
 micro-batches to 1e-10 (losses, gradient norms, every parameter and every layer's routing bias, exactly):
 tp 2 with sequence parallelism x ep 2 (the replicated down-projections' and latent norms' gradients summed over
-the tp ranks' positions, the latents gathered in one collective), pp 2 x ep 2, cp 2 (the shared rotary key
-travelling with the heads' keys), and the no-q-compression variant (V2-Lite's c_q) at tp 2. The model: the
+the tp ranks' positions, the latents gathered in one collective), pp 2 x ep 2, cp 2 all-to-all and ring (the shared rotary key
+travelling with the heads' keys), dp 2 x ep 2 under ZeRO-3 with activation checkpointing, and the no-q-compression variant (V2-Lite's c_q) at tp 2. The model: the
 deepseek-tiny preset made smaller, YaRN on with an original context shorter than the sequence, and v_head_dim
 different from the q/k width (the kernels' padding)."""
 
@@ -23,14 +23,14 @@ MLA = {"preset": "deepseek-tiny", "n_layer": 3, "d_model": 32, "n_head": 4, "d_f
 STEPS = 3
 
 
-def _res(parallel: dict, grad_accum: int, model: dict | None = None):
-    return tiny_resolved(model={**MLA, **(model or {})}, parallel=parallel, zero={"stage": 1},
+def _res(parallel: dict, grad_accum: int, model: dict | None = None, zero: int = 1, train: dict | None = None):
+    return tiny_resolved(model={**MLA, **(model or {})}, parallel=parallel, zero={"stage": zero},
                          train={"steps": STEPS, "micro_batch": 2, "grad_accum": grad_accum, "eval_batches": 1,
-                                "seq_len": 16})
+                                "seq_len": 16, **(train or {})})
 
 
-def _run(parallel: dict, grad_accum: int, model: dict | None = None):
-    res = _res(parallel, grad_accum, model)
+def _run(parallel: dict, grad_accum: int, model: dict | None = None, **more):
+    res = _res(parallel, grad_accum, model, **more)
     return run_distributed(lambda: train_run(res, Topology.of(res.recipe.parallel)), res.world_size)
 
 
@@ -52,11 +52,38 @@ def _check(outs, ref):
     ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, 2),
     ({"dp": 2, "pp": 2, "ep": 2}, 2),
     ({"cp": 2}, 4),
+    ({"cp": 2, "cp_attention": "ring"}, 4),
 ])
 def test_mla_layouts_equal_one_process(reference, parallel, grad_accum):
     _check(_run(parallel, grad_accum), reference)
 
 
+def test_mla_zero3_with_activation_checkpointing(reference):
+    """dp 2 x ep 2 with ZeRO-3 over the expert-data-parallel group and every block recomputed in backward."""
+    _check(_run({"dp": 2, "ep": 2}, 2, zero=3, train={"activation_checkpointing": True}), reference)
+
+
 def test_mla_without_q_compression_at_tp2():
     plain_q = {"q_lora_rank": 0}
     _check(_run({"tp": 2}, 4, plain_q), train_run(_res({}, 4, plain_q), Topology.solo()))
+
+
+def test_resolver_refuses_packing_with_latent_attention(monkeypatch):
+    """Packed rows (segment ids) have no latent-attention path yet: refused before any process starts."""
+    from megazoo.recipes import sft_check
+    from megazoo.recipes.config import RecipeError
+
+    monkeypatch.setattr(sft_check, "_manifest", lambda key, prefix: {"seq_len": 8, "vocab_size": 10})
+    with pytest.raises(RecipeError, match=r"sft.packing = true with latent attention \(model.kv_lora_rank = 16\) "
+                                          r"is not supported yet; valid: sft.packing = false"):
+        tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": True})
+    assert tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": False}).model.mla
+
+
+def test_lora_on_latent_attention_is_refused():
+    from megazoo.models.lora.config import LoRAConfig, check_lora
+    from megazoo.models.presets import get_preset
+
+    with pytest.raises(ValueError, match=r"lora.targets \['q', 'v'\] on model deepseek-tiny, which has latent "
+                                         r"attention \(model.kv_lora_rank = 32\): LoRA on it is not supported yet"):
+        check_lora(LoRAConfig(rank=4), get_preset("deepseek-tiny"))

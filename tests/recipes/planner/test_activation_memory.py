@@ -69,6 +69,19 @@ def test_formula_matches_saved_tensors(attention, dropout):
         assert measured[(2, 128)] > 2.1 * measured[(2, 64)]
 
 
+@pytest.mark.parametrize("attention", ["reference", "torch"])
+def test_formula_matches_latent_attention(attention):
+    """DeepSeek's multi-head latent attention (models/deepseek/mla.py): q, k, v padded to one width, the latents
+    replicated over tp; V3-like proportions (n_head x (nope + rope) = 1.5 h, v narrower than q / k)."""
+    cfg = get_preset("deepseek-tiny").replace(
+        n_layer=2, d_model=256, n_head=8, d_ff=512, vocab_size=512, n_experts=0, moe_router="softmax", moe_n_group=1,
+        moe_topk_group=1, moe_routed_scaling_factor=1.0, moe_bias_update_rate=0.0, moe_shared_experts=0,
+        moe_first_dense=0, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    for p in [(2, 64), (2, 128)]:
+        measured, predicted = measured_bytes(cfg, *p, attention), predicted_bytes(cfg, *p, attention)
+        assert abs(measured / predicted - 1) < TOLERANCE, (p, measured, predicted)
+
+
 def test_per_layer_formula_is_the_papers_at_16_bits():
     s, b, h, a = 2048, 1, 12288, 96
     for t in (1, 2, 8):
