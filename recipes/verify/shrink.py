@@ -120,6 +120,8 @@ def moe_experts(cfg, n_layer: int, d_model: int) -> dict:
                   moe_shared_d_ff=width(cfg.moe_shared_d_ff), moe_every=min(cfg.moe_every, n_layer),
                   moe_first_dense=min(cfg.moe_first_dense, n_layer - 1),
                   moe_dense_layers=tuple(i for i in cfg.moe_dense_layers if i < n_layer))
+    if cfg.moe_n_group > 1:  # group-limited routing (DeepSeek-V3: 4 of 8 groups) kept: 2 groups of 2, a token's from 1
+        fields.update(moe_n_group=2, moe_topk_group=1 if cfg.moe_topk_group < cfg.moe_n_group else 2)
     if not any(cfg.replace(n_layer=n_layer, **fields).moe_layer(i) for i in range(n_layer)):
         fields.update(moe_first_dense=0, moe_dense_layers=())
     return fields
