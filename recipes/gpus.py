@@ -36,6 +36,9 @@ GPUS = {g.name: g for g in (
     GPU("h100-80gb", "H100", 80, _HOPPER, 450e9, 50e9),
     # PCIe card: NVLink bridges between pairs at most; PCIe Gen5 x16 (~64 GB/s) between the rest
     GPU("h100-pcie-80gb", "H100 PCIe", 80, {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12}, 64e9, 50e9),
+    # H800 (the DeepSeek-V3 report's cluster): the H100 SXM's chip and 80 GB, NVLink cut to 400 GB/s bidirectional;
+    # 400 Gb/s InfiniBand per GPU (the report: 8 GPUs a node, IB across)
+    GPU("h800-80gb", "H800", 80, _HOPPER, 200e9, 50e9),
     # DGX H200: the H100's chip and links, 141 GB of HBM3e
     GPU("h200-141gb", "H200", 141, _HOPPER, 450e9, 50e9),
 )}

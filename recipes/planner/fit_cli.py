@@ -19,6 +19,7 @@ from megazoo.recipes.planner.zero import GB, PlanError
 from megazoo.recipes.planner.cost_model import CostModel, search
 from megazoo.recipes.planner.fit import Layout, device_memory, heal_bytes, max_micro_batch, parse_gpu, recipe_layout
 from megazoo.recipes.gpus import GPUS
+from megazoo.recipes.planner.reported import reported_lines
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if args.recipe:
         if args.model or args.params:
             raise FitUsageError("give --recipe or --model/--params, not both")
-        cfg, layout, _ = _from_recipe(args)
+        cfg, layout, resolved = _from_recipe(args)
     elif args.model:
         cfg, layout = _from_flags(args)
     else:
@@ -135,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
              "of fp32 parameters) + one layer recomputed" if layout.checkpointing else "")
           + "; in flight: walked on each rank's action list of the schedule (recipes/planner/schedule_memory.py; 1F1B: "
             "stage i holds pp - i), zero-bubble schedules holding each linear's input and output gradient from B to W")
+    if args.recipe:  # a published layout: the report's own figures beside the plan (recipes/planner/reported.py)
+        for line in reported_lines(args.recipe, resolved, cfg, gpu.peak_flops if gpu else None):
+            print(line)
     heal_fits = _heal(args, layout, mem) if layout.replica_groups > 1 else True
     return EXIT_FITS if mem.fits and heal_fits else EXIT_DOES_NOT_FIT
 

@@ -167,3 +167,10 @@ def test_injected_fine_tuning_weighting_bug_fails(monkeypatch, capsys):
     assert cli.main(["verify", "sft-demo", "--steps", "2"]) == 1
     text = capsys.readouterr().out
     assert "FAIL: the layout does not compute the same function" in text and "loss" in text
+
+
+def test_group_limited_routing_shrinks_to_groups_that_divide_the_experts():
+    """deepseek-v3's 8 groups of 256 experts (a token's from 4): the shrunk model's 4 experts in 2 groups, a token's
+    from 1, instead of "moe_n_group = 8 must divide model.n_experts = 4" while planning the check."""
+    model = plan(load_recipe(find_recipe("deepseek-v3")), steps=2).layout.model
+    assert (model.n_experts, model.moe_n_group, model.moe_topk_group, model.moe_router) == (4, 2, 1, "sigmoid_bias")
