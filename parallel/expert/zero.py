@@ -96,10 +96,12 @@ class ExpertSplitZero:
     """A ZeroOptimizer (interface.py) made of a dense half over grad_group and an expert half over edp_group."""
 
     def __init__(self, dense, experts, topo: Topology):
+        """`experts` None: this pipeline stage holds no MoE layer (the dense half alone, the norm's collectives
+        joined with a zero)."""
         self.dense, self.experts, self.topo = dense, experts, topo
-        self.halves = (dense, experts)
-        self.optimizer = _JointOptimizer(dense.optimizer, experts.optimizer)
-        self.comm = JointLedger(dense.comm, experts.comm)
+        self.halves = (dense,) if experts is None else (dense, experts)
+        self.optimizer = _JointOptimizer(*(half.optimizer for half in self.halves))
+        self.comm = JointLedger(*(half.comm for half in self.halves))
         if hasattr(dense, "stage"):
             self.stage = dense.stage
 
@@ -117,7 +119,8 @@ class ExpertSplitZero:
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         dense = self.dense.grad_norm()
-        experts = self.experts.grad_norm().to(dense.dtype).square().reshape(1)  # summed over edp
+        experts = (dense.new_zeros(1) if self.experts is None else  # summed over edp
+                   self.experts.grad_norm().to(dense.dtype).square().reshape(1))
         for group in (self.topo.ep_group, self.topo.pp_group):  # ep ranks hold other experts; pp other layers
             if group is not None:
                 dist.all_reduce(experts, group=group)
@@ -137,7 +140,9 @@ class ExpertSplitZero:
 
     @contextlib.contextmanager
     def gathered(self):
-        with self.dense.gathered(), self.experts.gathered():
+        with contextlib.ExitStack() as stack:
+            for half in self.halves:
+                stack.enter_context(half.gathered())
             yield
 
     def state_views(self) -> list[StateView]:
@@ -162,8 +167,9 @@ def build_expert_split(build: Callable, stage: int, model: nn.Module, named: lis
     tied parameters (never experts) to the dense half only."""
     dense_named = [entry for entry in named if not is_expert(entry[0])]
     expert_named = [entry for entry in named if is_expert(entry[0])]
-    if not expert_named:
-        raise ValueError("parallel.ep > 1 but the model has no expert parameters to split over the ep ranks")
+    if not expert_named:  # a pipeline stage of dense layers only (DeepSeek's first 3): no expert half, but its
+        # ranks still join the norm's ep and pp all-reduces that the stages holding experts run
+        return ExpertSplitZero(build(stage, model, named, topo, **kwargs), None, topo)
     if not any(p.requires_grad for _, p, _ in expert_named):  # frozen experts (LoRA): nothing to reduce or step
         if stage == 3:  # stage 3 would partition them over dp x cp, whose ranks hold different experts
             raise ValueError("frozen experts (LoRA) with parallel.ep > 1 need zero.stage 0, 1 or 2 (got 3)")
