@@ -40,6 +40,8 @@ PASSING = {
     "qwen3-30b-a3b-full-ft": ["qwen3-30b-a3b-full-ft"],  # ep 2 x ZeRO-3, accumulation, checkpointing
     "qwen3-30b-a3b-lora": ["qwen3-30b-a3b-lora"],  # ep 2 with LoRA on the attention, ZeRO-1
     "deepseek-demo": ["deepseek-demo"],  # sigmoid + bias in groups (shrunk to 2 of 4 experts), MTP, ep 2
+    "deepseek-v3": ["deepseek-v3"],  # MLA, YaRN, pp x ep with a stage of dense layers only
+    "kimi-k2": ["kimi-k2"],
     "window-cp": ["llama-demo", "--set", "model.sliding_window=8", "--set", "parallel.tp=1", "--set", "parallel.cp=2",
                   "--set", "parallel.cp_attention=all_to_all"],  # Mistral's window (8 < 32 tokens) under cp
 }
