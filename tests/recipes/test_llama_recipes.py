@@ -49,3 +49,20 @@ def test_70b_full_ft_is_tp8_zero1_on_64_and_fits_80gb(capsys):
     # and not without ZeRO-1: 70.6B / 8 x 16 bytes of model states per rank alone exceed 80 GB
     from dataclasses import replace
     assert not device_memory(res.model, replace(recipe_layout(res), zero=0), 80).fits
+
+
+def test_405b_full_ft_reads_hf_straight_into_tp8_pp16_and_fits_80gb(capsys):
+    """The 405B fine-tune starts from the downloaded HF folder (each rank its tp x pp slices, no conversion) and
+    the plan states the host memory a rank needs while loading it."""
+    res = load(FOLDER / "llama-405b-full-ft.toml")
+    par = res.recipe.parallel
+    assert (par.tp, par.pp, par.dp, res.recipe.zero.stage, res.world_size) == (8, 16, 2, 1, 256)
+    assert res.model.name == "llama3.1-405b" and par.sequence_parallel
+    toml = tomllib.loads((FOLDER / "llama-405b-full-ft.toml").read_text())
+    assert toml["model"]["from_hf"] == "models/Llama-3.1-405B"
+    assert plan_cli.main(["--recipe", str(FOLDER / "llama-405b-full-ft.toml"), "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "loading model.from_hf: host memory per rank" in out
+    # ZeRO-1 over the 2 replicas: each rank its stage's bf16 weights whole, half of the fp32 masters and moments
+    states = device_memory(res.model, recipe_layout(res), 80).states
+    assert states.params_bytes == 2 * states.psi and states.optimizer_bytes == 12 * states.psi / 2

@@ -52,7 +52,7 @@ def test_every_zoo_recipe_is_listed():
                                                       "sft-demo.toml",  # tests/recipes/training/test_sft_demo.py
                                                       "llama-8b-lora.toml", "llama-8b-full-ft.toml",  # test_lora_planner
                                                       "llama3.1-405b.toml", "llama3.1-405b-128k.toml",
-                                                      "llama-70b-full-ft.toml",  # tests/recipes/test_llama_recipes.py
+                                                      "llama-70b-full-ft.toml", "llama-405b-full-ft.toml",  # test_llama_recipes.py
                                                       "qwen3-30b-a3b-full-ft.toml", "qwen3-30b-a3b-lora.toml",
                                                       "mixtral-8x7b-ft.toml", "qwen3-235b-a22b.toml",  # test_moe_recipes
                                                       "deepseek-v3.toml", "kimi-k2.toml"}  # test_deepseek_recipes

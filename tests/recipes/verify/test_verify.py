@@ -139,7 +139,7 @@ def test_injected_mismatched_collective_is_named(monkeypatch, capsys):
     assert "rank 1 in broadcast" in err and "rank 0 in " in err
 
 
-@pytest.mark.parametrize("name", ["llama3.1-405b", "llama-70b-full-ft"])
+@pytest.mark.parametrize("name", ["llama3.1-405b", "llama-70b-full-ft", "llama-405b-full-ft"])
 def test_grouped_query_recipes_shrink_and_stay_grouped(name):
     """Llama 3's 128 (405B) / 64 (70B) query heads share 8 kv heads: the shrunk model keeps attention grouped
     (2 query heads per kv head, split over tp) instead of failing with "n_kv_head = 8 does not divide n_head = 4"."""
