@@ -190,6 +190,8 @@ def measure_step(build: Callable[[], object], *, offload: bool, placeholders: bo
     with MemoryTracker(exclude_optimizer=offload) as mem:
         trainer = build()
         zero = trainer.zero
+        if hasattr(zero, "spare"):  # ZeRO-3's CPU-only reuse of freed gathers moves memory between storages
+            zero.spare.limit = 0  # (_swap_data_ptr_), which the tracker cannot see; CUDA never parks (spare.py)
         masters = [p for g in zero.optimizer.param_groups for p in g["params"]]
         # per torch optimizer: expert parallelism's joint optimizer (parallel/expert/zero.py) hands out a merged
         # copy of its halves' states, into which the moments would be written and lost
