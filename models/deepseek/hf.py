@@ -29,7 +29,6 @@ attention_bias (DeepSeek has none; refused).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
@@ -128,17 +127,12 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
                       rope_original_positions=int(rope["original_max_position_embeddings"]),
                       rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
                       rope_mscale=float(rope.get("mscale") or 1.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
-    return ModelConfig(
-        name=name or Path(getattr(hf_config, "name_or_path", "") or "hf-deepseek_v3").name or "hf-deepseek_v3",
-        n_layer=layers, n_head=hf_config.num_attention_heads, d_model=hf_config.hidden_size,
-        d_ff=hf_config.intermediate_size, n_positions=hf_config.max_position_embeddings,
-        vocab_size=hf_config.vocab_size, norm="rmsnorm", positions="rotary", mlp="swiglu", mlp_bias=False,
-        qkv_bias=False, proj_bias=False, layer_norm_eps=hf_config.rms_norm_eps,
-        tie_embeddings=bool(hf_config.tie_word_embeddings), rope_theta=float(rope.get("rope_theta", 10000.0)),
-        dropout=0.0, attn_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        init_std=hf_config.initializer_range, kv_lora_rank=hf_config.kv_lora_rank,
-        q_lora_rank=hf_config.q_lora_rank or 0, qk_nope_head_dim=hf_config.qk_nope_head_dim,
-        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim, **fields)
+    common = llama.decoder_fields_from_hf(hf_config, "deepseek_v3", name, rope)
+    common["n_kv_head"] = common["n_head"]  # latent attention: every head its own keys and values
+    return ModelConfig(**common, mlp_bias=False, qkv_bias=False, proj_bias=False,
+                       kv_lora_rank=hf_config.kv_lora_rank, q_lora_rank=hf_config.q_lora_rank or 0,
+                       qk_nope_head_dim=hf_config.qk_nope_head_dim, qk_rope_head_dim=hf_config.qk_rope_head_dim,
+                       v_head_dim=hf_config.v_head_dim, **fields)
 
 
 def exports(cfg: ModelConfig) -> str | None:
@@ -175,15 +169,12 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
                n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
                routed_scaling_factor=cfg.moe_routed_scaling_factor) if cfg.n_experts else \
         dict(first_k_dense_replace=cfg.n_layer, n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1)
+    fields = llama.decoder_fields_to_hf(cfg, "DeepseekV3ForCausalLM", rope, special)
+    fields["num_key_value_heads"] = cfg.n_head
     return transformers.DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head, hidden_act="silu",
-        max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.layer_norm_eps, initializer_range=cfg.init_std,
-        tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attn_dropout, attention_bias=False,
-        rope_parameters=rope, rope_interleave=True, kv_lora_rank=cfg.kv_lora_rank,
+        **fields, attention_bias=False, rope_interleave=True, kv_lora_rank=cfg.kv_lora_rank,
         q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, architectures=["DeepseekV3ForCausalLM"],
-        **moe, **(special or {}))
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, **moe)
 
 
 FAMILY = Family(
