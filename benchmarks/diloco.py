@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import netns
-from benchmarks.throttled_zero import ZERO_ONE, layout_recipe
+from benchmarks.throttled_zero import ZERO_ONE, layout_recipe, run_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 PAIR = netns.VethPair(("mzd0", "mzd1"), ("mzd-veth0", "mzd-veth1"), "10.231.79")
@@ -142,28 +142,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> dict:
-    procs = []
-    try:
-        for node in range(NODES):
-            argv, env = node_command(node, args)
-            procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        outs = [p.communicate(timeout=3600) for p in procs]
-    finally:
-        for p in procs:  # on an error or Ctrl-C: torchrun forwards SIGTERM to its workers
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-    lines = [line for line in outs[0][0].splitlines() if line.startswith(RESULT_TAG)]
-    if not lines:
-        codes = [p.returncode for p in procs]
-        raise RuntimeError(f"no result from the run (exit codes {codes}):\n"
-                           + "\n".join(err[-3000:] for _, err in outs))
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    return run_nodes([node_command(node, args) for node in range(NODES)], RESULT_TAG)
 
 
 def markdown(result: dict) -> str:

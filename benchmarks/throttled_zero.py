@@ -167,15 +167,20 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _run_rate(args: argparse.Namespace, port: int) -> dict:
     """Both nodes' torchruns for the rate now set on the link; node 0's rank 0 result line."""
+    return run_nodes([node_command(node, args, port) for node in range(NODES)])
+
+
+def run_nodes(commands: list[tuple[list[str], dict]], tag: str = RESULT_TAG) -> dict:
+    """Each node's (argv, env) started at once; the JSON after `tag` on node 0's last result line. Every
+    process still running on an error or Ctrl-C is stopped (torchrun forwards SIGTERM to its workers)."""
     procs = []
     try:
-        for node in range(NODES):
-            argv, env = node_command(node, args, port)
+        for argv, env in commands:
             procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         outs = [p.communicate(timeout=3600) for p in procs]
     finally:
-        for p in procs:  # on an error or Ctrl-C: torchrun forwards SIGTERM to its workers
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
                 try:
@@ -183,11 +188,11 @@ def _run_rate(args: argparse.Namespace, port: int) -> dict:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-    lines = [line for line in outs[0][0].splitlines() if line.startswith(RESULT_TAG)]
+    lines = [line for line in outs[0][0].splitlines() if line.startswith(tag)]
     if not lines:  # torch 2.13 + gloo may abort at exit after the result was printed: judge the result line
         codes = [p.returncode for p in procs]
         raise RuntimeError(f"no result from the run (exit codes {codes}):\n" + "\n".join(err[-3000:] for _, err in outs))
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    return json.loads(lines[-1][len(tag):])
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -97,6 +97,17 @@ def tiny_hf_tokenizer(special=("<s>", "</s>")):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[1])
 
 
+def safetensors_state(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in `folder` (one dict; shards merged)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
 def save_family_dir(family: str, path):
     """An HF folder of `family` with its tokenizer, as downloaded models come."""
     tiny_family_model(family).save_pretrained(str(path))

@@ -13,8 +13,7 @@ import transformers
 from cli_helpers import megazoo
 from deepseek_hf_helpers import IDS, V, hf_dir, hf_logits, hf_model
 from harness import run_distributed
-from hf_helpers import tiny_hf_tokenizer
-from safetensors import safe_open
+from hf_helpers import safetensors_state, tiny_hf_tokenizer
 
 from megazoo.models.deepseek import hf as deepseek
 from megazoo.models.hf.families import family_of_config, read_hf_dir
@@ -70,12 +69,6 @@ def test_rope_permutation_is_needed():
     assert deviation > 1e-3, deviation
 
 
-def _tensors(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -87,7 +80,7 @@ def test_convert_both_ways_verified(kind, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("logits (max abs difference)") == 2 and "FAIL" not in out, out
     assert json.loads((back / "config.json").read_text())["model_type"] == "deepseek_v3"
-    theirs, ours = _tensors(hf), _tensors(back)
+    theirs, ours = safetensors_state(hf), safetensors_state(back)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
     with torch.no_grad():

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
+from hf_helpers import safetensors_state
 
 from megazoo.recipes import cli
 
@@ -36,13 +36,6 @@ def ckpt(bf16_dir, tmp_path_factory):
     return out
 
 
-def _tensors(folder):
-    files = sorted(folder.glob("*.safetensors"))
-    out = {}
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys()})
-    return out
 
 
 def test_bf16_stays_bf16_sharded_with_index_and_loads(bf16_dir, ckpt, tmp_path, capsys):
@@ -54,7 +47,7 @@ def test_bf16_stays_bf16_sharded_with_index_and_loads(bf16_dir, ckpt, tmp_path, 
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert all((out / f).stat().st_size <= 150_000 + 64 * 1024 for f in files)  # a lone larger tensor: own file
-    ours, theirs = _tensors(out), _tensors(bf16_dir)
+    ours, theirs = safetensors_state(out), safetensors_state(bf16_dir)
     assert set(ours) == set(theirs) and set(index["weight_map"]) == set(ours)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ours.values())
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, theirs[n]) for n, t in ours.items())
@@ -69,7 +62,7 @@ def test_dtype_option_writes_fp32(ckpt, bf16_dir, tmp_path):
     out = tmp_path / "out"
     assert cli.main(["convert", "megazoo-to-hf", str(ckpt), "--out", str(out), "--tokenizer", "none",
                      "--dtype", "fp32", "--verify"]) == 0
-    ours, theirs = _tensors(out), _tensors(bf16_dir)
+    ours, theirs = safetensors_state(out), safetensors_state(bf16_dir)
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
     assert all(t.dtype == torch.float32 and torch.equal(t, theirs[n].float()) for n, t in ours.items())
 

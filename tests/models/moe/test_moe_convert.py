@@ -17,8 +17,8 @@ import re
 import pytest
 import torch
 import transformers
-from hf_helpers import FAMILY_VOCAB as V, MOE_FAMILIES as FAMILIES, tiny_family_model, tiny_hf_tokenizer
-from safetensors import safe_open
+from hf_helpers import FAMILY_VOCAB as V, MOE_FAMILIES as FAMILIES, safetensors_state, tiny_family_model
+from hf_helpers import tiny_hf_tokenizer
 
 from cli_helpers import megazoo
 from megazoo.models.hf import moe_families
@@ -41,12 +41,6 @@ def _load(path):
                                                              experts_implementation="eager").eval()
 
 
-def _tensors(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -64,7 +58,7 @@ def test_convert_both_ways_verified_sharded_and_loadable(family, tmp_path, capsy
     assert (back / "tokenizer.json").is_file()
     assert json.loads((back / "config.json").read_text())["model_type"] == family
     assert len(list(back.glob("*.safetensors"))) > 2 and (back / "model.safetensors.index.json").is_file()
-    theirs, ours = _tensors(hf), _tensors(back)
+    theirs, ours = safetensors_state(hf), safetensors_state(back)
     if family == "qwen3":  # the tied head: save_pretrained leaves it out, as our writer does
         theirs.pop("lm_head.weight", None)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
