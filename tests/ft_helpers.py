@@ -31,8 +31,10 @@ FT = {"enabled": True, "replica_groups": 2, "timeout_s": 10.0, "quorum_timeout_s
 
 def lighthouse() -> Lighthouse:
     """torchft's lighthouse in a child process, as `megazoo train` runs it. Not in the test process: its threads
-    resolve host names, and a group forked while one of them held the resolver's lock crashed in getaddrinfo."""
-    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000))
+    resolve host names, and a group forked while one of them held the resolver's lock crashed in getaddrinfo.
+    A quorum waits up to join_timeout for a group that heartbeats but has not asked yet: 1 s, so that on a loaded
+    machine a restarted group and a live one released by it meet in one quorum (only a failure or a join waits)."""
+    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000))
 
 
 def ft_sections(run_dir: Path, steps: int, **extra) -> dict:
@@ -43,17 +45,38 @@ def ft_sections(run_dir: Path, steps: int, **extra) -> dict:
     return sections
 
 
-def _hold(trainer: Trainer, hold: tuple[int, str]) -> None:
-    """Test scaffolding for a loaded machine: from step `hold[0]` on, this group waits before each step until the
-    file `hold[1]` exists (the restarted group writes it once its process is up), so the run cannot end before the
-    restarted group could rejoin; it never holds a step before that one (the failure window stays free)."""
-    step_fn, (from_step, ready) = trainer.train_step, hold
+def _hold(holds: list[tuple[int, str]]) -> None:
+    """Test scaffolding for a loaded machine: before the quorum of step `at` (and of every later step) this group
+    waits until the file `ready` exists, for each (at, ready) in `holds`; the restarted group touches it as it starts
+    its first quorum (`_ready_at_join`), so the run cannot end before that group could rejoin. The wait sits before
+    the quorum, never between a quorum and its step: a held group is in no quorum, a joiner's quorum request meets
+    it at its next one (the lighthouse waits join_timeout for a group that heartbeats), and a group that joined the
+    quorum just before a hold can never leave the held one waiting on it. Patched on this fork's class only."""
+    from megazoo.parallel.fault_tolerance import replica
+    begin = replica.ReplicaGroup.begin_step
 
-    def held(step: int, stop: bool = False) -> dict:
-        while step >= from_step and not os.path.exists(ready):
-            time.sleep(0.02)
-        return step_fn(step, stop)
-    trainer.train_step = held
+    def held(self) -> int:
+        for at, ready in holds:
+            while self.manager.current_step() >= at and not os.path.exists(ready):
+                time.sleep(0.02)
+        return begin(self)
+    replica.ReplicaGroup.begin_step = held
+
+
+def _ready_at_join(ready: str) -> None:
+    """Touch `ready` as this (restarted) group starts its first quorum, once every rank of it is there (torchft asks
+    the lighthouse only when all have called it): what a held live group waits for."""
+    import torch.distributed as dist
+
+    from megazoo.parallel.fault_tolerance import replica
+    join = replica.ReplicaGroup.join
+
+    def joining(self, *args, **kwargs) -> int:
+        if dist.is_initialized():
+            dist.barrier()
+        Path(ready).touch()
+        return join(self, *args, **kwargs)
+    replica.ReplicaGroup.join = joining
 
 
 def _group_main(group: int, sections: dict, address: str, out: str, resume: bool, restarted: bool,
@@ -73,9 +96,9 @@ def _group_main(group: int, sections: dict, address: str, out: str, resume: bool
         log = MetricsLog(res.recipe.run.dir, enabled=True)
         start = checkpointing.restore(trainer, report=lambda *_: None)
         if hold is not None:
-            _hold(trainer, hold)
+            _hold([hold])
         if ready is not None:
-            Path(ready).touch()
+            _ready_at_join(ready)
         result = replica_fit(trainer, spec, log, start, None, progress=progress)
         views = trainer.zero.state_views()
         torch.save({"names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
@@ -138,20 +161,24 @@ def finish(procs: list[mp.Process], outs: list[Path], timeout_s: float = 60.0) -
     return results
 
 
-def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None) -> None:
+def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None, died: str) -> None:
     """Test scaffolding for a failure at a chosen point: rank `die[0]` SIGKILLs itself in the middle of step
     `die[2]` (after its forward and backward, before the optimizer step: gradients half reduced) when die[1] is
     "step", while it applies the state a live group sent it (the heal) when "heal", or inside torchft's transfer
-    of that state (the sender serving it) when "transfer"."""
+    of that state (the sender serving it) when "transfer". A death in the heal first writes its time to `died`."""
     if die is None or die[0] != rank:
         return
+
+    def die_now(*_, **__) -> None:
+        Path(died).write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
     if die[1] == "transfer":
         from torchft.checkpointing.http_transport import HTTPTransport
-        HTTPTransport.recv_checkpoint = lambda *_, **__: os.kill(os.getpid(), signal.SIGKILL)  # this fork's only
+        HTTPTransport.recv_checkpoint = die_now  # this fork's class only
         return
     if die[1] == "heal":
         from megazoo.parallel.fault_tolerance import replica
-        replica.HealState.load_state_dict = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # this fork's class only
+        replica.HealState.load_state_dict = die_now  # this fork's class only
         return
     step_fn, run, at = trainer.train_step, trainer.engine.run, die[2]
     current = [-1]
@@ -171,7 +198,7 @@ def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None) -> None:
 def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str,
                      options: dict) -> None:
     """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives.
-    options: restarted (bool), die (see _arm), holds: [(step, file)] / ready (see _hold; ready is touched once the
+    options: restarted (bool), die (see _arm), holds: [(step, file)] / ready (see _hold; ready is touched as the first quorum starts
     rank is up)."""
     torch.set_num_threads(1)
     try:
@@ -188,11 +215,10 @@ def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: 
         res = resolve(recipe, world_size=2)
         topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
         trainer = Trainer(res, topo, replica_group=group)
-        _arm(trainer, rank, options.get("die"))
-        for hold in options.get("holds") or ():
-            _hold(trainer, hold)
+        _arm(trainer, rank, options.get("die"), out + ".died")
+        _hold(options.get("holds") or [])
         if options.get("ready") is not None:
-            Path(options["ready"]).touch()
+            _ready_at_join(options["ready"])
         result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
         views = trainer.zero.state_views()
         torch.save({"losses": result.losses, "full": trainer.full_state_dict(),
