@@ -154,6 +154,9 @@ class GPT(nn.Module):
         runs plain tensor parallelism."""
         if segment_ids is not None and cache is not None:
             raise ValueError("packed segment ids and a decoding cache cannot be combined: decode one example at a time")
+        if segment_ids is not None and self.mtp is not None and self.training:  # its shifted targets cross examples
+            raise ValueError(f"packed segment ids with multi-token prediction (model.mtp_depth = {self.cfg.mtp_depth})"
+                             " in training: valid: model.mtp_depth = 0 for packed rows")
         if cache is not None and self.sequence_parallel.enabled:
             with self.sequence_parallel.suspended():
                 return self._forward(x, cache, None)

@@ -304,7 +304,7 @@ def resolve(recipe: Recipe, world_size: int | None = None, *, model: ModelConfig
                           f"{data.vocab_size}; valid: model.vocab_size >= {data.vocab_size}")
     _check_run_and_sample(recipe, global_batch)
     check_sft(recipe.sft, seq_len=train.seq_len, vocab_size=cfg.vocab_size, cp=par.cp, attention=cfg.attention,
-              kv_lora_rank=cfg.kv_lora_rank)
+              mtp_depth=cfg.mtp_depth)
     _check_with_torch(recipe, cfg)
     return Resolved(recipe=recipe, model=cfg, padded_vocab=cfg.padded_vocab(par.tp), global_batch=global_batch,
                     world_size=layout, stage_layers=stages)

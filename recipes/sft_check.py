@@ -18,7 +18,7 @@ def _manifest(key: str, prefix: str) -> dict:
 
 
 def check_sft(sft: SFTSection, *, seq_len: int, vocab_size: int, cp: int, attention: str,
-              kv_lora_rank: int = 0) -> None:
+              mtp_depth: int = 0) -> None:
     """RecipeError naming the field for an [sft] section that cannot run with this recipe."""
     if not sft.path:
         if sft.valid_path:
@@ -42,6 +42,6 @@ def check_sft(sft: SFTSection, *, seq_len: int, vocab_size: int, cp: int, attent
     if sft.packing and attention != "dense":
         raise RecipeError(f"sft.packing = true needs model.attention = 'dense', got {attention!r}; or set "
                           "sft.packing = false")
-    if sft.packing and kv_lora_rank:  # models/deepseek/mla.py has no segment-aware path yet
-        raise RecipeError(f"sft.packing = true with latent attention (model.kv_lora_rank = {kv_lora_rank}) is not "
-                          "supported yet; valid: sft.packing = false")
+    if sft.packing and mtp_depth:  # its shifted targets and its block would cross from one example into the next
+        raise RecipeError(f"sft.packing = true with multi-token prediction (model.mtp_depth = {mtp_depth}) is not "
+                          "supported; valid: model.mtp_depth = 0 for packed fine-tuning, or sft.packing = false")

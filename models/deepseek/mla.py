@@ -116,15 +116,22 @@ class MLA(nn.Module):
         return q, c_kv, k_pe
 
     def forward(self, x: torch.Tensor, cache=None, segments=None) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
-        if segments is not None:
-            raise ValueError("packed sequences (segment ids) with latent attention (model.kv_lora_rank > 0) are not "
-                             "supported yet; valid: sft.packing = false")
+        """`segments` (packed rows, models/packing.py): the rotary positions restart at each example and attention
+        stays inside it, as in models/attention.py."""
+        if segments is not None and (cache is not None or self.topo.cp > 1):
+            raise ValueError("packed sequences (segment ids) with latent attention take neither a decoding cache nor "
+                             f"context parallelism (parallel.cp = {self.topo.cp}); valid: one example at a time "
+                             "when decoding, parallel.cp = 1 with sft.packing")
         q, c_kv, k_pe = self._latents(x)
         b, s = q.shape[:2]
         h = self.n_local_heads
         q_nope, q_pe = q.view(b, s, h, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
-        past = 0 if cache is None else cache.cache.length
-        cos, sin = rotary_tables(self.cfg, past + positions(s, self.topo.cp, self.topo.cp_rank, x.device), q.dtype)
+        if segments is not None:  # (b, s) positions -> (b, 1, s, rope) tables, broadcast over the heads
+            cos, sin = (t[:, None] for t in rotary_tables(self.cfg, segments.positions, q.dtype))
+        else:
+            past = 0 if cache is None else cache.cache.length
+            cos, sin = rotary_tables(self.cfg, past + positions(s, self.topo.cp, self.topo.cp_rank, x.device),
+                                     q.dtype)
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe[:, None], cos, sin)  # k_pe (b, 1, s, rope)
         if isinstance(cache, LatentLayerCache):
             return self._absorbed(q_nope, q_pe, c_kv, k_pe[:, 0], cache)
@@ -139,7 +146,7 @@ class MLA(nn.Module):
         else:
             p = self.dropout if self.training else 0.0
             with self.rng.fork() if p > 0 else contextlib.nullcontext():  # this rank's heads: the tp stream
-                y = self.attend(q, k, v, p)
+                y = self.attend(q, k, v, p) if segments is None else segments.attend(q, k, v, p)
         return self.c_proj(y[..., :self.v_dim].transpose(1, 2).reshape(b, s, h * self.v_dim))
 
     def _padded(self, q, k, v):

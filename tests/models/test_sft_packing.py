@@ -98,6 +98,8 @@ def _loss_sum(model: GPT, inputs, targets, segment_ids=None) -> torch.Tensor:
     ("gpt2-tiny", {}),  # LayerNorm, learned positions, multi-head, tied
     ("llama-tiny", {"n_kv_head": 2}),  # RMSNorm, rotary, SwiGLU, grouped-query, untied
     ("llama-tiny", {"n_kv_head": 2, "sliding_window": 4}),  # the window applies within each example
+    ("deepseek-tiny", {}),  # latent attention (its rotary key restarts too), sigmoid-routed experts
+    ("deepseek-tiny", {"q_lora_rank": 0, "n_experts": 0}),  # latent attention without q compression, dense
 ])
 def test_packed_loss_equals_sum_of_examples_one_by_one(preset, overrides):
     model = _model(preset, **overrides)
@@ -135,6 +137,15 @@ def test_segments_reject_decoding_cache_and_bad_shapes():
     with pytest.raises(ValueError, match="decoding cache"):
         model(torch.ones(1, 4, dtype=torch.long), cache=object.__new__(KVCache),
               segment_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_packed_rows_with_multi_token_prediction_are_refused_in_training():
+    """MTP's targets are the row shifted by 1 + k: they would cross from one example into the next."""
+    model = _model("deepseek-tiny", mtp_depth=1).train()
+    ids = torch.ones(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"multi-token prediction \(model.mtp_depth = 1\) in training"):
+        model(ids, segment_ids=ids)
+    model.eval()(ids, segment_ids=ids)  # evaluation does not run the MTP modules
 
 
 def test_packed_rows_under_activation_checkpointing_equal_plain():

@@ -68,16 +68,17 @@ def test_mla_without_q_compression_at_tp2():
     _check(_run({"tp": 2}, 4, plain_q), train_run(_res({}, 4, plain_q), Topology.solo()))
 
 
-def test_resolver_refuses_packing_with_latent_attention(monkeypatch):
-    """Packed rows (segment ids) have no latent-attention path yet: refused before any process starts."""
+def test_resolver_takes_packing_with_latent_attention_and_refuses_it_with_mtp(monkeypatch):
+    """Packed rows run on latent attention (tests/models/test_sft_packing.py holds them to the examples one by
+    one); multi-token prediction's shifted targets would cross examples: refused before any process starts."""
     from megazoo.recipes import sft_check
     from megazoo.recipes.config import RecipeError
 
     monkeypatch.setattr(sft_check, "_manifest", lambda key, prefix: {"seq_len": 8, "vocab_size": 10})
-    with pytest.raises(RecipeError, match=r"sft.packing = true with latent attention \(model.kv_lora_rank = 16\) "
-                                          r"is not supported yet; valid: sft.packing = false"):
-        tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": True})
-    assert tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": False}).model.mla
+    assert tiny_resolved(model=MLA, sft={"path": "stand-in", "packing": True}).model.mla
+    with pytest.raises(RecipeError, match=r"sft.packing = true with multi-token prediction \(model.mtp_depth = 1\) "
+                                          r"is not supported; valid: model.mtp_depth = 0"):
+        tiny_resolved(model={**MLA, "mtp_depth": 1}, sft={"path": "stand-in", "packing": True})
 
 
 def test_lora_on_latent_attention_is_refused():
