@@ -162,7 +162,10 @@ class MLA(nn.Module):
     def _absorbed(self, q_nope, q_pe, c_kv, k_pe, cache: LatentLayerCache) -> torch.Tensor:
         """Decoding over the latent cache: scores = (q_nope W_uk) c_kv^T + q_pe k_pe^T, y = (p c_kv) W_uv^T."""
         b, h, s = q_nope.shape[:3]
-        w = self.kv_b.weight.view(h, self.nope + self.v_dim, self.cfg.kv_lora_rank)
+        w = self.kv_b.weight
+        for adapter in (self.kv_b.lora or {}).values():  # an unmerged LoRA adapter on kv_b (target kv): W + s B A
+            w = w + adapter.scaling * adapter.lora_B @ adapter.lora_A
+        w = w.view(h, self.nope + self.v_dim, self.cfg.kv_lora_rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # (h, nope, r), (h, v, r)
         c_kv, k_pe = cache.append(c_kv, k_pe)  # (b, past + s, r), (b, past + s, rope)
         q_latent = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from megazoo.models.config import ModelConfig
 from megazoo.models.layout import kv_split
 
-TARGETS = ("qkv", "q", "k", "v", "o", "gate", "up", "down")
+TARGETS = ("qkv", "q", "k", "v", "kv", "o", "gate", "up", "down")  # kv: latent attention's kv_b only
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,6 @@ def check_lora(lora: LoRAConfig, cfg: ModelConfig, tp: int = 1) -> None:
     if bad or not lora.targets or len(set(lora.targets)) != len(lora.targets):
         raise ValueError(f"lora.targets = {list(lora.targets)} is invalid for model {cfg.name}: give each at most once"
                          f", from {list(valid)}")
-    attention_targets = [t for t in lora.targets if t in ("qkv", "q", "k", "v", "o")]
-    if cfg.mla and attention_targets:  # models/deepseek/mla.py's projections take no adapters yet
-        raise ValueError(f"lora.targets {attention_targets} on model {cfg.name}, which has latent attention "
-                         f"(model.kv_lora_rank = {cfg.kv_lora_rank}): LoRA on it is not supported yet; valid targets: "
-                         f"{[t for t in valid if t not in attention_targets]} (dense MLP layers only)")
     mlp_targets = [t for t in lora.targets if t in ("gate", "up", "down")]
     if cfg.n_experts and mlp_targets:  # the MoE layers' MLP is the stacked experts, which take no adapters
         raise ValueError(f"lora.targets {mlp_targets} on model {cfg.name}, which has {cfg.n_experts} experts: LoRA on "
@@ -69,13 +64,20 @@ def check_lora(lora: LoRAConfig, cfg: ModelConfig, tp: int = 1) -> None:
 
 
 def valid_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """Latent attention (models/deepseek/mla.py) takes adapters on its tp-split projections: q (q_b, or c_q without
+    q compression), kv (kv_b: every head's [k_nope; v] from the latent) and o; its replicated down-projections
+    (q_a, kv_a) take none."""
     gated = ("gate",) if cfg.mlp == "swiglu" else ()
+    if cfg.mla:
+        return ("q", "kv", "o") + gated + ("up", "down")
     fused = ("qkv",) if cfg.fused_qkv else ()
     return fused + ("q", "k", "v", "o") + gated + ("up", "down")
 
 
 def _placement(cfg: ModelConfig, target: str) -> tuple[str, tuple[int, ...]]:
     """(layer path inside a block, sections the adapter covers) of a target."""
+    if cfg.mla and target in ("q", "kv"):
+        return ("attn.q_b" if cfg.q_lora_rank else "attn.c_q", (0,)) if target == "q" else ("attn.kv_b", (0,))
     if target == "qkv":
         return "attn.c_attn", (0, 1, 2)
     if target in ("q", "k", "v"):
@@ -102,12 +104,17 @@ def adapter_parameters(cfg: ModelConfig, lora: LoRAConfig, tp: int = 1) -> int:
         return 0
     d, hd, r = cfg.d_model, cfg.head_dim, lora.rank
     rows = {"attn.c_attn": d, "attn.c_q": cfg.n_head * hd, "attn.c_kv": cfg.n_kv_head * hd, "mlp.c_fc": cfg.d_ff}
+    inputs = {"attn.c_proj": cfg.n_head * hd, "mlp.c_proj": cfg.d_ff}
+    if cfg.mla:  # (models/deepseek/mla.py) q: (nope + rope) per head, kv_b: the latent -> (nope + v) per head
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        rows.update({"attn.c_q": cfg.n_head * qk, "attn.q_b": cfg.n_head * qk,
+                     "attn.kv_b": cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim)})
+        inputs.update({"attn.c_proj": cfg.n_head * cfg.v_head_dim, "attn.q_b": cfg.q_lora_rank,
+                       "attn.kv_b": cfg.kv_lora_rank})
     total = 0
     for path, covers in adapter_layers(cfg, lora).values():
-        if path == "attn.c_proj":
-            total += r * cfg.n_head * hd // tp + d * r
-        elif path == "mlp.c_proj":
-            total += r * cfg.d_ff // tp + d * r
+        if path in ("attn.c_proj", "mlp.c_proj"):  # row-parallel: A split, B replicated
+            total += r * inputs[path] // tp + d * r
         else:
-            total += r * d + len(covers) * rows[path] * r // tp
+            total += r * inputs.get(path, d) + len(covers) * rows[path] * r // tp
     return total

@@ -79,12 +79,3 @@ def test_resolver_takes_packing_with_latent_attention_and_refuses_it_with_mtp(mo
     with pytest.raises(RecipeError, match=r"sft.packing = true with multi-token prediction \(model.mtp_depth = 1\) "
                                           r"is not supported; valid: model.mtp_depth = 0"):
         tiny_resolved(model={**MLA, "mtp_depth": 1}, sft={"path": "stand-in", "packing": True})
-
-
-def test_lora_on_latent_attention_is_refused():
-    from megazoo.models.lora.config import LoRAConfig, check_lora
-    from megazoo.models.presets import get_preset
-
-    with pytest.raises(ValueError, match=r"lora.targets \['q', 'v'\] on model deepseek-tiny, which has latent "
-                                         r"attention \(model.kv_lora_rank = 32\): LoRA on it is not supported yet"):
-        check_lora(LoRAConfig(rank=4), get_preset("deepseek-tiny"))
