@@ -12,9 +12,9 @@ import functools
 import peft
 import pytest
 import torch
-import torch.nn.functional as F
 from deepseek_hf_helpers import IDS, V, hf_dir, hf_model
 from harness import run_distributed
+from lora_helpers import adapted_step, next_token_loss
 
 from megazoo.models.generation.generate import full_logits
 from megazoo.models.generation.kv_cache import KVCache
@@ -25,7 +25,6 @@ from megazoo.models.lora.adapters import attach_lora, merge_lora
 from megazoo.models.lora.config import LoRAConfig, adapter_parameters, check_lora
 from megazoo.models.lora.peft_interop import from_peft_config, from_peft_state, key_pairs, peft_config, to_peft_state
 from megazoo.models.transformer import GPT
-from megazoo.parallel.tensor import gather_from_tp_region, gather_full, named_shards
 from megazoo.parallel.topology import Topology
 
 KINDS = ("qlora", "plain_q")
@@ -33,7 +32,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def loss_of(logits: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, V), IDS[:, 1:].reshape(-1))
+    return next_token_loss(logits, IDS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,16 +55,8 @@ def reference(kind: str):
 
 def ours(topo: Topology, kind: str):
     cfg, base, lora, adapters, _, _ = reference(kind)
-    model = GPT(cfg, topo)
-    attach_lora(model, lora)
-    load_full_state_into(model, {**base, **adapters})
-    model.eval()
-    logits = gather_from_tp_region(model(IDS), topo.tp_group)[..., :V]
-    loss_of(logits).backward()
-    specs = {name: (p, spec) for name, p, spec in named_shards(model)}
-    grads = {name: gather_full(p.grad, spec, topo.tp_group) for name, (p, spec) in specs.items() if p.requires_grad}
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return logits.detach(), grads, trained
+    logits, grads, _, trained = adapted_step(topo, cfg, base, lora, adapters, IDS, V)
+    return logits, grads, trained
 
 
 def _check(kind: str, outcome, tp: int) -> None:

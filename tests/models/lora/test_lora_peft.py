@@ -10,17 +10,13 @@ import functools
 import peft
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from harness import run_distributed
+from lora_helpers import adapted_step, next_token_loss
 
 from megazoo.models.hf import gpt2 as gpt2_hf
-from megazoo.models.hf.gpt2 import load_full_state_into
 from megazoo.models.hf import llama as llama_hf
-from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.lora.peft_interop import from_peft_config, from_peft_state, key_pairs, peft_config
-from megazoo.models.transformer import GPT
-from megazoo.parallel.tensor import gather_from_tp_region, gather_full, named_shards
 from megazoo.parallel.topology import Topology
 
 V = 300
@@ -39,7 +35,7 @@ FAMILIES = {
 
 
 def loss_of(logits: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, V), IDS[:, 1:].reshape(-1))
+    return next_token_loss(logits, IDS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,16 +60,7 @@ def reference(family: str):
 
 def ours(topo: Topology, family: str):
     cfg, base, lora, adapters, _, _ = reference(family)
-    model = GPT(cfg, topo)
-    attach_lora(model, lora)
-    load_full_state_into(model, {**base, **adapters})
-    model.eval()
-    logits = gather_from_tp_region(model(IDS), topo.tp_group)[..., :V]
-    loss_of(logits).backward()
-    specs = {name: (p, spec) for name, p, spec in named_shards(model)}
-    grads = {name: gather_full(p.grad, spec, topo.tp_group) for name, (p, spec) in specs.items() if p.requires_grad}
-    frozen_grads = [name for name, (p, _) in specs.items() if not p.requires_grad and p.grad is not None]
-    return logits.detach(), grads, frozen_grads
+    return adapted_step(topo, cfg, base, lora, adapters, IDS, V)[:3]
 
 
 def _check(family: str, outcome) -> None:
