@@ -8,7 +8,8 @@ and w_proj (n, d, f) the down projections, torch.nn.Linear's (out, in) per exper
 the experts' row offsets: no loop, no host read of the counts); "loop" is the per-expert reference (it reads the
 counts on the host) that the grouped one is tested against, and the fallback where torch's grouped matmul does not
 run: on CPU it takes fp32 / bf16 / fp16 only (no fp64) and needs rows 16-byte aligned (d and f multiples of 4 in
-fp32, of 8 in 16 bits); `grouped_mm_unsupported` says why, and the module records it in `fallback`.
+fp32, of 8 in 16 bits), and on CUDA a kernel on sm90 / sm100 only (GROUPED_CUDA_MAJORS); `grouped_mm_unsupported`
+says why, and the module records it in `fallback`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,35 @@ from megazoo.parallel.expert import host_row_counts
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def grouped_mm_unsupported(dtype: torch.dtype, d: int, f: int) -> str | None:
-    """Why torch's grouped matmul cannot run these experts (None: it can)."""
+# CUDA compute capabilities (major) whose grouped matmul is a kernel: torch's CUDA _grouped_mm (aten's
+# GroupedBlas.cpp) runs its CUTLASS kernel on sm90 / sm100 only; on any other device it loops over the groups itself
+# after copying the offsets to the host (_grouped_mm_fallback): the per-expert loop, with its host read, untested
+# here and slower than ours. (torch.nn.functional.grouped_mm's own docstring says SM >= 80; its inductor lowering
+# needs (9, 0).)
+GROUPED_CUDA_MAJORS = (9, 10)
+
+
+def cuda_capability(device) -> tuple[int, int] | None:
+    """The CUDA device's compute capability, or None where there is none to ask (not CUDA, or a device that cannot
+    answer: the dry run's fake CUDA)."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        return None
+    try:
+        return tuple(torch.cuda.get_device_capability(device))
+    except (RuntimeError, AssertionError, AttributeError):
+        return None
+
+
+def grouped_mm_unsupported(dtype: torch.dtype, d: int, f: int, device=None) -> str | None:
+    """Why torch's grouped matmul cannot run these experts (None: it can); `device`: where (its CUDA capability)."""
     if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped matmul"
+    capability = cuda_capability(device)
+    if capability is not None and capability[0] not in GROUPED_CUDA_MAJORS:
+        return (f"torch's grouped matmul has a CUDA kernel on sm90 and sm100 only; this GPU is sm"
+                f"{capability[0]}{capability[1]}, where torch would loop over the experts itself (with a host "
+                f"read of the offsets): the per-expert loop runs instead")
     if dtype not in GROUPED_DTYPES:
         return f"torch's grouped matmul takes fp32, bf16 or fp16, not {dtype}"
     align = 16 // torch.empty((), dtype=dtype).element_size()
@@ -82,7 +108,8 @@ def expert_ffn(tokens: torch.Tensor, counts: torch.Tensor, w_fc: torch.Tensor, w
                impl: str = "grouped") -> torch.Tensor:
     """(N, d) expert outputs of tokens sorted by local expert (module docstring). impl "grouped" falls back to the
     loop where the grouped matmul cannot run (grouped_mm_unsupported)."""
-    if impl == "grouped" and grouped_mm_unsupported(tokens.dtype, w_proj.shape[1], w_proj.shape[2]) is None:
+    if impl == "grouped" and grouped_mm_unsupported(tokens.dtype, w_proj.shape[1], w_proj.shape[2],
+                                                    tokens.device) is None:
         return grouped_swiglu(tokens, counts, w_fc, w_proj)
     return looped_swiglu(tokens, counts, w_fc, w_proj)
 
@@ -112,7 +139,7 @@ class ExpertComputation(nn.Module):
         self.c_fc = ExpertWeights(n_local, 2 * f, d, init_std, device=device, dtype=dtype)
         self.c_proj = ExpertWeights(n_local, d, f, proj_std, device=device, dtype=dtype)
         dtype = dtype or torch.get_default_dtype()
-        self.fallback = grouped_mm_unsupported(dtype, d, f) if impl == "grouped" else None
+        self.fallback = grouped_mm_unsupported(dtype, d, f, device) if impl == "grouped" else None
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w_fc, w_proj = self.replicated(self.c_fc.weight), self.replicated(self.c_proj.weight)

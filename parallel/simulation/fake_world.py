@@ -304,6 +304,14 @@ def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """torch's grouped matmul (the MoE experts, models/moe/experts.py), which FlopCounterMode has no formula for:
+    2 x the rows x the contraction x the columns, whichever operand the groups split (forward: a (N, K) by b (G, K,
+    M) at offsets over N; the weight gradient: a (K, N) by b (N, M) at offsets over N); both 3-D: per group."""
+    groups = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
+    return 2 * groups * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
 class _GlobalOnly:
     """Stands in for FlopCounterMode's ModuleTracker: every FLOP goes to "Global", no module is tracked.
 
@@ -331,6 +339,8 @@ def flop_counter() -> FlopCounterMode:
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_sdpa_flops
         mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_sdpa_backward_flops
+    if hasattr(aten, "_grouped_mm"):
+        mapping[aten._grouped_mm] = _grouped_mm_flops
     counter = FlopCounterMode(display=False, custom_mapping=mapping)
     if not hasattr(counter, "mod_tracker"):  # a torch upgrade moved it: fail loudly, not hold memory silently
         raise RuntimeError("FlopCounterMode has no mod_tracker: update parallel/simulation/fake_world.flop_counter")

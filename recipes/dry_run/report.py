@@ -19,7 +19,7 @@ Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the pl
 
 from __future__ import annotations
 
-from megazoo.models.layout import parameter_layout
+from megazoo.models.layout import EXPERT_PARAMETERS, parameter_layout
 from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
@@ -53,10 +53,20 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     if layout.ep > 1:  # this rank's 1/ep of the experts, their states over the expert-data-parallel group
         _, mem, buf = stage_states(cfg, layout, st)
     grad_ranks = layout.dp * layout.cp  # gradients are reduced (and ZeRO partitions) over dp x cp
-    comm = communication_volume(st.numel, grad_ranks, layout.zero, state, grad_accum=layout.grad_accum)
+    # expert parallelism: the routed experts' 1/ep reduces (and ZeRO partitions) over the expert-data-parallel
+    # group, (dp x cp) / ep ranks holding the same experts (parallel/expert/zero.py); the dense rest over dp x cp
+    experts = sum(t.numel for t in st.tensors if t.name.endswith(EXPERT_PARAMETERS)) if layout.ep > 1 else 0
+    edp, dense = grad_ranks // layout.ep, st.numel - experts
+    comm = communication_volume(dense, grad_ranks, layout.zero, state, grad_accum=layout.grad_accum)
+    if experts and edp > 1:
+        comm = communication_volume(experts // layout.ep, edp, layout.zero, state,
+                                    grad_accum=layout.grad_accum).bytes + comm.bytes
+    else:
+        comm = comm.bytes
     out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
-           "buffers": buf, "dp_comm_bytes": comm.bytes if grad_ranks > 1 else 0.0, "psi": st.numel}
+           "buffers": buf, "dp_comm_bytes": comm if grad_ranks > 1 else 0.0, "psi": st.numel,
+           "expert_psi": experts // layout.ep, "edp": edp}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.ep > 1:  # the MoE layers' all-to-alls per link class (recipes/planner/moe.py), at dp = cp = tp rank 0
         held = rank_chunks(res.stage_layers, layout.pp, pp_stage, placement(layout.schedule))
@@ -65,25 +75,35 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
         root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
         # ZeRO's groups are dp x cp: the whole group, and its part on one node
-        links = link_bytes(st.numel, grad_ranks, layout.dp_per_node * layout.cp, layout.zero, layout.sharding,
-                           grad_accum=layout.grad_accum, root=root, element_bytes=state.params,
-                           quantized_weights=layout.quantized_weights,
-                           quantized_gradients=layout.quantized_gradients,  # ZeRO++ qwZ / qgZ bytes
+        per_node = layout.dp_per_node * layout.cp
+        kw = dict(grad_accum=layout.grad_accum, element_bytes=state.params, quantized_weights=layout.quantized_weights,
+                  quantized_gradients=layout.quantized_gradients)  # ZeRO++ qwZ / qgZ bytes
+        links = link_bytes(dense, grad_ranks, per_node, layout.zero, layout.sharding, root=root, **kw,
                            **fp8_gathered(st.tensors) if layout.fp8_all_gather else {})
         out["link_bytes"] = {"intra": links.intra, "inter": links.inter}
+        if experts and edp > 1:  # an ep group's ranks are consecutive: an edp group has per_node / ep on a node
+            ex = link_bytes(experts // layout.ep, edp, max(1, per_node // layout.ep), layout.zero, layout.sharding,
+                            **kw)
+            out["link_bytes"] = {"intra": links.intra + ex.intra, "inter": links.inter + ex.inter}
     return out
 
 
 def formula_flops(res: Resolved, pp_stage: int) -> float:
     """6 x this tp rank's matmul parameters of the stage x its tokens (seq_len / cp of each sequence) + 12 L s d / tp
     attention per token (s: the whole sequence, which every query of a causal cp chunk sees on average)
-    (models/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing."""
+    (models/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing. MoE:
+    the routed experts' parameters count top-k / n_experts (active; shared experts count whole), at any ep."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
     held = rank_chunks(res.stage_layers, par.pp, pp_stage, placement(par.schedule))  # its virtual stages
     layers = [i for v in held for i in res.stage_layers[v]]
     last = len(res.stage_layers) - 1 in held  # the head: the last rank, or the first under the V
     params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
-    blocks = sum(p.local_numel(par.tp) for p in params if p.name.endswith(".weight") and ".ln_" not in p.name)
+    # Routed experts (at expert-tp 1): a token runs top-k of the n_experts (the MFU convention's active
+    # parameters), whatever ep; each tp rank routes all of its tokens, or its 1/tp of them under sequence parallelism
+    active = cfg.moe_top_k / cfg.n_experts / (par.tp if par.sequence_parallel else 1) if cfg.is_moe else 1.0
+    share = lambda p: active if p.name.endswith(EXPERT_PARAMETERS) else 1.0  # noqa: E731
+    blocks = sum(p.local_numel(par.tp) * share(p) for p in params
+                 if p.name.endswith(".weight") and ".ln_" not in p.name)
     head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
     tokens = t.micro_batch * t.grad_accum * t.seq_len // par.cp  # cp: this rank's chunks of every sequence
     attention = 12.0 * len(layers) * t.seq_len * cfg.d_model / par.tp
@@ -191,6 +211,10 @@ def to_text(res: Resolved, rep: dict) -> str:
         grads = "dp" if par.cp == 1 else "dp x cp"
         lines.append(f"  {grads} ring bytes sent: {_gb(row['dp_ring_bytes'])} GB vs the ZeRO paper's "
                      f"{_gb(row['paper_dp_comm_bytes'])} GB ({_pct(rel(row['dp_ring_bytes'], row['paper_dp_comm_bytes']))})")
+        if par.ep > 1:
+            lines.append(f"  ZeRO groups: the dense weights over {grads} ({par.dp * par.cp} ranks), the routed experts' "
+                         f"1/{par.ep} over their expert-data-parallel group ({par.dp * par.cp // par.ep} rank"
+                         f"{'s' if par.dp * par.cp // par.ep != 1 else ''}, the ranks holding the same experts)")
         for link, nbytes in sorted(row.get("link_bytes", {}).items()):  # with parallel.node_size
             want = row["planned_link_bytes"].get(link, 0.0)
             lines.append(f"  ZeRO {link}-node bytes sent: {_gb(nbytes)} GB vs the planner's {_gb(want)} GB "

@@ -93,6 +93,12 @@ class ActivationSpec:
     # replicated over tp (latent attention's down-projection outputs and its gathered latents: 0 otherwise).
     attention_elements: float = 4.0
     latent_elements: float = 0.0
+    # Every block an MoE layer (recipes/planner/moe.py's moe_activation_terms; mlp_elements is then the shared
+    # experts'): bytes kept per routing token, the routed rows' input gradient per routing token, and the local
+    # experts' c_fc weight gradient (its backward's heaviest moment).
+    moe_token_bytes: float = 0.0
+    moe_rows_grad_bytes: float = 0.0
+    moe_weight_grad_bytes: float = 0.0
 
     @property
     def residual(self) -> int:
@@ -101,16 +107,23 @@ class ActivationSpec:
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
                   *, autocast_fp32_params: bool = False, packed: bool = False,
-                  fused_ce: bool = False) -> "ActivationSpec":
+                  fused_ce: bool = False, ep: int = 1) -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
-        bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights."""
+        bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights. `ep`: the
+        expert-parallel degree (each rank's experts: n_experts / ep)."""
         from megazoo.models.flops import block_matmul_params
+        from megazoo.recipes.planner.moe import moe_activation_terms
 
         amp = autocast_fp32_params and element_bytes < 4
         h = cfg.d_model
         # GELU keeps its input and fc2's (d_ff each); SwiGLU keeps [gate; up] (2 d_ff), silu(gate) and the
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
+        hidden, moe = cfg.d_ff / h, (0.0, 0.0, 0.0)
+        if cfg.is_moe and all(cfg.moe_layer(i) for i in range(cfg.n_layer)):  # no dense MLP: the shared experts'
+            hidden = cfg.moe_shared_experts * cfg.moe_shared_d_ff / h
+            mlp = 4 * hidden
+            moe = moe_activation_terms(cfg, element_bytes, 4 if amp else element_bytes, ep)
         attention, latent = 4.0, 0.0
         if cfg.mla:  # models/deepseek/mla.py: q, k, v at the padded width (and a fused kernel's output: the
             # projection's input is its copy, sliced to v), the projection's input (n v), the down-projections'
@@ -119,8 +132,8 @@ class ActivationSpec:
             attention = cfg.n_head * ((4 if flash_attention else 3) * width + cfg.v_head_dim) / h
             latent = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) / h
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
-                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), cfg.d_ff / h,
-                              packed, fused_ce, attention, latent)
+                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), hidden,
+                              packed, fused_ce, attention, latent, *moe)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -150,7 +163,8 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
         scores = per_score * a * s * (s * cp) * b / t
     if spec.packed and (spec.element_bytes != 2 or spec.attn_dropout):
         sharded += e  # the per-example outputs SDPA keeps, beside their concatenation
-    return sbh * (replicated + sharded / t) + scores + weights
+    routing = s * b / (t if sequence_parallel else 1)  # the tokens this rank routes (experts at expert-tp 1)
+    return sbh * (replicated + sharded / t) + scores + weights + routing * spec.moe_token_bytes
 
 
 def korthikanti(s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -200,7 +214,14 @@ def block_workspace(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = A
     start = spec.mlp_elements * e * s * b * h / t
     c_fc = (e * s * b * h * (mlp_in / t + 1 + (1 if sequence_parallel else 0)) + spec.residual * mlp_in * h * h / t
             - start)
-    return max(start, c_fc)
+    if not spec.moe_token_bytes:
+        return max(start, c_fc)
+    # An MoE layer (recipes/planner/moe.py): the experts' c_fc backward, its weight gradient (and under sequence
+    # parallelism its clone for the all-reduce over tp) and the rows' input gradient, the routed activations freed
+    routing = s * b / (t if sequence_parallel else 1)
+    copies = 2 if sequence_parallel and t > 1 else 1
+    experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
+    return max(start, c_fc, experts)
 
 
 @dataclass(frozen=True)
@@ -305,8 +326,15 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
             workspace = loss_backward + (spec.mlp_elements * e * sbh / tp if n else 0.0)
-        elif last:  # the unsplit backward frees d logits before the blocks' (the 405B dry run's last stage)
-            workspace = max(workspace, loss_backward)
+        # The rank's peak adds one recomputed layer under checkpointing (StageActivations.total_bytes), yet the
+        # loss's backward runs before any layer is recomputed: qwen3-30b-a3b's 2-layer dry run peaks in it with no
+        # recomputed activation alive, so for MoE models (whose recomputed layer is large) that moment is taken net
+        # of it. Dense models keep the double count: it stands in for what the 405B dry run's last stage holds in
+        # its recomputed block's backward and the planner does not model (ZeRO-2's buckets of the head's gradient,
+        # 0.75 GB): netting it there puts that stage 23% under.
+        again = full if checkpointing and n and spec.moe_token_bytes else 0.0
+        if last and schedule not in SPLIT_BACKWARD:  # the unsplit backward frees d logits before the blocks' (the
+            workspace = max(workspace, loss_backward - again)  # 405B dry run's last stage)
         if last:  # the loss's forward runs on top of everything the chunk holds, as its backward does
             workspace = max(workspace, ce_forward)
         return ChunkBytes(forward, after_b, workspace), extra + out

@@ -183,7 +183,7 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
                                     autocast_fp32_params=layout.zero == 0, packed=layout.packed,
-                                    fused_ce=layout.fused_ce)
+                                    fused_ce=layout.fused_ce, ep=layout.ep)
 
 
 def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:

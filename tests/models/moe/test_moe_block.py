@@ -57,6 +57,28 @@ def test_grouped_path_takes_a_plain_sum_gradient():
     assert w_fc.grad is not None and torch.isfinite(w_fc.grad).all()
 
 
+@pytest.mark.parametrize("capability, grouped", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True),
+                                                 ((12, 0), False)])
+def test_cuda_capability_chooses_the_grouped_matmul_or_the_loop(monkeypatch, capability, grouped):
+    """torch's CUDA grouped matmul is a kernel on sm90 / sm100 only (elsewhere torch loops with a host read):
+    on other GPUs the experts run our per-expert loop, and the reason names the device's capability."""
+    from megazoo.models.moe import experts as mod
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    why = grouped_mm_unsupported(torch.bfloat16, 32, 16, "cuda")
+    assert (why is None) == grouped
+    if not grouped:
+        assert f"sm{capability[0]}{capability[1]}" in why and "sm90 and sm100" in why
+    assert grouped_mm_unsupported(torch.bfloat16, 32, 16, "cpu") is None  # no capability to ask
+    # expert_ffn follows the same verdict for tokens on that device (here: CPU tokens, asked as if on the GPU)
+    monkeypatch.setattr(mod, "cuda_capability", lambda device: capability)
+    calls = []
+    monkeypatch.setattr(mod, "grouped_swiglu", lambda *a: calls.append(1) or mod.looped_swiglu(*a))
+    tokens, counts, w_fc, w_proj = _experts_case(torch.float32)
+    expert_ffn(tokens, counts, w_fc, w_proj, "grouped")
+    assert calls == ([1] if grouped else [])
+
+
 def test_fp64_and_unaligned_widths_fall_back_to_the_loop_with_the_reason():
     assert "fp32, bf16 or fp16" in grouped_mm_unsupported(torch.float64, 32, 16)
     assert "multiples of 4" in grouped_mm_unsupported(torch.float32, 30, 16)
