@@ -26,7 +26,7 @@ from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.dry_run.run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
                                         stage_states, state_memory)
-from megazoo.recipes.planner.links import fp8_gathered, link_bytes
+from megazoo.recipes.planner.links import fp8_gather_buffer, fp8_gather_change, fp8_gathered, link_bytes
 from megazoo.recipes.planner.moe import all_to_all_link_bytes
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
@@ -50,13 +50,19 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     buffers = BufferConfig(layout.bucket, layout.bucket)
     buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
                         persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
+    if layout.fp8_all_gather:  # one block's FP8 weights gathered at 1 byte, before they are dequantized
+        buf += fp8_gather_buffer(st.tensors)
     if layout.ep > 1:  # this rank's 1/ep of the experts, their states over the expert-data-parallel group
         _, mem, buf = stage_states(cfg, layout, st)
     grad_ranks = layout.dp * layout.cp  # gradients are reduced (and ZeRO partitions) over dp x cp
     comm = communication_volume(st.numel, grad_ranks, layout.zero, state, grad_accum=layout.grad_accum)
+    dp_bytes = comm.bytes
+    if layout.fp8_all_gather and grad_ranks > 1:  # the FP8 weights gathered at 1 byte (flat ZeRO-3 over dp x cp)
+        dp_bytes += fp8_gather_change(**fp8_gathered(st.tensors), group=grad_ranks, element_bytes=state.params,
+                                      grad_accum=layout.grad_accum)
     out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
-           "buffers": buf, "dp_comm_bytes": comm.bytes if grad_ranks > 1 else 0.0, "psi": st.numel}
+           "buffers": buf, "dp_comm_bytes": dp_bytes if grad_ranks > 1 else 0.0, "psi": st.numel}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.ep > 1:  # the MoE layers' all-to-alls per link class (recipes/planner/moe.py), at dp = cp = tp rank 0
         held = rank_chunks(res.stage_layers, layout.pp, pp_stage, placement(layout.schedule))

@@ -61,6 +61,8 @@ def test_planner_picks_the_micro_batch():
     full, ckpt = (bg.planner_micro_batch(cfg, 2048, c, 80.0) for c in (False, True))
     assert 1 <= full < ckpt <= bg.MAX_MICRO_BATCH  # checkpointing frees room for more sequences
     assert bg.planner_micro_batch(cfg, 2048, False, 30.0) == 0  # 3.2B x 16 bytes of states alone
+    # FP8 rows get their own: the FP8 linears keep no bf16 casts of the weights under autocast (6 GB here)
+    assert bg.planner_micro_batch(cfg, 2048, False, 80.0, "tensorwise") > full
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
