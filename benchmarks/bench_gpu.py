@@ -128,10 +128,12 @@ def fp8_problem() -> str | None:
     return None if (major, minor) >= (8, 9) else f"FP8 needs compute capability 8.9+, this GPU is {major}.{minor}"
 
 
-def planner_micro_batch(cfg: ModelConfig, seq_len: int, checkpointing: bool, capacity_gb: float) -> int:
+def planner_micro_batch(cfg: ModelConfig, seq_len: int, checkpointing: bool, capacity_gb: float,
+                        fp8: str = "none") -> int:
+    """The planner's largest micro-batch; FP8 rows their own (its copies counted, no 16-bit weight casts kept)."""
     from megazoo.recipes.planner.fit import Layout, max_micro_batch
     layout = Layout(dp=1, zero=0, micro_batch=1, seq_len=seq_len, checkpointing=checkpointing, precision="bf16",
-                    flash_attention=True, fused_loss=True)
+                    flash_attention=True, fused_loss=True, fp8=fp8)
     return max_micro_batch(cfg, layout, 0.9 * capacity_gb, limit=MAX_MICRO_BATCH)
 
 
@@ -144,7 +146,7 @@ def run_case(case: Case, steps: int, capacity_gb: float) -> Row:
 
     cfg, seq = get_preset(case.model).replace(dropout=0.0, attn_dropout=0.0), SEQ_LEN[case.model]
     row = Row(case, seq_len=seq)
-    row.micro_batch = planner_micro_batch(cfg, seq, case.checkpointing, capacity_gb)
+    row.micro_batch = planner_micro_batch(cfg, seq, case.checkpointing, capacity_gb, case.fp8)
     if row.micro_batch == 0:
         row.skipped = "does not fit at micro-batch 1 (planner)"
         return row

@@ -5,7 +5,7 @@
     RNG state      rng_state, set_rng_state, manual_seed, fork_rng
     memory stats   max_memory_reserved, reset_peak_memory_stats
     pinning        pin_in_place (cudaHostRegister on a tensor's own bytes), pinned_empty (staging buffers)
-    properties     device_name, multi_processor_count
+    properties     device_name, device_capability, multi_processor_count
 
 Each function takes the device it is about and does the CPU's thing for a CPU device (the host clock's events are
 None, the CPU generator's state, no memory statistics: None), so callers need no `if device.type == "cuda"`.
@@ -45,6 +45,7 @@ class CudaRuntime:
     def host_register(self, tensor: torch.Tensor) -> bool: raise NotImplementedError
     def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor: raise NotImplementedError
     def device_name(self, device: torch.device) -> str: raise NotImplementedError
+    def device_capability(self, device: torch.device) -> tuple[int, int]: raise NotImplementedError
     def multi_processor_count(self, device: torch.device) -> int: raise NotImplementedError
 
 
@@ -100,6 +101,9 @@ class TorchCuda(CudaRuntime):
 
     def device_name(self, device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
+
+    def device_capability(self, device: torch.device) -> tuple[int, int]:
+        return torch.cuda.get_device_capability(device)
 
     def multi_processor_count(self, device: torch.device) -> int:
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -245,7 +249,7 @@ def device_name(device: torch.device) -> str | None:
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """The GPU's compute capability (major, minor), None for the CPU (FP8 needs 8.9+: parallel/tensor/fp8.py)."""
-    return torch.cuda.get_device_capability(torch.device(device)) if _cuda(device) else None
+    return runtime().device_capability(torch.device(device)) if _cuda(device) else None
 
 
 def multi_processor_count(device: torch.device) -> int | None:

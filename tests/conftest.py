@@ -69,6 +69,15 @@ def data_dir(request) -> Path:
     pytest.skip(message)
 
 
+def pytest_sessionstart(session):
+    """`make test-gpu` (MEGAZOO_TEST_GPU=1) without a GPU: say so and exit 2, instead of passing with every test
+    skipped."""
+    if GPU_SUITE and not torch.cuda.is_available():
+        pytest.exit(f"make test-gpu needs a CUDA GPU; this machine has none (torch {torch.__version__}, CUDA build: "
+                    f"{torch.version.cuda or 'no'}). On a GPU machine install the CUDA torch wheel first (README "
+                    "\"On a GPU machine\"); the CPU suite is `make test`.", returncode=2)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `cuda` tests without a visible GPU and `cuda_multi` tests with fewer than two, saying why."""
     hidden = "" if GPU_SUITE else " (the CPU suite hides GPUs with CUDA_VISIBLE_DEVICES=''; run `make test-gpu`)"

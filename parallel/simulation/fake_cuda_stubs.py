@@ -21,6 +21,7 @@ from megazoo.parallel.accelerator import CudaRuntime, using_runtime
 # A device for the answers: H100 SXM's multiprocessor count; its name says what it is.
 STUB_DEVICE_NAME = "fake CUDA device (no driver: megazoo fake_cuda)"
 STUB_SMS = 132
+STUB_CAPABILITY = (9, 0)  # H100's: FP8 tensor cores (train.fp8 checks for 8.9+ before the first step)
 CUDA_RNG_STATE_BYTES = 16  # torch's CUDA (Philox) generator state: seed + offset, 8 bytes each
 
 KINDS = {  # call -> (what kind of call, what the stub answered)
@@ -33,6 +34,7 @@ KINDS = {  # call -> (what kind of call, what the stub answered)
     "host_register": ("host registration", "registered (nothing pinned)"),
     "pinned_empty": ("host registration", "an unpinned host tensor"),
     "device_name": ("device properties", STUB_DEVICE_NAME), "multi_processor_count": ("device properties", "132"),
+    "device_capability": ("device properties", "9.0 (an H100's)"),
     "torch.cuda.is_available": ("availability", "True (asked by torch.autocast)"),
     "torch.cuda.is_bf16_supported": ("device properties", "True (asked by torch.autocast for bf16)"),
     "sdpa backend choice": ("device properties", "FlashAttention for fp16/bf16, memory-efficient for fp32 (an "
@@ -122,6 +124,10 @@ class StubCuda(CudaRuntime):
     def device_name(self, device: torch.device) -> str:
         self._note("device_name")
         return STUB_DEVICE_NAME
+
+    def device_capability(self, device: torch.device) -> tuple[int, int]:
+        self._note("device_capability")
+        return STUB_CAPABILITY
 
     def multi_processor_count(self, device: torch.device) -> int:
         self._note("multi_processor_count")

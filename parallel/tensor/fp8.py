@@ -41,20 +41,31 @@ from megazoo.parallel.collectives import all_reduce
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale
+CHUNK_ELEMENTS = 1 << 24  # quantize's wide copy: at most this many elements at a time (64 MB in fp32)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, group=None, sharded: int | None = None):
     """(t * scale in `dtype`, scale fp32): scale = max(dtype) / amax, over the whole tensor (dim None) or per
     slice along `dim` (keepdim). `sharded`: the dim along which t is split over `group`; its amax is all-reduced
     where the amax spans it."""
-    a = t.detach().abs().float()
-    amax = a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
+    # Memory: max |t| is exact in t's own dtype, so the amax is a reduction with no copy of t; the scaling runs
+    # on a wide copy of at most CHUNK_ELEMENTS at a time, scaled and clamped in place. Beside t: its 1-byte copy
+    # and one chunk's wide copy (an fp32 copy of |t| and two whole wide copies before: 12 bytes per element at
+    # the peak, 0.4 GB for one MLP weight of Llama 3.2 1B). recipes/planner/activations.py fp8_workspace counts it.
+    t = t.detach()
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None).float()
     if group is not None and sharded is not None and (dim is None or dim == sharded):
         amax = all_reduce(amax.contiguous(), group, dist.ReduceOp.MAX)
     top = torch.finfo(dtype).max
     scale = top / amax.clamp(min=EPS)
     wide = torch.promote_types(t.dtype, torch.float32)  # fp64 stays fp64 up to the 8-bit rounding itself
-    return (t.to(wide) * scale).clamp(-top, top).to(dtype), scale
+    q = torch.empty(t.shape, dtype=dtype, device=t.device)
+    step = max(1, CHUNK_ELEMENTS // max(1, t[0].numel())) if t.dim() else 1
+    for start in range(0, max(1, t.shape[0] if t.dim() else 1), step):
+        rows = slice(start, start + step) if t.dim() else ...
+        s = scale[rows] if scale.dim() and scale.shape[0] > 1 else scale  # per row (dim 1) or per column / whole
+        q[rows] = t[rows].to(wide, copy=True).mul_(s).clamp_(-top, top)
+    return q, scale
 
 
 def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
@@ -90,14 +101,21 @@ class _FP8Linear(torch.autograd.Function):
         g = dy.reshape(-1, dy.shape[-1])
         gdt = E4M3 if rowwise else E5M2
         dx = dw = None
+        qg = None
         if ctx.needs_input_grad[0]:  # dx = dy W, reduction over N
             qg, sg = quantize(g, gdt, 1 if rowwise else None, group, g_sharded)
             qw, sw = quantize(weight, E4M3, 0 if rowwise else None, group, w_sharded)
             dx = scaled_matmul(qg, sg, qw, sw, dy.dtype, emulate).view(x_shape).to(x_dtype)
+            del qw  # gone before dW's operands exist (the planner's fp8_workspace: one matmul's at a time)
+            if rowwise:  # rowwise scales dy along the other dim for dW; tensorwise's one scale serves both
+                qg = None
         if ctx.needs_input_grad[1]:  # dW = dy^T x, reduction over M (tokens: never sharded over tp here)
-            qg, sg = quantize(g, gdt, 0 if rowwise else None, group, g_sharded)
+            if qg is None:
+                qg, sg = quantize(g, gdt, 0 if rowwise else None, group, g_sharded)
             qx, sx = quantize(x2, E4M3, 0 if rowwise else None, group, x_sharded)
-            dw = scaled_matmul(qg.t(), sg.t() if rowwise else sg, qx, sx, torch.float32, emulate).to(weight.dtype)
+            # written in the weight's dtype: the GEMM accumulates in fp32 and rounds once either way (an fp32
+            # product cast after cost 4 bytes per weight element more at the peak)
+            dw = scaled_matmul(qg.t(), sg.t() if rowwise else sg, qx, sx, weight.dtype, emulate)
         return dx, dw, None, None, None, None, None, None, None
 
 

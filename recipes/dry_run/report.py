@@ -26,7 +26,7 @@ from megazoo.parallel.pipeline.schedules import placement
 from megazoo.recipes.dry_run.run import RoleResult, attention_recomputed, gpu_kernels
 from megazoo.recipes.planner.fit import (PRECISION_BYTES, activation_spec, layout_activations, recipe_layout,
                                         stage_states, state_memory)
-from megazoo.recipes.planner.links import fp8_gathered, link_bytes
+from megazoo.recipes.planner.links import fp8_gather_buffer, fp8_gather_change, fp8_gathered, link_bytes
 from megazoo.recipes.planner.moe import all_to_all_link_bytes
 from megazoo.recipes.planner.shards import shard_parameters
 from megazoo.recipes.resolve import Resolved
@@ -50,6 +50,8 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     buffers = BufferConfig(layout.bucket, layout.bucket)
     buf = buffer_memory(st.numel, layout.zero, buffers, element_bytes=state.params,
                         persistent_elements=st.persistent_elements(buffers.persistence_threshold)).total_bytes
+    if layout.fp8_all_gather:  # one block's FP8 weights gathered at 1 byte, before they are dequantized
+        buf += fp8_gather_buffer(st.tensors)
     if layout.ep > 1:  # this rank's 1/ep of the experts, their states over the expert-data-parallel group
         _, mem, buf = stage_states(cfg, layout, st)
     grad_ranks = layout.dp * layout.cp  # gradients are reduced (and ZeRO partitions) over dp x cp
@@ -63,6 +65,9 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
                                     grad_accum=layout.grad_accum).bytes + comm.bytes
     else:
         comm = comm.bytes
+    if layout.fp8_all_gather and grad_ranks > 1:  # the FP8 weights gathered at 1 byte (flat ZeRO-3 over dp x cp)
+        comm += fp8_gather_change(**fp8_gathered(st.tensors), group=grad_ranks, element_bytes=state.params,
+                                  grad_accum=layout.grad_accum)
     out = {"params": mem.params_bytes, "grads": mem.grads_bytes - mem.host_grads_bytes,
            "optimizer": 0.0 if layout.offload else mem.optimizer_bytes, "activations": acts[pp_stage].peak_bytes,
            "buffers": buf, "dp_comm_bytes": comm if grad_ranks > 1 else 0.0, "psi": st.numel,

@@ -49,6 +49,11 @@ its input and d logits, when smaller: split_backward's choice). The first stage'
 backward, and under activation checkpointing W re-traverses the graph: both keep the graph and the gradient
 that arrived. During a backward one block's gradient temporaries (the MLP's, mlp_elements h / t, e bytes) and
 on the last stage d logits come on top (`workspace_bytes`). The planner takes the stage with the most memory.
+
+FP8 (train.fp8, parallel/tensor/fp8.py) keeps the same activations for backward as the plain linears (x and W in
+their own precision; under autocast of fp32 parameters no 16-bit weight cast, and the QKV / fc1 inputs at the
+residual's bytes, as they arrive), and its own memory is transient, one linear at a time (`fp8_workspace`): the
+1-byte copies of x, W and dy, one chunk's wide copy while each is quantized, and _scaled_mm's column-major copies.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from megazoo.recipes.planner.zero import PlanError
 
 # kernels/cross_entropy.py's CHUNK_ELEMENTS (not imported: that module loads torch; a test holds the two equal)
 CE_CHUNK_ELEMENTS = 1 << 24
+FP8_CHUNK_ELEMENTS = 1 << 24  # parallel/tensor/fp8.py's CHUNK_ELEMENTS (its quantize's wide copy), held equal by a test
 
 
 @dataclass(frozen=True)
@@ -93,12 +99,12 @@ class ActivationSpec:
     # replicated over tp (latent attention's down-projection outputs and its gathered latents: 0 otherwise).
     attention_elements: float = 4.0
     latent_elements: float = 0.0
-    # Every block an MoE layer (recipes/planner/moe.py's moe_activation_terms; mlp_elements is then the shared
-    # experts'): bytes kept per routing token, the routed rows' input gradient per routing token, and the local
-    # experts' c_fc weight gradient (its backward's heaviest moment).
+    # Every block MoE (planner/moe.py's moe_activation_terms; mlp_elements the shared experts'): bytes kept and
+    # the routed rows' input gradient per routing token, the local experts' c_fc weight gradient (backward's peak).
     moe_token_bytes: float = 0.0
     moe_rows_grad_bytes: float = 0.0
     moe_weight_grad_bytes: float = 0.0
+    fp8: str = "none"  # train.fp8: the blocks' attention and MLP projections in FP8 (fp8_workspace)
 
     @property
     def residual(self) -> int:
@@ -107,7 +113,7 @@ class ActivationSpec:
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
                   *, autocast_fp32_params: bool = False, packed: bool = False,
-                  fused_ce: bool = False, ep: int = 1) -> "ActivationSpec":
+                  fused_ce: bool = False, ep: int = 1, fp8: str = "none") -> "ActivationSpec":
         """`autocast_fp32_params`: 16-bit compute under torch autocast of fp32 parameters (megazoo's ZeRO-0 in
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights. `ep`: the
         expert-parallel degree (each rank's experts: n_experts / ep)."""
@@ -131,9 +137,11 @@ class ActivationSpec:
             width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
             attention = cfg.n_head * ((4 if flash_attention else 3) * width + cfg.v_head_dim) / h
             latent = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) / h
+        # FP8 linears run outside autocast: no 16-bit weight casts, QKV's and fc1's inputs kept as they arrive
+        copies = amp and fp8 == "none"
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
-                              4 if amp else 0, amp, mlp, block_matmul_params(cfg) / (h * h), hidden,
-                              packed, fused_ce, attention, latent, *moe)
+                              4 if amp else 0, copies, mlp, block_matmul_params(cfg) / (h * h), hidden,
+                              packed, fused_ce, attention, latent, *moe, fp8)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -147,7 +155,7 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec
     again in backward."""
     e = spec.element_bytes
     m_drop = spec.mask_bytes if spec.dropout else 0
-    replicated = 2 * spec.residual + 2 * e + 2 * m_drop
+    replicated = 2 * spec.residual + 2 * (spec.residual if spec.fp8 != "none" else e) + 2 * m_drop
     if sequence_parallel:
         replicated = (4 * spec.residual + 2 * m_drop) / t
     # Q, K, V (as the attention kernel keeps them: grouped-query K / V repeated to every query head), the output
@@ -214,14 +222,51 @@ def block_workspace(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = A
     start = spec.mlp_elements * e * s * b * h / t
     c_fc = (e * s * b * h * (mlp_in / t + 1 + (1 if sequence_parallel else 0)) + spec.residual * mlp_in * h * h / t
             - start)
-    if not spec.moe_token_bytes:
-        return max(start, c_fc)
-    # An MoE layer (recipes/planner/moe.py): the experts' c_fc backward, its weight gradient (and under sequence
-    # parallelism its clone for the all-reduce over tp) and the rows' input gradient, the routed activations freed
-    routing = s * b / (t if sequence_parallel else 1)
-    copies = 2 if sequence_parallel and t > 1 else 1
-    experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
-    return max(start, c_fc, experts)
+    heaviest = [start, c_fc]
+    if spec.moe_token_bytes:
+        # An MoE layer (recipes/planner/moe.py): the experts' c_fc backward, its weight gradient (and under sequence
+        # parallelism its clone for the all-reduce over tp) and the rows' input gradient, the routed activations freed
+        routing = s * b / (t if sequence_parallel else 1)
+        copies = 2 if sequence_parallel and t > 1 else 1
+        experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
+        heaviest.append(experts)
+    if spec.fp8 == "none":
+        return max(heaviest)
+    m, ew = s * b, spec.residual  # tokens; the weight gradients' dtype (the parameters')
+    gathered = e * m * h if sequence_parallel else 0.0  # x all-gathered again for dW
+    out_fc, in_proj = mlp_in * h / t, spec.mlp_hidden * h / t  # c_fc's output width, c_proj's input width
+    moments = [  # each linear's own bytes on top of what the block holds at that point (module docstring)
+        e * m * h + fp8_workspace(m, h, in_proj, e, ew, spec.fp8),  # MLP c_proj's backward: its dy + its own
+        e * m * h + fp8_workspace(m, h, h / t, e, ew, spec.fp8) - start,  # attention's projection (MLP freed)
+        e * m * out_fc + gathered + fp8_workspace(m, out_fc, h, e, ew, spec.fp8) - start,  # c_fc (MLP freed)
+        fp8_workspace(m, in_proj, h, e, ew, spec.fp8, forward=True),  # the forward's: c_fc, then c_proj
+        fp8_workspace(m, h, in_proj, e, ew, spec.fp8, forward=True)]
+    return max(*heaviest, *moments)
+
+
+def _chunk(numel: float, row: float) -> float:
+    return min(numel, max(1, FP8_CHUNK_ELEMENTS // row) * row)  # quantize's wide copy: whole rows (tensor/fp8.py)
+
+
+def fp8_workspace(m: float, n: float, k: float, e: int, ew: int, recipe: str, forward: bool = False) -> float:
+    """Bytes an FP8 linear y = x W^T (x m x k, W n x k, dy m x n) holds at its heaviest moment beyond its saved x,
+    W and (backward) dy, as parallel/tensor/fp8.py runs it on a GPU (fp32 wide copies, 4 bytes a chunk; e: dx's
+    dtype, ew: dW's). Rowwise quantizes dy again (along m) for dW; tensorwise reuses dgrad's copy. Measured by
+    the fake-CUDA dry run (tests/recipes/dry_run/test_dry_run_fp8.py); each moment is named below."""
+    mk, nk, mn = m * k, n * k, m * n
+    # rowwise GEMMs write bf16 only (fp8.scaled_matmul): a wider dx or dW is a cast of that output, both held
+    widen = lambda b: b + (2 if recipe == "rowwise" and b != 2 else 0)  # noqa: E731
+    dx, dw = widen(e) * mk, widen(ew) * nk
+    if forward:  # x's 1-byte copy, then W's beside it while W is quantized
+        return max(mk + 4 * _chunk(mk, k), mk + nk + 4 * _chunk(nk, k))
+    moments = [mn + 4 * _chunk(mn, n),  # dy quantized (tensorwise: the one copy dgrad and wgrad share)
+               mn + nk + 4 * _chunk(nk, k),  # W quantized beside dy's copy
+               mn + 2 * nk + dx,  # dgrad's GEMM: W column-major, dx
+               dx + mn + mk + 4 * _chunk(mk, k),  # x quantized for dW (after dgrad freed W's copies)
+               dx + 2 * mn + 2 * mk + dw]  # wgrad's GEMM: dy^T and x column-major, dW
+    if recipe == "rowwise":  # dy again, along the tokens: dy's first copy freed, dx held
+        moments.append(e * mk + mn + 4 * _chunk(mn, n))
+    return max(moments)
 
 
 @dataclass(frozen=True)

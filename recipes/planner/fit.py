@@ -26,6 +26,7 @@ from megazoo.recipes.planner.zero import (FP32_ADAM, GB, MIXED_ADAM, BufferConfi
                                            StateBytes, buffer_memory, megazoo_state_memory, model_state_memory)
 from megazoo.models.lora.config import LoRAConfig
 from megazoo.recipes.gpus import GPU, GPUS
+from megazoo.recipes.planner.links import fp8_gather_buffer
 from megazoo.recipes.planner.lora import lora_state_memory, stage_adapters
 from megazoo.recipes.planner.activations import ActivationSpec, StageActivations, stage_activations
 from megazoo.parallel.pipeline.schedules import placement
@@ -66,6 +67,7 @@ class Layout:
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3): int8 parameter gathers (links.link_bytes)
     quantized_gradients: str = "none"  # ZeRO++ qgZ: "int8" | "int4" hierarchical gradient reduce
     fp8_all_gather: bool = False  # stage 3: the FP8 linears' weights gathered as float8 (links.link_bytes)
+    fp8: str = "none"  # train.fp8: the blocks' linears in FP8 (activations.fp8_workspace)
     packed: bool = False  # SFT rows packing several examples (activations.ActivationSpec.packed)
     ep: int = 1  # expert parallelism: routed experts split over ep of the dp x cp ranks (expert_split_states)
     fused_ce: bool = True  # the fused cross-entropy (training's `auto`): no fp32 copy of the logits (activations.py)
@@ -183,7 +185,7 @@ def activation_spec(cfg: ModelConfig, layout: Layout, mask_bytes: int = 1,
     flash = layout.flash_attention if flash_attention is None else flash_attention
     return ActivationSpec.for_model(cfg, PRECISION_BYTES[layout.precision][1], mask_bytes, flash,
                                     autocast_fp32_params=layout.zero == 0, packed=layout.packed,
-                                    fused_ce=layout.fused_ce, ep=layout.ep)
+                                    fused_ce=layout.fused_ce, ep=layout.ep, fp8=layout.fp8)
 
 
 def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: ActivationSpec) -> list[StageActivations]:
@@ -216,6 +218,8 @@ def stage_states(cfg: ModelConfig, layout: Layout, st, *, paper: bool = False) -
     buf = buffer_memory(local if layout.zero == 3 else trained, layout.zero, buffers_cfg,
                         element_bytes=state.params,
                         persistent_elements=st.persistent_elements(buffers_cfg.persistence_threshold)).total_bytes
+    if layout.fp8_all_gather:  # one block's FP8 weights gathered at 1 byte (links.fp8_gather_buffer)
+        buf += fp8_gather_buffer(st.tensors)
     return local, states, buf
 
 
@@ -273,7 +277,7 @@ def recipe_layout(resolved) -> Layout:
                   sharding="hsdp" if zero.shard_group == "node" else "hpz" if zero.hpz else "flat",
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
                   quantized_gradients=zero.quantized_gradients,
-                  fp8_all_gather=zero.fp8_all_gather, packed=bool(r.sft.path) and r.sft.packing,
+                  fp8_all_gather=zero.fp8_all_gather, fp8=train.fp8, packed=bool(r.sft.path) and r.sft.packing,
                   ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss,
                   replica_groups=r.fault_tolerance.replica_groups if r.fault_tolerance.enabled else 1)
 

@@ -145,7 +145,7 @@ def link_bytes(psi: int, dp: int, per_node: int, stage: int, sharding: str = "fl
         moved[link] += gathers * (wire_bytes("int8", eb) - eb)
     if fp8:  # zero.fp8_all_gather: those elements at 1 byte in every gather, + the step's amax all-reduce
         k, link = (dp, spans) if sharding == "flat" else (n, "intra")
-        moved[link] += a * 2 * fp8 * (k - 1) / k * (1 - eb) + 2 * fp8_weights * (k - 1) / k * 4
+        moved[link] += fp8_gather_change(fp8, fp8_weights, k, eb, a)
     if quantized_gradients != "none":
         reduced = psi * (1 if stage == 1 else a)
         moved[spans] -= reduced * (dp - 1) / dp * eb  # the flat reduce-scatter, gone
@@ -185,11 +185,34 @@ def rank_shardings(psi: int, dp: int, per_node: int, stage: int, *, element_byte
     return sorted(out, key=lambda c: (c.seconds, c.state_bytes))
 
 
+def fp8_gather_change(fp8: int, fp8_weights: int, group: int, element_bytes: float, grad_accum: int = 1) -> float:
+    """Bytes one rank sends more (negative: fewer) per step under zero.fp8_all_gather, on a gather group of
+    `group` ranks: `fp8` elements at 1 byte instead of `element_bytes` in the forward and backward gathers of
+    every micro-batch, plus the step's all-reduce of one fp32 amax per FP8 weight (`fp8_weights`)."""
+    ring = (group - 1) / group
+    return grad_accum * 2 * fp8 * ring * (1 - element_bytes) + 2 * fp8_weights * ring * 4
+
+
+def fp8_gather_buffer(tensors) -> int:
+    """Bytes zero.fp8_all_gather holds beside stage 3's gathered weights: one unit's (block's) FP8 weights
+    gathered as 1-byte values before they are dequantized into the unit's buffer (parallel/zero/gather/fp8.py),
+    the largest block's; measured by the fake-CUDA dry run (tests/recipes/dry_run/test_dry_run_fp8.py)."""
+    blocks: dict[str, int] = {}
+    for t in _fp8_weights(tensors):
+        block = ".".join(t.name.split(".")[:2])
+        blocks[block] = blocks.get(block, 0) + t.numel
+    return max(blocks.values(), default=0)
+
+
+def _fp8_weights(tensors) -> list:
+    return [t for t in tensors if t.name.startswith("h.") and (".attn." in t.name or ".mlp." in t.name)
+            and t.name.endswith(".weight") and "norm" not in t.name and "router" not in t.name]
+
+
 def fp8_gathered(tensors) -> dict[str, int]:
     """link_bytes' `fp8` / `fp8_weights` for a stage's tensors (shards.TensorCount) under zero.fp8_all_gather: the
     blocks' attention and MLP projection weights (parallel/tensor/fp8.py enable_fp8; norms and a router stay). A
     ReplicatedKV projection (tp a multiple of the KV heads) also stays high precision and is counted here: an
     over-count of its few elements' bytes."""
-    fp8 = [t for t in tensors if t.name.startswith("h.") and (".attn." in t.name or ".mlp." in t.name)
-           and t.name.endswith(".weight") and "norm" not in t.name and "router" not in t.name]
+    fp8 = _fp8_weights(tensors)
     return {"fp8": sum(t.numel for t in fp8), "fp8_weights": len(fp8)}

@@ -3,6 +3,7 @@ the case list, MFU, the table, the planner's micro-batch, and the clear refusal 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,8 @@ def test_planner_picks_the_micro_batch():
     full, ckpt = (bg.planner_micro_batch(cfg, 2048, c, 80.0) for c in (False, True))
     assert 1 <= full < ckpt <= bg.MAX_MICRO_BATCH  # checkpointing frees room for more sequences
     assert bg.planner_micro_batch(cfg, 2048, False, 30.0) == 0  # 3.2B x 16 bytes of states alone
+    # FP8 rows get their own: the FP8 linears keep no bf16 casts of the weights under autocast (6 GB here)
+    assert bg.planner_micro_batch(cfg, 2048, False, 80.0, "tensorwise") > full
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
@@ -70,6 +73,33 @@ def test_without_a_gpu_it_says_so_and_exits_2():
     assert out.returncode == 2
     assert "bench-gpu needs a CUDA GPU; this machine has none" in out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+@pytest.mark.parametrize("mode", ["checks", "bench"])
+def test_the_prepared_gpu_script_refuses_without_a_gpu(tmp_path, mode):
+    out = subprocess.run(["bash", "benchmarks/gpu_issue42.sh", mode, str(tmp_path / "out")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert out.returncode == 2 and "needs a CUDA GPU; this machine has none" in out.stderr, out
+    assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_the_gpu_suite_refuses_without_a_gpu():
+    """`make test-gpu`'s pytest line without a GPU: exit 2 and the reason, not a pass with every test skipped."""
+    env = {**os.environ, "MEGAZOO_TEST_GPU": "1", "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-m",
+                          "cuda or cuda_multi", "tests/gpu"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 2 and "make test-gpu needs a CUDA GPU; this machine has none" in out.stdout, out
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_the_fp8_rows_are_in_the_bench():
+    names = [c.name for c in bg.cases()]
+    for model in bg.MODELS:
+        assert f"{model} compiled fp8-tensorwise" in names and f"{model} compiled fp8-rowwise" in names
+    assert names.index("llama3.2-3b compiled fp8-tensorwise") < names.index("llama3.2-3b eager bf16")
 
 
 def test_bad_model_is_refused():

@@ -34,6 +34,7 @@ from megazoo.parallel.zero.buckets import Bucket
 E4M3 = torch.float8_e4m3fn
 TOP = torch.finfo(E4M3).max  # 448
 EPS = 1e-12  # as fp8.py: an all-zero weight gets a finite scale
+CHUNK_ELEMENTS = 1 << 24  # as fp8.py: the wide copies of quantize and dequantize, at most this many at a time
 
 
 def fp8_weight_names(model: nn.Module) -> set[str]:
@@ -91,8 +92,10 @@ class Fp8Gather:
         scales = self.scales(bucket, shard)
         q = torch.zeros(shard.numel(), dtype=E4M3, device=shard.device)  # padding: 0
         wide = torch.promote_types(shard.dtype, torch.float32)
-        for i, a, b in self._pieces(bucket):
-            q[a:b] = (shard[a:b].to(wide) * scales[i].to(wide)).clamp(-TOP, TOP).to(E4M3)
+        for i, lo, hi in self._pieces(bucket):
+            for a in range(lo, hi, CHUNK_ELEMENTS):  # one chunk's wide copy at a time
+                b = min(a + CHUNK_ELEMENTS, hi)
+                q[a:b] = shard[a:b].to(wide, copy=True).mul_(scales[i].to(wide)).clamp_(-TOP, TOP)
         return q.view(torch.uint8)
 
     def gather(self, bucket: Bucket, out: torch.Tensor, shard: torch.Tensor) -> "_Dequantize":
@@ -117,6 +120,8 @@ class _Dequantize:
             values = q_all.view(E4M3)
             wide = torch.promote_types(out.dtype, torch.float32)
             for p, off, s in zip(bucket.params, bucket.offsets, scales.to(wide)):
-                out[off:off + p.numel()] = (values[off:off + p.numel()].to(wide) / s).to(out.dtype)
+                for a in range(off, off + p.numel(), CHUNK_ELEMENTS):  # a chunk's wide copy at a time, cast in
+                    b = min(a + CHUNK_ELEMENTS, off + p.numel())  # place (a whole weight's, 10 bytes an element)
+                    out[a:b] = values[a:b].to(wide).div_(s)
             out[bucket.offsets[-1] + bucket.params[-1].numel():].zero_()
         return True
