@@ -12,7 +12,9 @@ the published rows' protocol (eval/wikitext103.py, eval/lambada.py); lm-eval is 
 with one line naming the file and exit code 2. Rank 0 shows a progress bar, prints a one-line summary and writes
 the JSON result (--json), which records the protocol.
 
-With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.distributed.run -m megazoo.eval.cli`).
+With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.distributed.run -m megazoo.eval.cli`);
+with --ep E > 1 (an MoE model) on E x N workers, the routed experts split over E ranks (each reads only its own
+experts from the checkpoint), every rank scoring the same batches: the experts' memory is split, not the work.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def evaluate(args: argparse.Namespace, topo) -> dict:
         data = lambada.load_lambada(args.data, tokenizer)
         result = lambada.evaluate_lambada(_logits_fn(args, source, topo), data, **common)
         line = lambada.summary_line(result)
-    result.update(protocol=protocol, backend=args.backend, tp=topo.tp, limit=args.limit)
+    result.update(protocol=protocol, backend=args.backend, tp=topo.tp, ep=topo.ep, limit=args.limit)
     if source.checkpoint is not None:  # which checkpoint was evaluated, exactly
         result.update(checkpoint=str(source.checkpoint), checkpoint_step=source.step)
         if source.skipped:  # the latest did not verify: the JSON says so, beside the one evaluated
@@ -88,7 +90,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     """The eval command line again, for the torchrun workers."""
     argv = [args.task, "--hf" if args.hf is not None else "--checkpoint", str(args.hf or args.checkpoint),
             "--data", str(args.data), "--batch-size", str(args.batch_size), "--backend", args.backend,
-            "--tp", str(args.tp), "--protocol", getattr(args, "protocol", "megatron")]
+            "--tp", str(args.tp), "--ep", str(getattr(args, "ep", 1)),
+            "--protocol", getattr(args, "protocol", "megatron")]
     for flag, value in (("--tokenizer", args.tokenizer), ("--json", args.json), ("--limit", args.limit),
                         ("--stride", getattr(args, "stride", None)),
                         ("--lora-base", getattr(args, "lora_base", None))):
@@ -133,6 +136,9 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score only the first N windows / examples (quick checks)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows / examples per forward (default 4)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel processes for an MoE model (x --tp of them, torchrun; default 1): the "
+                             "routed experts split over them, every one scoring the same batches")
     parser.add_argument("--backend", choices=("megazoo", "transformers"), default="megazoo",
                         help="run the model through megazoo's GPT (default) or transformers (--hf only)")
 

@@ -122,12 +122,17 @@ def tp_worker(args: Any, solo: Callable[[Any], int], work: Callable[[Any, Any], 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world_size == 1:
         args.tp = 1
+        if hasattr(args, "ep"):
+            args.ep = 1
         return solo(args)
+    # --ep E (eval of an MoE model): E x tp workers, the experts split over E data-parallel ranks that all score
+    # the same batches (their all-to-alls need every rank to run the same forwards)
+    ep = getattr(args, "ep", 1)
     # This worker's GPU is its node-local rank's (torchrun's LOCAL_RANK), not GPU 0 for every rank.
     init_distributed(rank, world_size, init_method="env://", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     code = 0
     try:
-        work(args, Topology.build(dp=1, tp=world_size))
+        work(args, Topology.build(dp=ep, tp=world_size // ep, ep=ep))
     except (FileNotFoundError, ValueError) as error:
         print(f"megazoo: error (rank {rank}): {error}", file=sys.stderr)
         code = 2

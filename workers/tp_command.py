@@ -27,9 +27,14 @@ def say(message: str) -> None:
 def verify_before_workers(args: Any, step_dir) -> None:
     """Under --tp N > 1, check every file of the checkpoint the workers will read (sizes and sha256) here, once:
     a missing or damaged shard exits 2 before any worker starts. With --tp 1 the load itself checks what it reads."""
-    if args.tp > 1:
+    if processes(args) > 1:
         from megazoo.parallel.checkpoint.io import verify_checkpoint
         verify_checkpoint(step_dir)
+
+
+def processes(args: Any) -> int:
+    """The command's worker count: --tp x --ep (the commands without --ep: --tp)."""
+    return args.tp * getattr(args, "ep", 1)
 
 
 def run_here_or_relaunch(args: Any, module: str, check: Callable[[Any], None],
@@ -39,9 +44,9 @@ def run_here_or_relaunch(args: Any, module: str, check: Callable[[Any], None],
     or run `work(args, Topology.solo(device))` here. Exit status: the workers', 0, or 2 on bad input."""
     try:
         check(args)
-        if args.tp > 1:
+        if processes(args) > 1:
             from megazoo.workers.supervisor import launch_local
-            return launch_local(args.tp, module, list(forwarded_argv(args)))
+            return launch_local(processes(args), module, list(forwarded_argv(args)))
         from megazoo.parallel.topology import Topology, local_device
         work(args, Topology.solo(local_device(int(os.environ.get("LOCAL_RANK", "0")))))
     except INPUT_ERRORS as error:

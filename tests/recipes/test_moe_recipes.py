@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from recipe_stand_ins import stand_in_overrides
 
+from megazoo.models.presets import get_preset
 from megazoo.recipes.config import RecipeError, load_recipe
 from megazoo.recipes.planner import cli as plan_cli
 from megazoo.recipes.planner.fit import device_memory, recipe_layout
@@ -25,6 +26,7 @@ MOE = {
     "qwen3-30b-a3b-lora.toml": ("qwen3-30b-a3b", 8, 1, 1, 1, 8, 1, ("q", "k", "v", "o"), 8),
     "mixtral-8x7b-ft.toml": ("mixtral-8x7b", 16, 1, 1, 1, 8, 3, (), 16),
     "qwen3-235b-a22b.toml": ("qwen3-235b-a22b", 8, 4, 16, 2, 8, 1, (), 1024),
+    "mixtral-8x22b.toml": ("mixtral-8x22b", 8, 2, 8, 1, 8, 1, (), 128),
 }
 
 
@@ -78,3 +80,16 @@ def test_lora_on_the_experts_is_refused_before_any_process(tmp_path):
         _resolved("qwen3-30b-a3b-lora.toml", tmp_path, ('lora.targets=["q", "v", "gate", "up"]',))
     msg = str(err.value)
     assert "lora.targets" in msg and "'gate', 'up'" in msg and "experts" in msg and "valid targets" in msg
+
+
+def test_mixtral_8x22b_needs_its_eight_stages(tmp_path):
+    """The header's reason for pp 8: at pp 4 each GPU keeps 4.2B expert parameters' states (no fit)."""
+    res = _resolved("mixtral-8x22b.toml", tmp_path)
+    cfg, par = res.model, res.recipe.parallel
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.n_experts, cfg.moe_top_k, cfg.moe_d_ff,
+            cfg.rope_theta) == (56, 6144, 48, 8, 8, 2, 16384, 1e6)
+    assert get_preset("mixtral-8x22b").vocab_size == 32768  # (the stand-in tokenizer here sets its own)
+    assert par.sequence_parallel and res.model.moe_aux_loss_scope == "layer"
+    lay = recipe_layout(res)
+    assert device_memory(cfg, lay, 80).fits
+    assert not device_memory(cfg, replace(lay, pp=4, stage_layers=None), 80).fits

@@ -54,7 +54,7 @@ def test_every_zoo_recipe_is_listed():
                                                       "llama3.1-405b.toml", "llama3.1-405b-128k.toml",
                                                       "llama-70b-full-ft.toml", "llama-405b-full-ft.toml",  # test_llama_recipes.py
                                                       "qwen3-30b-a3b-full-ft.toml", "qwen3-30b-a3b-lora.toml",
-                                                      "mixtral-8x7b-ft.toml", "qwen3-235b-a22b.toml",  # test_moe_recipes
+                                                      "mixtral-8x7b-ft.toml", "qwen3-235b-a22b.toml", "mixtral-8x22b.toml",  # test_moe_recipes
                                                       "deepseek-v3.toml", "kimi-k2.toml"}  # test_deepseek_recipes
     assert zoo == set(ZOO)
 

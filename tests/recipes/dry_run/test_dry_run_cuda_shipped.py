@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[3]
 BY_HAND = {"llama3.1-405b", "llama3.1-405b-128k", "llama-405b-full-ft", "deepseek-v3", "kimi-k2",
            # the MoE recipes: their CPU dry run is tests/recipes/planner/test_moe_dry_run.py; moe-demo and
            # deepseek-demo run the same MoE step on fake CUDA here
-           "qwen3-30b-a3b-full-ft", "qwen3-30b-a3b-lora", "mixtral-8x7b-ft", "qwen3-235b-a22b"}
+           "qwen3-30b-a3b-full-ft", "qwen3-30b-a3b-lora", "mixtral-8x7b-ft", "qwen3-235b-a22b",
+           "mixtral-8x22b"}
 SHIPPED = sorted(p.stem for p in (REPO / "recipes").glob("*.toml") if p.stem not in BY_HAND)
 
 
