@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from megazoo.models.transformer import GPT
 from megazoo.parallel import collectives
 from megazoo.parallel.topology import Topology
 from megazoo.parallel.zero import partitioned, stage3
@@ -35,32 +36,40 @@ WRAPPED = {
     partitioned.GradientReducer: ("launch", "_finish_oldest"),
     collectives.Exchange: ("wait",),
 }
+OUTER = ("GPT.forward", "torch.autograd.backward", "AdamW.step")  # wrapped for every implementation
 MODULE_FUNCS = {collectives: ("_exchange_all_gather", "_exchange_reduce_scatter")}
 
 
 class Timers:
     def __init__(self):
         self.incl, self.self_, self.calls = defaultdict(float), defaultdict(float), defaultdict(int)
-        self.stack: list[list[float]] = []  # per open call: children's inclusive seconds
+        self.faults = defaultdict(float)  # self minor page faults (this thread's: the fault is where memory is touched)
+        self.stack: list[list[float]] = []  # per open call: children's inclusive seconds, then faults
 
     def wrap(self, name: str, fn):
         def run(*args, **kwargs):
-            self.stack.append([0.0])
-            t = time.perf_counter()
+            self.stack.append([0.0, 0])
+            t, f = time.perf_counter(), _faults()
             try:
                 return fn(*args, **kwargs)
             finally:
-                dt = time.perf_counter() - t
-                children = self.stack.pop()[0]
+                dt, df = time.perf_counter() - t, _faults() - f
+                children, child_faults = self.stack.pop()
                 self.incl[name] += dt
                 self.self_[name] += dt - children
+                self.faults[name] += df - child_faults
                 self.calls[name] += 1
                 if self.stack:
                     self.stack[-1][0] += dt
+                    self.stack[-1][1] += df
         return run
 
     def snapshot(self):
-        return dict(self.incl), dict(self.self_), dict(self.calls)
+        return dict(self.incl), dict(self.self_), dict(self.calls), dict(self.faults)
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def _install(timers: Timers) -> None:
@@ -76,6 +85,10 @@ def worker(impl: str, warmup: int, steps: int) -> dict:
     timers = Timers()
     if impl == "zero3":
         _install(timers)
+    # The outer frames, for every implementation (DDP's rows are these three alone).
+    GPT.forward = timers.wrap("GPT.forward", GPT.forward)
+    torch.autograd.backward = timers.wrap("torch.autograd.backward", torch.autograd.backward)
+    torch.optim.AdamW.step = timers.wrap("AdamW.step", torch.optim.AdamW.step)
     topo = Topology.build(dp=dist.get_world_size())
     cfg = model_config(MEMORY_BOUND[0])
     ph: dict = {}
@@ -86,7 +99,7 @@ def worker(impl: str, warmup: int, steps: int) -> dict:
     for b in batches[:warmup]:
         train_step(b[:, :-1], b[:, 1:])
     dist.barrier()
-    before_ph, (incl0, self0, calls0) = dict(ph), timers.snapshot()
+    before_ph, (incl0, self0, calls0, faults0) = dict(ph), timers.snapshot()
     start, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     for b in batches[warmup:]:
         train_step(b[:, :-1], b[:, 1:])
@@ -95,10 +108,10 @@ def worker(impl: str, warmup: int, steps: int) -> dict:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     os_ = {"user_s": (ru.ru_utime - ru0.ru_utime) / steps, "sys_s": (ru.ru_stime - ru0.ru_stime) / steps,
            "minor_faults": (ru.ru_minflt - ru0.ru_minflt) / steps}
-    incl, self_, calls = timers.snapshot()
+    incl, self_, calls, faults = timers.snapshot()
     per = lambda d, d0: {k: (v - d0.get(k, 0.0)) / steps for k, v in d.items()}  # noqa: E731
     return {"step_s": step_s, "os": os_, "phases": per(ph, before_ph), "incl": per(incl, incl0), "self": per(self_, self0),
-            "calls": per(calls, calls0)}
+            "calls": per(calls, calls0), "faults": per(faults, faults0)}
 
 
 def main(argv=None) -> int:
@@ -117,13 +130,16 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
         print("CPU per step (rank 0, all threads): user {user_s:.2f} s, system {sys_s:.2f} s, minor page faults "
               "{minor_faults:.0f} ({mib:.0f} MiB of 4 KiB pages)".format(**r["os"], mib=r["os"]["minor_faults"] / 256))
+        print(f"process minor faults {r['os']['minor_faults'] / 256:.0f} MiB/step, main thread's in wrapped calls "
+              f"{sum(r['faults'].values()) / 256:.0f} MiB (the rest: gloo's threads, unwrapped code)")
         if r["self"]:
-            print("| call | calls/step | inclusive s/step | self s/step |\n|---|---|---|---|")
+            print("| call | calls/step | inclusive s/step | self s/step | self page faults/step MiB |\n|---|---|---|---|---|")
             for k in sorted(r["self"], key=lambda k: -r["self"][k]):
-                print(f"| {k} | {r['calls'][k]:.0f} | {r['incl'][k]:.3f} | {r['self'][k]:.3f} |")
-            hooks = sum(r["self"].values())
-            print(f"wrapped self total {hooks:.3f} s/step; step minus wrapped (autograd compute + AdamW "
-                  f"internals counted in update_owned) {r['step_s'] - hooks:.3f}")
+                print(f"| {k} | {r['calls'][k]:.0f} | {r['incl'][k]:.3f} | {r['self'][k]:.3f} "
+                      f"| {r['faults'].get(k, 0) / 256:.0f} |")
+            hooks = sum(v for k, v in r["self"].items() if k not in OUTER)
+            print(f"ZeRO-3's wrapped self total {hooks:.3f} s/step; step minus it (model compute, autograd, AdamW, "
+                  f"DDP's hooks) {r['step_s'] - hooks:.3f}")
     return 0
 
 

@@ -14,6 +14,7 @@ exactly the owner's chunk, launched as soon as the bucket is ready; a single glo
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -108,6 +109,7 @@ the request), uninitialised
     def __init__(self):
         self._free: list[torch.Tensor] = []
         self._lent: dict[tuple, torch.Tensor] = {}  # memory_key of a lent view -> its buffer
+        self.allocated: Counter[int] = Counter()  # numel -> buffers allocated (misses), for tests and profiles
 
     def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         # Within a quarter of the request: a small reduce-scatter output must not occupy the full-size buffer the
@@ -124,6 +126,7 @@ the request), uninitialised
             # through the whole of the next micro-batch's backward until its own gradient needs it again.
             self._free = [b for b in self._free if b.dtype != dtype or b.device != device]
             buffer = torch.empty(numel, dtype=dtype, device=device)
+            self.allocated[numel] += 1
         view = buffer[:numel]
         self._lent[memory_key(view)] = buffer
         return view

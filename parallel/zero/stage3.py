@@ -39,57 +39,17 @@ import torch
 import torch.nn as nn
 
 from megazoo.parallel.collectives import all_gather_flat
-from megazoo.parallel.tensor import ShardSpec
 from megazoo.parallel.topology import Topology
-from megazoo.parallel.zero.buckets import Bucket, build_buckets
+from megazoo.parallel.zero.buckets import build_buckets
 from megazoo.parallel.zero.gather.fp8 import Fp8Gather, fp8_gather_problem, fp8_weight_names
 from megazoo.parallel.zero.groups import ShardGroups, shard_groups
 from megazoo.parallel.zero.quantized import quantized_all_gather
 from megazoo.parallel.zero.gather.spare import SpareStorages
+from megazoo.parallel.zero.gather.units import InitFn, Named, Unit, materialise
 from megazoo.parallel.zero.partitioned import PartitionedOptimizer
 
-Named = list[tuple[str, nn.Parameter, ShardSpec]]
-InitFn = Callable[[nn.Module, str, torch.Tensor, ShardSpec], None]  # (owner module, global name, tensor, spec)
 UNBOUNDED = 1 << 62
 OPS = ("all-gather", "reduce-scatter")  # the collectives whose order the first step verifies
-
-
-class Unit:
-    """One gather/free unit: its buckets, this rank's chunk of each, and where its gathers stand."""
-
-    def __init__(self, index: int, name: str, buckets: list[Bucket], frozen: list[Bucket] = ()):
-        self.index, self.name, self.buckets = index, name, buckets
-        self.shards = [b.flat_params[b.owned].clone() for b in buckets]
-        # Frozen parameters (LoRA's base weights): partitioned and gathered like the rest, but no gradient, no
-        # reduce-scatter, no master or optimizer state.
-        self.frozen = list(frozen)
-        self.frozen_shards = [b.flat_params[b.owned].clone() for b in self.frozen]
-        self.params = [p for b in buckets for p in b.params]
-        self.works: list = []
-        self.gathered = True  # built full; freed right after construction
-        self.grad_flats: list[torch.Tensor | None] = [None] * len(buckets)  # from the reducer's pool
-        self.got: list[set[int]] = [set() for _ in buckets]  # offsets of the gradients copied into grad_flats
-        self.storages = {b.flat_params.untyped_storage()._cdata for b in buckets + self.frozen}  # saved views
-        self.secondary: list[torch.Tensor] | None = None  # hpZ: this rank's node-local part, forward to backward
-        self.capture = False  # hpZ: the gather in flight is a primary one; keep the secondary when it is done
-        self.ready = 0
-
-
-def _materialise(model: nn.Module, named: Named, init_fn: InitFn | None, device) -> Named:
-    """Replace meta parameters by initialised real ones (the caller does this one unit at a time)."""
-    owners = dict(model.named_modules())
-    out = []
-    for name, param, spec in named:
-        if param.is_meta:
-            if init_fn is None:
-                raise ValueError(f"parameter {name} is on the meta device and no init_fn was given")
-            owner_name, _, attr = name.rpartition(".")
-            tensor = torch.empty(param.shape, dtype=param.dtype, device=device)
-            init_fn(owners[owner_name], name, tensor, spec)
-            param = nn.Parameter(tensor, requires_grad=param.requires_grad)
-            setattr(owners[owner_name], attr, param)
-        out.append((name, param, spec))
-    return out
 
 
 class ZeroStage3(PartitionedOptimizer):
@@ -123,7 +83,7 @@ class ZeroStage3(PartitionedOptimizer):
         self.units: list[Unit] = []
         self.spare = SpareStorages(limit=0)  # nothing parked while constructing (one full unit at a time)
         for i, unit_named in enumerate(per_unit):
-            unit_named = _materialise(model, unit_named, init_fn, topo.device)
+            unit_named = materialise(model, unit_named, init_fn, topo.device)
             half = sum(p.numel() for _, p, _ in unit_named) / 2  # a parameter this large gets its own bucket
             alone = {name for name, p, _ in unit_named if p.numel() >= half}
             buckets, frozen = (build_buckets(unit_named, groups.shard_size, groups.shard_rank, UNBOUNDED,
@@ -306,6 +266,7 @@ class ZeroStage3(PartitionedOptimizer):
             # This unit's first gradient: finish the previous unit's reduce-scatter (it overlapped this unit's
             # all-gather wait and first backward op) so its buffer is reused, not held next to a second one.
             self.reducer.finish_launched()
+            self._take_grad_flats(unit)
         if (unit.grad_flats[j] is None and len(bucket.params) == 1 and bucket.numel == grad.numel()
                 and grad.is_contiguous() and grad.dtype == bucket.dtype):
             # A parameter alone in its bucket (the tied embedding): autograd's gradient is this bucket's flat
@@ -320,6 +281,16 @@ class ZeroStage3(PartitionedOptimizer):
         unit.ready += 1
         if unit.ready == len(unit.params):
             self._reduce_and_free(unit)
+
+    def _take_grad_flats(self, unit: Unit) -> None:
+        """A unit's full-size gradient buffers, largest first, when its first gradient arrives. In arrival order
+        the small bucket (biases, norms) came first and missed the pool, and a miss releases the free buffers:
+        the block-size one the previous unit gave back, so every block allocated (and page-faulted) its own.
+        A one-parameter bucket waits: its gradient may become the flat buffer itself (no copy)."""
+        for j in sorted(range(len(unit.buckets)), key=lambda j: -unit.buckets[j].numel):
+            b = unit.buckets[j]
+            if unit.grad_flats[j] is None and len(b.params) > 1:
+                unit.grad_flats[j] = self.reducer.pool.take(b.numel, b.dtype, b.flat_params.device)
 
     def _reduce_and_free(self, unit: Unit) -> None:
         if self._check_order and self.dp_group is not None:

@@ -10,7 +10,7 @@ reduction (parallel/zero/stage3.py, buckets.py).
 - The tied embedding sits alone in its bucket: its autograd gradient is reduce-scattered as it is; no
   full-size pool buffer of its size is ever allocated.
 - At most one unit's full-size gradient buffers are held at once: a unit's first gradient first finishes the
-  previous unit's reduce-scatter, whose buffer it then reuses; that reduce-scatter's output becomes the owned
+  previous unit's reduce-scatter, whose buffer it then reuses (one block-size buffer allocated per step); that reduce-scatter's output becomes the owned
   gradient (no copy) when the owned gradient does not exist yet.
 - The buffer pool lets go of free buffers too small for a request before allocating a larger one.
 """
@@ -58,26 +58,34 @@ def _root_during_backward():
     take = zero.reducer.pool.take
     zero.reducer.pool.take = lambda numel, *a: taken.append(numel) or take(numel, *a)
     ids = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(topo.dp_rank))
-    for _ in range(2):
+    allocated = []  # per step: full-size buffers the pool allocated for a block's weight-matrix bucket
+    for _ in range(3):
+        before = zero.reducer.pool.allocated.copy()
         logits = model(ids[:, :-1])
         after_forward.append(_gathered_bytes(zero.root))
         grads_in_forward.append((zero.gradients(), zero.memory_bytes()["grads"]))
         engine.backward(model.loss(logits, ids[:, 1:]))
         engine.step()
         after_step.append([g.abs().max().item() for g in zero.owned_grads])
+        allocated.append((zero.reducer.pool.allocated - before)[max(b.numel for b in zero.blocks[0].buckets)])
     alone = [b.numel for b in zero.root.buckets if b.names == ["wte.weight"]]
     unit_bytes = max(sum(b.numel * 8 for b in u.buckets) for u in zero.blocks)
     return (at_blocks, after_forward, taken, alone, _gathered_bytes(zero.root), grads_in_forward, after_step,
-            (max(pool_bytes), unit_bytes, kept))
+            (max(pool_bytes), unit_bytes, kept), allocated)
 
 
 def test_root_unit_is_freed_when_backward_reaches_the_blocks():
-    for at_blocks, after_forward, taken, alone, root_after, in_forward, after_step, pool in run_distributed(
-            _root_during_backward, 2):
+    for at_blocks, after_forward, taken, alone, root_after, in_forward, after_step, pool, allocated in \
+            run_distributed(_root_during_backward, 2):
         assert all(b > 0 for b in after_forward)  # the head reads the tied embedding: gathered for forward
-        assert len(at_blocks) == 2 * CFG.n_layer and all(b == 0 for b in at_blocks)  # + no reduction pending
+        assert len(at_blocks) == 3 * CFG.n_layer and all(b == 0 for b in at_blocks)  # + no reduction pending
         assert root_after == 0
-        assert in_forward == [([], 0), ([], 0)]  # no owned gradient while the forward runs
+        assert in_forward == [([], 0)] * 3  # no owned gradient while the forward runs
+        # The blocks' weight-matrix gradient buffer: allocated once per step (the pool lets go of everything at
+        # the root's reduction), then reused by every block. A unit takes its buffers largest first: taken in
+        # gradient order, the biases' small bucket missed and its miss released the block-size buffer, so each
+        # block allocated (and page-faulted) one: CFG.n_layer per step.
+        assert allocated == [1, 1, 1]
         assert all(g and max(g) == 0 for g in after_step)  # between steps: every owned gradient exists, zero
         pool_peak, unit_bytes, kept = pool
         assert pool_peak <= 1.5 * unit_bytes  # one block's buffers (+ a reduce-scatter output), never two blocks'
