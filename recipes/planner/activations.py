@@ -329,12 +329,16 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     ce_forward, ce_backward = 2 * chunk, (2 if rows > chunk_rows else 1) * chunk
     if fused_loss:  # (dh: the e sbh beside the final norm's input, in place of the head's input) + dW
         loss = e * vocab / tp * h
-        # forward's peak inside the loss: dW's fp32 accumulator and, below fp32, one chunk's 16-bit product, and
-        # the chunk's fp32 logits beside (below fp32) their 16-bit product or gradient (chunk_rows_for's rows)
+        # forward's peak inside the loss (parallel/tensor/linear_cross_entropy.py), beside dW's fp32 accumulator:
+        # the chunk's fp32 logits with (below fp32) their 16-bit product, then d logits; or, once the logits are
+        # freed, d logits with their 16-bit dW product; or at the end dW's 16-bit cast (no larger than that).
+        # The product never meets the fp32 chunk (deleted first); the 405B recipe's last stage peaks at the
+        # product (its 16-layer dry run: 3.71 GB; planned 4.30 before, 3.76 now). chunk_rows_for's rows.
         from megazoo.parallel.tensor.linear_cross_entropy import chunk_rows_for  # torch: `plan --help` loads none
 
-        c, below = chunk_rows_for(s * b, vocab // tp), e if e < 4 else 0
-        fused_forward = (4 + below) * vocab / tp * h + (max(e, 4) + below) * c * vocab / tp
+        c, below, wide = chunk_rows_for(s * b, vocab // tp), e if e < 4 else 0, max(e, 4)
+        fused_forward = wide * vocab / tp * h + max((wide + below) * c * vocab / tp,
+                                                     below * (c * vocab / tp + vocab / tp * h))
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
     d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
 
@@ -364,8 +368,14 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
         loss_backward = e * s * b * (vocab / tp + h) + ce_backward  # d logits, the head input's gradient
-        if fused_loss:  # dh and dW scaled by d loss beside the kept ones; the forward's own peak as well
-            loss_backward = max(e * (sbh + vocab / tp * h), fused_forward - loss)
+        loss_forward = 0.0
+        if fused_loss:  # backward scales the kept dh and dW in place (a block of rows at a time): nothing beside
+            loss_backward = 0.0
+            # The loss's forward (the 405B recipe's last stage peaks there): its own bytes beside the head's input
+            # and dh (and under sequence parallelism the norm's output it was gathered from), while no block is
+            # recomputed, which the stage's total counts under checkpointing (+15% over its dry run before)
+            loss_forward = (fused_forward - loss + e * sbh * (1 + (1 / split if sequence_parallel else 0))
+                            - (full if checkpointing and n else 0.0))
         if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
@@ -381,7 +391,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         if last and schedule not in SPLIT_BACKWARD:  # the unsplit backward frees d logits before the blocks' (the
             workspace = max(workspace, loss_backward - again)  # 405B dry run's last stage)
         if last:  # the loss's forward runs on top of everything the chunk holds, as its backward does
-            workspace = max(workspace, ce_forward)
+            workspace = max(workspace, ce_forward, loss_forward)
         return ChunkBytes(forward, after_b, workspace), extra + out
 
     out = []

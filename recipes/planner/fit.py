@@ -265,8 +265,9 @@ def max_micro_batch(cfg: ModelConfig, layout: Layout, capacity_gb: float, *, lim
     return lo
 
 
-def recipe_layout(resolved) -> Layout:
-    """The Layout a resolved recipe (recipes/resolve.py's Resolved) trains with."""
+def recipe_layout(resolved, fused_loss: bool | None = None) -> Layout:
+    """The Layout a resolved recipe (recipes/resolve.py's Resolved) trains with (`fused_loss`: that choice instead of
+    the recipe's, for Resolved.fused_loss's "auto")."""
     r = resolved.recipe
     par, train, zero = r.parallel, r.train, r.zero
     return Layout(par.dp, par.tp, par.pp, zero.stage, train.micro_batch, train.grad_accum, train.seq_len,
@@ -278,7 +279,7 @@ def recipe_layout(resolved) -> Layout:
                   node_size=par.node_size, quantized_weights=zero.quantized_weights,
                   quantized_gradients=zero.quantized_gradients,
                   fp8_all_gather=zero.fp8_all_gather, fp8=train.fp8, packed=bool(r.sft.path) and r.sft.packing,
-                  ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss,
+                  ep=par.ep, fused_ce=fused_ce(r.kernels), fused_loss=resolved.fused_loss if fused_loss is None else fused_loss,
                   replica_groups=r.fault_tolerance.replica_groups if r.fault_tolerance.enabled else 1)
 
 
@@ -309,3 +310,24 @@ def parse_gpu(text: str) -> tuple[float, GPU | None]:
     if not value > 0:
         raise PlanError(f"--gpu-memory {text} is invalid: it must be > 0 GB")
     return value, None
+
+
+FUSED_LOSS_MIN_SAVING = 1 << 28  # bytes: below 256 MiB "auto" keeps the plain head + loss (fit.fused_loss_saves)
+
+
+def fused_loss_saves(resolved) -> bool:
+    """Whether the fused head + loss (train.fused_loss) lowers the planner's activation peak of the rank that holds
+    the head (the other ranks are the same either way) by FUSED_LOSS_MIN_SAVING or more: train.fused_loss = "auto"
+    takes it then. The floor is a policy, not a correction: a smaller saving changes no fit on any GPU, and the
+    plain path is the one the small recipes and most measurements run."""
+    cfg = resolved.model
+    peaks = []
+    for fused in (False, True):
+        layout = recipe_layout(resolved, fused_loss=fused)
+        shard = _shard(cfg, layout.tp, layout.pp, layout.stage_layers, placement(layout.schedule))
+        try:
+            acts = layout_activations(cfg, layout, shard, activation_spec(cfg, layout))
+        except PlanError:  # a layout the planner cannot walk: the plain path, which needs no plan
+            return False
+        peaks.append(sum(a.peak_bytes for a in acts))
+    return peaks[0] - peaks[1] >= FUSED_LOSS_MIN_SAVING

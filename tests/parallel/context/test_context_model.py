@@ -113,8 +113,10 @@ def test_long_context_recipe_resolves_and_fits(tmp_path):
     mem = device_memory(res.model, recipe_layout(res), GPUS["v100-32gb"].memory_gb)
     assert mem.fits, "\n".join(mem.lines())
     # cp = 8: 1/8 of the sequence's activations. The fused cross-entropy's chunk in flight is a fixed workspace
-    # (at most CE_CHUNK_ELEMENTS rows of the vocabulary shard), not per token: compared without it
-    per_token = dataclasses.replace(recipe_layout(res), fused_ce=False)
+    # (at most CE_CHUNK_ELEMENTS rows of the vocabulary shard), not per token: compared without it, and without the
+    # fused head + loss that train.fused_loss = "auto" takes here (its kept dW is the head's size, not per token)
+    assert res.fused_loss
+    per_token = dataclasses.replace(recipe_layout(res), fused_ce=False, fused_loss=False)
     eighth = device_memory(res.model, per_token, GPUS["v100-32gb"].memory_gb)
     one_rank = device_memory(res.model, dataclasses.replace(per_token, cp=1), GPUS["v100-32gb"].memory_gb)
     assert eighth.activations * 8 == pytest.approx(one_rank.activations)

@@ -31,3 +31,22 @@ def test_planner_follows_the_fused_loss(tmp_path, precision):
     assert abs(measured - planned) <= 0.10 * planned, (measured, planned)
     # measured: fp32 92.6 MB fused vs 117.5 plain; bf16 96.5 vs 104.8 (there dW's fp32 accumulator is transient)
     assert measured < (0.85 if precision == "fp32" else 0.95) * plain["measured_peak_bytes"]
+
+
+# The 405B recipe's layout shrunk (tp 8 and sequence parallelism, ZeRO-2, activation checkpointing, 1F1B, its
+# 128,256-word vocabulary) to a step of seconds: the same moments as its last stage, whose peak is the fused loss's
+# forward (the whole recipe's, 16 layers: 3.707 GB measured, planned 4.30 before and 3.76 now).
+SHRUNK_405B = ["model.n_layer=4", "model.d_model=2048", "model.n_head=16", "model.n_kv_head=8", "model.d_ff=5504",
+               "parallel.pp=2", "parallel.dp=2", "train.grad_accum=2", "train.global_batch=4", "train.seq_len=2048",
+               "train.fused_loss=on"]
+
+
+def test_the_405b_layouts_fused_last_stage_is_planned_within_5_percent():
+    """Measured 0.8326 GB against 0.9411 planned before (-11.5%): the plan put the 16-bit dW product beside the
+    fp32 chunk (they never meet), counted a block recomputed during the loss's forward (only backward recomputes)
+    and a second dh and dW in backward (they are scaled in place); it missed the head's input beside dh."""
+    res = load("recipes/llama3.1-405b.toml", SHRUNK_405B)
+    (last,) = [r for r in roles(res) if r.pp_stage == 1]
+    (row,) = report(res, [run_role(res, last)], 80, 0.0)["roles"]
+    measured, planned = row["measured_peak_bytes"], row["planned_peak_bytes"]
+    assert abs(measured - planned) <= 0.05 * planned, (measured, planned, row["by_category"])

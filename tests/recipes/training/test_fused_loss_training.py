@@ -47,7 +47,11 @@ def test_training_fused_equals_plain_in_parallel(parallel, zero):
 
 
 def test_on_is_taken_and_refused_under_split_backward():
-    assert not tiny_resolved().fused_loss  # auto: the plain head + loss for now (Resolved.fused_loss says why)
+    # auto: the fused head + loss where the planner finds it saves FUSED_LOSS_MIN_SAVING or more on the head's rank
+    assert not tiny_resolved().fused_loss  # 128 tokens of 384 ids: kilobytes either way
+    wide = {"model": {"vocab_size": 65536}, "train": {"micro_batch": 32, "seq_len": 256}}
+    assert tiny_resolved(**wide).fused_loss  # 8,192 tokens x 65,536 ids x 8 bytes: GBs of fp64 logits
+    assert not tiny_resolved(**wide, lora={"rank": 4}).fused_loss  # an adapted head runs the plain path
     assert tiny_resolved(train={"fused_loss": "on"}).fused_loss
     assert not tiny_resolved(train={"fused_loss": "off"}).fused_loss
     split = {"pp": 2, "schedule": "zb_h1"}
