@@ -20,20 +20,16 @@ At r = e = 2, m = 1 this is exactly the paper's 34 and 5. CUDA's fused dropout k
 torch keeps the mask in the dtype of the dropout's input (m = r). Without dropout (p = 0) there is no mask and no
 dropout output.
 
-torch AMP (megazoo's ZeRO-0 in bf16/fp16: fp32 parameters under autocast, recipes/training/model_setup.py) differs from
-the paper's 16-bit model: the embedding's output and every bias add are fp32, so the residual stream is fp32
-(r = 4): the LayerNorm inputs and the checkpoints of full recomputation are 4 bytes an element (measured with
-megatron-8.3b's width at tp = 8: 4 s b h per checkpointed block, not 2); the matmuls run on 16-bit casts of
-their inputs (e = 2) and of their weights, and each matmul keeps its weight's cast for backward: 12 h^2 / t
-elements of e bytes per block and micro-batch in flight, unless the block is recomputed (`weight_copies`).
+torch AMP (ZeRO-0 in bf16/fp16: fp32 parameters under autocast, recipes/training/model_setup.py): the residual
+stream is fp32 (r = 4; LayerNorm inputs and full recomputation's checkpoints: 4 s b h per block at megatron-8.3b's
+width, tp 8, measured), the matmuls run on 16-bit casts (e = 2) and keep their weights' casts for backward, 12 h^2
+/ t elements of e bytes per block and micro-batch in flight unless the block is recomputed (`weight_copies`).
 
-Outside the blocks: the embedding dropout mask (first stage), and on the last stage the final LayerNorm's input
-and the head's (16-bit) input ((r + e) s b h; under autocast of fp32 parameters also the head weight's cast,
-e V h / t) and the logits for the loss, s b V/t elements in the activation dtype plus, below fp32 and with the
-reference cross-entropy only, an fp32 copy (the paper's 4 s b v / t; the fused kernels that training's `auto` runs
-promote a chunk of rows at a time - two chunks in flight, in forward and beside d logits in backward - and keep
-three fp32 numbers per row: `fused_ce`). With checkpointing one
-layer's full activations exist again while it is recomputed in backward.
+Outside the blocks: the embedding dropout mask (first stage); on the last stage the final LayerNorm's and the
+head's inputs ((r + e) s b h; under autocast also the head weight's cast, e V h / t) and the logits, s b V/t
+elements plus, below fp32 with the reference cross-entropy only, an fp32 copy (the paper's 4 s b v / t; the fused
+kernels promote a chunk of rows at a time, two in flight, and keep three fp32 numbers per row: `fused_ce`). With
+checkpointing one layer's full activations exist again while it is recomputed in backward.
 
 Pipeline: what a rank holds at its peak comes from walking its schedule's own action list
 (recipes/planner/schedule_memory.py), chunk by chunk: under 1F1B, stage i holds min(pp - i, micro-batches)
@@ -85,15 +81,12 @@ class ActivationSpec:
     mlp_elements: float = 8.0  # MLP activations per token, in units of h (GELU: 2 d_ff / h; SwiGLU: 4 d_ff / h)
     block_weights: float = 12.0  # matmul weight elements of one block, in units of h^2 (weight_copies)
     mlp_hidden: float = 4.0  # d_ff / h: the MLP output projection's input per token, in units of h
-    # Packed rows (SFT, models/packing.py): attention runs inside each example through fused kernels (CUDA's
-    # variable-length FlashAttention in 16 bits, SDPA per example elsewhere), so without attention dropout no
-    # scores are kept whatever the attention kernel, and no (s x s) mask; with dropout, SDPA's math path keeps
-    # each example's n^2 scores, at most s^2 per row: the unpacked formula is the bound. The per-example path
-    # (32-bit activations, or dropout) also keeps each example's output for its own backward beside their
-    # concatenation (the projection's input): + s b h e / t
+    # Packed rows (SFT, models/packing.py): fused kernels per example, so without attention dropout no scores and
+    # no (s x s) mask; with dropout SDPA's math path keeps each example's n^2 scores (the unpacked formula bounds
+    # it). The per-example path (32-bit, or dropout) keeps each output beside their concatenation: + s b h e / t
     packed: bool = False
-    # The cross-entropy: fused (kernels/cross_entropy.py's torch and Triton, what training's `auto` runs) keeps the
-    # logits and three fp32 numbers per row; False: the reference's fp32 copy of the whole shard (the paper's).
+    # The cross-entropy: fused (kernels/cross_entropy.py, training's `auto`) keeps the logits and three fp32 numbers
+    # per row; False: the reference's fp32 copy of the whole shard (the paper's).
     fused_ce: bool = False
     # Attention per token, in units of h: tp-sharded (Q, K, V and the output projection's input: 4), and
     # replicated over tp (latent attention's down-projection outputs and its gathered latents: 0 otherwise).
@@ -137,8 +130,7 @@ class ActivationSpec:
             width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
             attention = cfg.n_head * ((4 if flash_attention else 3) * width + cfg.v_head_dim) / h
             latent = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) / h
-        # FP8 linears run outside autocast: no 16-bit weight casts, QKV's and fc1's inputs kept as they arrive
-        copies = amp and fp8 == "none"
+        copies = amp and fp8 == "none"  # FP8 linears run outside autocast: no 16-bit weight casts
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
                               4 if amp else 0, copies, mlp, block_matmul_params(cfg) / (h * h), hidden,
                               packed, fused_ce, attention, latent, *moe, fp8)
@@ -381,12 +373,10 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
             workspace = loss_backward + (spec.mlp_elements * e * sbh / tp if n else 0.0)
-        # The rank's peak adds one recomputed layer under checkpointing (StageActivations.total_bytes), yet the
-        # loss's backward runs before any layer is recomputed: qwen3-30b-a3b's 2-layer dry run peaks in it with no
-        # recomputed activation alive, so for MoE models (whose recomputed layer is large) that moment is taken net
-        # of it. Dense models keep the double count: it stands in for what the 405B dry run's last stage holds in
-        # its recomputed block's backward and the planner does not model (ZeRO-2's buckets of the head's gradient,
-        # 0.75 GB): netting it there puts that stage 23% under.
+        # The peak adds one recomputed layer under checkpointing (StageActivations.total_bytes), yet the loss's
+        # backward runs before any is recomputed: for MoE models (large recomputed layers; qwen3-30b-a3b's dry run
+        # peaks there) that moment is net of it. Dense models keep the double count, standing in for ZeRO-2's head
+        # gradient buckets in the 405B last stage's recomputed backward (0.75 GB; netting it: 23% under).
         again = full if checkpointing and n and spec.moe_token_bytes else 0.0
         if last and schedule not in SPLIT_BACKWARD:  # the unsplit backward frees d logits before the blocks' (the
             workspace = max(workspace, loss_backward - again)  # 405B dry run's last stage)
