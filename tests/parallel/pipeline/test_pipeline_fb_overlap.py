@@ -6,6 +6,7 @@ and the recorded events show each all-to-all of one micro-batch in flight while 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness import run_distributed
@@ -14,8 +15,8 @@ from megazoo.parallel.expert.dispatch import _inverse, _rank_major_to_expert_maj
 from megazoo.parallel.pipeline.engine import PipelineEngine
 from megazoo.parallel.pipeline.fb_overlap import (Compute, Events, Exchange, backward_steps, forward_steps,
                                                   overlapped, run, run_pair)
-from megazoo.parallel.pipeline.overlap_engine import OverlapPipelineEngine, pairs
-from megazoo.parallel.pipeline.p2p import plan_for
+from megazoo.parallel.pipeline.overlap_engine import OverlapPipelineEngine, overlap_plan, pairs
+from megazoo.parallel.pipeline.p2p import check_plan, plan_for
 from megazoo.parallel.topology import Topology, group_rank, group_size
 
 D, E, V, B, S = 4, 4, 11, 2, 3  # width, routed experts, vocabulary, micro-batch rows, sequence
@@ -169,7 +170,8 @@ def _pipeline(m: int, overlap: bool):
     losses = engine.run(_data(topo.dp_rank, m), steps)
     grads = {f"{r}.{c}.{n}": g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
     log = engine.events.log if overlap else []
-    return topo.pp_rank, topo.dp_rank, [float(x) for x in losses], grads, log, len(pairs(steps))
+    n_pairs = len(pairs(overlap_plan(steps, 2, r)))
+    return topo.pp_rank, topo.dp_rank, [float(x) for x in losses], grads, log, n_pairs
 
 
 def _dense(m: int, dp: int):
@@ -220,3 +222,19 @@ def test_dualpipev_overlap_equals_plain_dualpipev_and_dense_at_pp2_ep2():
             torch.testing.assert_close(got, want, rtol=0, atol=TOL, msg=f"stage {stage} {local}")
             compared += 1
     assert compared == 1 + 4 * 3  # the embedding, and each stage's Wa, Wr and experts
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_the_overlapped_pairs_are_dualpipev_steady_rounds_on_the_checked_plan(pp, m):
+    """The overlap engine's plan (overlap_plan: a transfer batch moved before an F/B pair when it does not carry
+    the first one's output) passes p2p.check_plan (rendezvous rules, NCCL's); the engine pairs only an F and a
+    B of different micro-batches with no transfer between them, and on every rank every one of the
+    2 (m - 2 pp + r + 1) (F, B) pairs of DualPipe-V's steady rounds (F0, B1) (F1, B0)."""
+    plans = [overlap_plan(plan_for("dualpipev", m, pp, r, 2), pp, r) for r in range(pp)]
+    check_plan(plans)
+    for r, steps in enumerate(plans):
+        found = pairs(steps)
+        for k in found:
+            a, b = steps[k].action, steps[k + 1].action
+            assert {a[0], b[0]} == {"F", "B"} and a[1] != b[1] and not steps[k + 1].transfers
+        assert len(found) >= 2 * (m - 2 * pp + r + 1), (r, len(found))
