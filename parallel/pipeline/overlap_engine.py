@@ -100,7 +100,6 @@ class OverlapPipelineEngine(PipelineEngine):
         losses: dict[int, torch.Tensor] = {}
         outbox: dict[tuple, torch.Tensor] = {}
         inbox: dict[tuple, torch.Tensor] = {}
-        last_backward = max((k for k, st in enumerate(steps) if st.action and st.action[0] == "B"), default=-1)
 
         def forward(micro: int, chunk: int):
             stage = self._stage(chunk)
@@ -140,6 +139,8 @@ class OverlapPipelineEngine(PipelineEngine):
             return forward(micro, chunk) if kind == "F" else backward(micro, chunk)
 
         steps = overlap_plan(steps, self.topo.pp, self.topo.pp_rank, self.placement)
+        # The last action that accumulates parameter gradients (every B here: W is a no-op): ZeRO-1 reduces in it.
+        last_backward = max((k for k, st in enumerate(steps) if st.action and st.action[0] == "B"), default=-1)
         paired = pairs(steps)
         k = 0
         while k < len(steps):

@@ -167,11 +167,12 @@ def _pipeline(m: int, overlap: bool):
     cls = OverlapPipelineEngine if overlap else PipelineEngine
     engine = cls(chunks, topo, hidden_size=D, activation_dtype=torch.float64, loss_fn=_loss, placement="v")
     steps = plan_for("dualpipev", m, 2, r, 2)
-    losses = engine.run(_data(topo.dp_rank, m), steps)
+    calls: list[bool] = []  # before_backward's "is this the last gradient-accumulating action" flags
+    losses = engine.run(_data(topo.dp_rank, m), steps, before_backward=calls.append)
     grads = {f"{r}.{c}.{n}": g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
     log = engine.events.log if overlap else []
     n_pairs = len(pairs(overlap_plan(steps, 2, r)))
-    return topo.pp_rank, topo.dp_rank, [float(x) for x in losses], grads, log, n_pairs
+    return topo.pp_rank, topo.dp_rank, [float(x) for x in losses], grads, log, n_pairs, calls
 
 
 def _dense(m: int, dp: int):
@@ -192,7 +193,8 @@ def test_dualpipev_overlap_equals_plain_dualpipev_and_dense_at_pp2_ep2():
     plain_runs = run_distributed(_pipeline, 4, m, False)
     dense_losses, dense = _dense(m, 2)
     for got, ref in zip(overlapped_runs, plain_runs):
-        pp_rank, dp_rank, losses, grads, log, n_pairs = got
+        pp_rank, dp_rank, losses, grads, log, n_pairs, calls = got
+        assert calls[-1] and sum(calls) == 1 and ref[6][-1] and sum(ref[6]) == 1  # ZeRO-1's hook: once, last
         assert losses == ref[2]
         for name in grads:
             torch.testing.assert_close(grads[name], ref[3][name], rtol=0, atol=TOL, msg=name)
@@ -238,3 +240,26 @@ def test_the_overlapped_pairs_are_dualpipev_steady_rounds_on_the_checked_plan(pp
             a, b = steps[k].action, steps[k + 1].action
             assert {a[0], b[0]} == {"F", "B"} and a[1] != b[1] and not steps[k + 1].transfers
         assert len(found) >= 2 * (m - 2 * pp + r + 1), (r, len(found))
+
+
+def test_the_overlap_engine_refuses_chunks_without_sub_stages_autocast_and_packed_rows():
+    topo = Topology.solo()
+    with pytest.raises(ValueError, match=r"chunks \[0\] are not"):
+        OverlapPipelineEngine([torch.nn.Linear(D, D)], topo, hidden_size=D, activation_dtype=torch.float64,
+                              loss_fn=_loss)
+    engine = OverlapPipelineEngine([ToyMoE([0], True)], topo, hidden_size=D, activation_dtype=torch.float64,
+                                   loss_fn=_loss)
+    steps = plan_for("1f1b", 1, 1, 0)
+    x, y = _data(0, 1)[0]
+    with pytest.raises(ValueError, match="without autocast and without packed rows"):
+        engine.run([(x, y, torch.zeros_like(x))], steps)
+    with pytest.raises(ValueError, match="without autocast"):
+        engine.run([(x, y)], steps, autocast=lambda: torch.autocast("cpu"))
+    # One process, every expert local (ep = 1: the exchanges pass through): equals the ordinary module.
+    (loss,) = engine.run([(x, y)], steps)
+    plain = ToyMoE([0], True)
+    want = _loss(plain(x), y)
+    want.backward()
+    assert float(loss) == float(want.detach())
+    for (name, got), ref in zip(engine.chunks[0].named_parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=0, atol=TOL, msg=name)
