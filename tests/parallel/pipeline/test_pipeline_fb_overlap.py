@@ -1,7 +1,7 @@
 """DualPipe-V's forward/backward overlap with expert parallelism (parallel/pipeline/fb_overlap.py,
-overlap_engine.py) on a tiny MoE chunk written both ways: an ordinary module whose MoE goes through the library's
-dispatcher (expert/dispatch.py, synchronous all-to-alls), and the same math as sub-stages (attention | dispatch |
-experts | combine). fp64: the overlapped run equals the non-overlapped one and a dense single process to 1e-12,
+overlap_engine.py, moe_stages.py) on a tiny MoE chunk written both ways: an ordinary module whose MoE goes through
+the library's dispatcher (expert/dispatch.py, synchronous all-to-alls), and the same layers as moe_stages'
+sub-stages (route | dispatch | experts | combine). fp64: the overlapped run equals the non-overlapped one and a dense single process to 1e-12,
 and the recorded events show each all-to-all of one micro-batch in flight while the other micro-batch computes."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from harness import run_distributed
-from megazoo.parallel.expert.comms import exchange_counts
-from megazoo.parallel.expert.dispatch import _inverse, _rank_major_to_expert_major, dispatch_combine
+from megazoo.parallel.expert.dispatch import dispatch_combine
 from megazoo.parallel.pipeline.engine import PipelineEngine
-from megazoo.parallel.pipeline.fb_overlap import (Compute, Events, Exchange, backward_steps, forward_steps,
-                                                  overlapped, run, run_pair)
+from megazoo.parallel.pipeline.fb_overlap import Events, backward_steps, forward_steps, overlapped, run, run_pair
+from megazoo.parallel.pipeline.moe_stages import moe_sub_stages
 from megazoo.parallel.pipeline.overlap_engine import OverlapPipelineEngine, overlap_plan, pairs
 from megazoo.parallel.pipeline.p2p import check_plan, plan_for
 from megazoo.parallel.topology import Topology, group_rank, group_size
@@ -65,48 +64,23 @@ class ToyMoE(torch.nn.Module):
 
     def sub_stages(self):
         stages = []
+        last = len(self.layers) - 1
         for j in range(len(self.layers)):
-            stages += [Compute(f"attn{j}", self._attn_stage(j)),
-                       Exchange(f"dispatch{j}", 2, lambda ctx, j=j: (ctx[j]["recv"], ctx[j]["send"]), self.group),
-                       Compute(f"experts{j}", self._experts_stage(j)),
-                       Exchange(f"combine{j}", 2, lambda ctx, j=j: (ctx[j]["send"], ctx[j]["recv"]), self.group),
-                       Compute(f"combine{j}", self._combine_stage(j))]
+            def before(ctx, inputs, j=j):
+                (h,) = inputs
+                if j == 0:  # the chunk's input: token ids on the first stage, else (b, s, d)
+                    ctx["shape"] = (*h.shape, D) if self.emb is not None else h.shape
+                    h = (self.emb[h] if self.emb is not None else h).reshape(-1, D)
+                return h + torch.tanh(h @ self.wa[j])
+
+            def route(h, j=j):
+                w, idx = torch.softmax(h @ self.wr[j], -1).topk(1, -1)
+                return w, idx
+
+            def after(ctx, h, moe, j=j):
+                return ((h + moe).view(ctx["shape"]),) if j == last else (h + moe,)
+            stages += moe_sub_stages(f"layer{j}", before, route, self._experts(j), after, E, self.group)
         return stages
-
-    def _attn_stage(self, j: int):
-        def fn(ctx, inputs):
-            (h,) = inputs
-            if j == 0:
-                ctx["shape"] = (*h.shape, D) if self.emb is not None else h.shape
-                h = (self.emb[h] if self.emb is not None else h).reshape(-1, D)
-            h1, w, idx = self._attn(j, h)
-            order = torch.argsort(idx.reshape(-1), stable=True)
-            counts = torch.bincount(idx.reshape(-1), minlength=E)
-            received = exchange_counts(counts, self.group)
-            ep = group_size(self.group)
-            host = torch.cat([counts, received]).tolist()
-            send = [sum(host[r * self.n:(r + 1) * self.n]) for r in range(ep)]
-            recv = [sum(host[E + r * self.n:E + (r + 1) * self.n]) for r in range(ep)]
-            received = received.view(ep, self.n)
-            ctx[j] = {"order": order, "send": send, "recv": recv, "local": received.sum(0),
-                      "regroup": _rank_major_to_expert_major(received, sum(recv))}
-            return h1, w, h1.index_select(0, order)
-        return fn
-
-    def _experts_stage(self, j: int):
-        def fn(ctx, inputs):
-            h1, w, arrived = inputs
-            regroup = ctx[j]["regroup"]
-            computed = self._experts(j)(arrived.index_select(0, regroup), ctx[j]["local"])
-            return h1, w, computed.index_select(0, _inverse(regroup))
-        return fn
-
-    def _combine_stage(self, j: int):
-        def fn(ctx, inputs):
-            h1, w, back = inputs
-            h = h1 + back.index_select(0, _inverse(ctx[j]["order"])) * w
-            return (h.view(ctx["shape"]),) if j == len(self.layers) - 1 else (h,)
-        return fn
 
 
 def _loss(out, y):
@@ -142,7 +116,8 @@ def _pair_on_ep_rank():
     out0, rec0 = run(forward_steps(stages, data[0][0], 0, events))
     (out1, rec1), _ = run_pair(forward_steps(stages, data[1][0], 1, events), backward(rec0, out0, data[0][1]))
     run(backward(rec1, out1, data[1][1]))
-    return _grads(plain), _grads(staged), events.log, [rec.ctx[j]["send"] for rec in (rec0, rec1) for j in (0, 1)]
+    sends = [rec.ctx[f"layer{j}"]["send"] for rec in (rec0, rec1) for j in (0, 1)]
+    return _grads(plain), _grads(staged), events.log, sends
 
 
 def test_overlapped_pair_equals_plain_autograd_and_overlaps():
@@ -153,7 +128,7 @@ def test_overlapped_pair_equals_plain_autograd_and_overlaps():
             torch.testing.assert_close(staged[name], plain[name], rtol=0, atol=TOL, msg=f"rank {rank} {name}")
         seen = overlapped(Events(log))
         # Both directions: F's dispatch travels under B's computes, and B's gradient all-to-alls under F's.
-        assert (1, "dispatch0", "F", 0, "combine1") in seen, seen
+        assert (1, "layer0.dispatch", "F", 0, "layer1.combine") in seen, seen
         assert any(p == "B" and m == 0 and other == 1 for m, _, p, other, _ in seen), seen
         launches = [e for e in log if e[0] == "launch"]
         assert len(launches) == 16  # 2 micro-batches x 2 layers x (dispatch, combine) x (F, B)
