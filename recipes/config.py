@@ -75,11 +75,11 @@ class ParallelSection:
     sequence_parallel: bool = False
     node_size: int = 0  # processes per node for HSDP / hpZ; 0: the launcher's LOCAL_WORLD_SIZE (one node alone)
     ep: int = 1  # expert parallelism: an MoE model's routed experts split over ep ranks of dp x cp (parallel/expert)
+    fb_overlap: bool = False  # dualpipev + ep: one micro-batch's all-to-alls under another's compute (fb_overlap.py)
 
     def __post_init__(self):  # an unset virtual_stages is the schedule's own number (interleaved's: set it)
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", CHUNKS.get(self.schedule) or 1)
-
 
 @dataclass(frozen=True)
 class TrainSection:

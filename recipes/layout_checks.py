@@ -53,6 +53,7 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
     elif par.virtual_stages != 1:
         raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
                           "'interleaved' (or 'zbv' / 'dualpipev' with 2); valid with gpipe/1f1b/zb_h1: 1")
+    _check_fb_overlap(par)
     # "parameters" balancing counts the embeddings on the first stage and the head (the tied embedding's copy or
     # an untied lm_head) on the last, in units of one block's parameters (block 0's: every block has the same
     # shapes).
@@ -183,3 +184,21 @@ def _check_node_limit(recipe: Recipe, cfg: ModelConfig) -> None:
                                   f"{par.node_size} (tp = {par.tp}); valid: a node_size holding "
                                   f"{ranks_per_node} x tp = {ranks_per_node * par.tp} processes (or a multiple), "
                                   "or moe_nodes = ep / (ep ranks per node)")
+
+
+def _check_fb_overlap(par) -> None:
+    """parallel.fb_overlap: DualPipe-V's forward/backward overlap (parallel/pipeline/fb_overlap.py) hides the
+    all-to-alls of expert parallelism, so it needs both. The trainer's decoder blocks are not yet split into the
+    sub-stages it runs (attention | dispatch | experts | combine): refused with that reason until they are."""
+    if not par.fb_overlap:
+        return
+    if par.schedule != "dualpipev":
+        raise RecipeError(f"parallel.fb_overlap = true needs parallel.schedule = 'dualpipev' (got "
+                          f"{par.schedule!r}): only its steady state pairs one micro-batch's forward with "
+                          "another's backward; valid: schedule = 'dualpipev', or fb_overlap = false")
+    if par.ep < 2:
+        raise RecipeError(f"parallel.fb_overlap = true needs parallel.ep >= 2 (got ep = {par.ep}): it hides the "
+                          "expert all-to-alls, and without expert parallelism there are none; valid: ep >= 2, or "
+                          "fb_overlap = false")
+    raise RecipeError("parallel.fb_overlap = true: the model's decoder blocks are not split into sub-stages yet "
+                      "(parallel/pipeline/fb_overlap.py runs only chunks with sub_stages()); valid: false")

@@ -1,0 +1,171 @@
+"""The pipeline engine with DualPipe-V's forward/backward overlap (fb_overlap.py) for sub-staged chunks.
+
+It executes the same p2p plan as PipelineEngine. Where the plan has a forward and a backward of two different
+micro-batches back to back with no transfer between them (DualPipe-V's steady state: both inputs already in the
+inbox, both outputs going to the outbox), it runs them as one overlapped pair: each one's all-to-alls travel while
+the other computes. Every other action runs alone, its all-to-alls waited right away.
+
+Differences from PipelineEngine, stated: a split backward (B with a later W) runs whole at B - the sub-stages
+already free the graph piece by piece, so W has nothing left and is a no-op; packed rows (segment ids) and
+autocast are not supported (refused); per-kind compute times are not recorded, only the whole schedule's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from megazoo.parallel.pipeline.engine import PipelineEngine
+from megazoo.parallel.pipeline.fb_overlap import Events, backward_steps, forward_steps, run, run_pair
+from megazoo.parallel.pipeline.p2p import Step, is_local, post
+from megazoo.parallel.pipeline.schedules import stage_of
+
+
+def _output(action, pp: int, rank: int, placement: str) -> tuple[int, int, bool]:
+    kind, micro, chunk = action
+    return (micro, stage_of(chunk, pp, rank, placement), kind == "B")
+
+
+def _input(action, pp: int, rank: int, placement: str) -> tuple[int, int, bool]:
+    kind, micro, chunk = action
+    stage = stage_of(chunk, pp, rank, placement)
+    return (micro, stage - 1, False) if kind == "F" else (micro, stage + 1, True)
+
+
+def overlap_plan(steps: list[Step], pp: int, rank: int, placement: str = "v") -> list[Step]:
+    """The plan with each transfer batch T that sits between an F and a B of two micro-batches (A, T, B) moved
+    out of the way, so that the two run back to back as one overlapped pair: before A (T, A, B) when T does not
+    send A's output, else after B (A, B, T) when T does not receive B's input. Either way no action waits on
+    anything new (A fed nothing in T; B needed nothing from it) and T's peer side is unchanged; p2p.check_plan
+    is run on the result in the tests, as on every plan."""
+    out = list(steps)
+    k = 0
+    while k + 2 < len(out):
+        a, t, b = out[k], out[k + 1], out[k + 2]
+        if _pairable(a, t):  # already back to back: leave them (pairs() takes them)
+            k += 2
+            continue
+        if t.action is not None or b.transfers or not _pairable(a, Step((), b.action)):
+            k += 1
+            continue
+        if not any(x.send and x.identity == _output(a.action, pp, rank, placement) for x in t.transfers):
+            out[k], out[k + 1] = t, a
+        elif not any(not x.send and x.identity == _input(b.action, pp, rank, placement) for x in t.transfers):
+            out[k + 1], out[k + 2] = b, t
+        k += 3
+    return out
+
+
+def _pairable(first: Step, second: Step) -> bool:
+    a, b = first.action, second.action
+    return (a is not None and b is not None and not second.transfers and {a[0], b[0]} == {"F", "B"}
+            and a[1] != b[1])
+
+
+def pairs(steps: list[Step]) -> set[int]:
+    """Indices k whose action runs overlapped with action k + 1: an F and a B of different micro-batches, back to
+    back, with no transfer posted between them."""
+    found: set[int] = set()
+    k = 0
+    while k + 1 < len(steps):
+        if _pairable(steps[k], steps[k + 1]):
+            found.add(k)
+            k += 2
+        else:
+            k += 1
+    return found
+
+
+class OverlapPipelineEngine(PipelineEngine):
+    """PipelineEngine for chunks with `sub_stages()` (fb_overlap.SubStaged); `events` records what ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        missing = [i for i, c in enumerate(self.chunks) if not hasattr(c, "sub_stages")]
+        if missing:
+            raise ValueError(f"the forward/backward overlap needs every model chunk split into sub-stages "
+                             f"(sub_stages()); chunks {missing} are not")
+        self.events = Events()
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, ...]], steps: list[Step], *, loss_scale: float = 1.0,
+            autocast=contextlib.nullcontext, forward_only: bool = False,
+            before_backward: Callable[[bool], None] | None = None) -> list[torch.Tensor]:
+        if autocast is not contextlib.nullcontext or any(len(mb) > 2 for mb in micro_batches):
+            raise ValueError("the forward/backward overlap runs without autocast and without packed rows")
+        start = self.stats.start()
+        m = len(micro_batches)
+        saved: dict[tuple[int, int], tuple] = {}
+        losses: dict[int, torch.Tensor] = {}
+        outbox: dict[tuple, torch.Tensor] = {}
+        inbox: dict[tuple, torch.Tensor] = {}
+
+        def forward(micro: int, chunk: int):
+            stage = self._stage(chunk)
+            first, last = stage == 0, stage == self.stages - 1
+            x = micro_batches[micro][0] if first else inbox.pop((micro, stage - 1, False))
+            out, record = yield from forward_steps(self.chunks[chunk].sub_stages(), x, micro, self.events,
+                                                   grad=not forward_only)
+            loss = None
+            if last:
+                out.requires_grad_(not forward_only)
+                with torch.set_grad_enabled(not forward_only):
+                    loss = self.loss_fn(out, micro_batches[micro][1])
+                losses[micro] = loss.detach()
+            else:
+                box = inbox if is_local(stage, stage + 1, self.topo.pp, self.placement) else outbox
+                box[(micro, stage, False)] = out.detach().contiguous()
+            if not forward_only:
+                saved[(micro, chunk)] = (record, out, loss)
+                self.stats.max_live_micro_batches = max(self.stats.max_live_micro_batches, len(saved))
+
+        def backward(micro: int, chunk: int):
+            stage = self._stage(chunk)
+            first, last = stage == 0, stage == self.stages - 1
+            record, out, loss = saved.pop((micro, chunk))
+            if last:
+                torch.autograd.backward(loss * (loss_scale / m))
+                grad = out.grad
+            else:
+                grad = inbox.pop((micro, stage + 1, True))
+            dx = yield from backward_steps(record, grad, self.events)
+            if not first:
+                box = inbox if is_local(stage, stage - 1, self.topo.pp, self.placement) else outbox
+                box[(micro, stage, True)] = dx.contiguous()
+
+        def job(action):
+            kind, micro, chunk = action
+            return forward(micro, chunk) if kind == "F" else backward(micro, chunk)
+
+        steps = overlap_plan(steps, self.topo.pp, self.topo.pp_rank, self.placement)
+        # The last action that accumulates parameter gradients (every B here: W is a no-op): ZeRO-1 reduces in it.
+        last_backward = max((k for k, st in enumerate(steps) if st.action and st.action[0] == "B"), default=-1)
+        paired = pairs(steps)
+        k = 0
+        while k < len(steps):
+            step = steps[k]
+            buffers = []
+            for t in step.transfers:
+                if t.send:
+                    buffers.append(outbox.pop(t.identity))
+                else:
+                    b, s = micro_batches[t.micro][0].shape
+                    inbox[t.identity] = torch.empty((b, s, self.hidden), dtype=self.dtype, device=self.topo.device)
+                    buffers.append(inbox[t.identity])
+            post(step.transfers, buffers, self.topo.pp_ranks)
+            buffers.clear()
+            if step.action is None or step.action[0] == "W":  # W: its B ran the whole backward
+                k += 1
+                continue
+            both = [step.action] + ([steps[k + 1].action] if k in paired else [])
+            if before_backward is not None and any(a[0] == "B" for a in both):
+                before_backward(last_backward in (k, k + len(both) - 1))
+            if len(both) == 2:
+                run_pair(job(both[0]), job(both[1]))
+            else:
+                run(job(both[0]))
+            k += len(both)
+        assert not outbox and not inbox and not saved, "the p2p plan left transfers or backwards undone"
+        self.stats.stop(start, busy=False)
+        return [losses[i] for i in range(m)] if losses else []
