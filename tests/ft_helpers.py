@@ -241,3 +241,108 @@ def start_group_of_two(group: int, port: int, sections: dict, address: str, outs
     for p in procs:
         p.start()
     return procs
+
+
+# ---- groups of ranks without a port race, and a join marker (session 3) ------------------------------------------
+def _ranks_main(group: int, rank: int, nproc: int, ports, sections: dict, address: str, out: str,
+                options: dict) -> None:
+    """One rank of an `nproc`-rank replica group. Rank 0 binds its TCPStore on a port the kernel picks (port 0) and
+    hands it to the others through `ports` (a pipe per peer): no port is chosen before it is bound, so no other
+    process on a busy machine can take it in between. options as _group_rank_main's, plus `joining`: a file rank 0
+    touches right before the group's first quorum request (ReplicaGroup.join), i.e. once the group is about to
+    ask the lighthouse to let it in (a live group held on it then meets it in its next quorum)."""
+    torch.set_num_threads(1)
+    try:
+        from dataclasses import replace
+
+        from torch.distributed import TCPStore
+
+        from megazoo.parallel.fault_tolerance import replica
+        from megazoo.parallel.topology import init_distributed
+        if rank == 0:
+            store = TCPStore("localhost", 0, nproc, is_master=True, wait_for_workers=False)
+            port = store.port
+            for pipe in ports:
+                pipe.send(port)
+        else:
+            port = ports.recv()
+            store = TCPStore("localhost", port, nproc, is_master=False, wait_for_workers=False)
+        init_distributed(rank, nproc, store, timeout_s=120)
+        env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "localhost",
+               "MASTER_PORT": str(port), RESTART_ENV: "1" if options.get("restarted") else "0"}
+        recipe, spec = replica_setup(tiny_recipe(**sections), env)
+        res = resolve(recipe, world_size=nproc)
+        topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
+        trainer = Trainer(res, topo, replica_group=group)
+        _arm(trainer, rank, options.get("die"))
+        for hold in options.get("holds") or ():
+            _hold(trainer, hold)
+        if options.get("joining") is not None and rank == 0:
+            join, marker = replica.ReplicaGroup.join, options["joining"]
+
+            def joining(self, *args, **kwargs):
+                Path(marker).touch()
+                return join(self, *args, **kwargs)
+            replica.ReplicaGroup.join = joining  # this fork's class only
+        snapshots: dict[int, dict] = {}
+        if options.get("snapshots"):  # the full parameters each step starts from (collective: every rank takes it)
+            step_fn = trainer.train_step
+
+            def snapshot_then_step(step: int, stop: bool = False) -> dict:
+                snapshots[step] = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+                return step_fn(step, stop)
+            trainer.train_step = snapshot_then_step
+        result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
+        views = trainer.zero.state_views()
+        torch.save({"losses": result.losses, "full": trainer.full_state_dict(),
+                    "names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
+                    "tensors": [v.tensor.clone() for v in views],
+                    "optimizer_steps": optimizer_steps(trainer.optimizer), "snapshots": snapshots}, out)
+    except BaseException:  # noqa: BLE001 - the test reads it
+        torch.save({"error": traceback.format_exc()}, out)
+    os._exit(0)
+
+
+def start_ranks(group: int, sections: dict, address: str, outs: list[Path], **options) -> list[mp.Process]:
+    """Replica group `group` as len(outs) forked ranks (see _ranks_main): options restarted, die, holds
+    [(step, file)], joining (file), snapshots (bool: the result holds the full parameters each step started from,
+    by step; a step run again after a failed one keeps its last)."""
+    _warm_up()
+    ctx = mp.get_context("fork")
+    nproc = len(outs)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc - 1)]  # (receiving end, sending end) per peer of rank 0
+    options = {**options, "holds": [(step, str(path)) for step, path in options.get("holds") or ()],
+               "joining": str(options["joining"]) if options.get("joining") is not None else None}
+    procs = [ctx.Process(target=_ranks_main, args=(group, r, nproc, [s for _, s in pipes] if r == 0 else
+                                                   pipes[r - 1][0], sections, address, str(outs[r]), options))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def published_files(run_dir: Path, group: int) -> dict[str, str]:
+    """sha256 of every published checkpoint file of a group (step_N folders only: nothing in flight)."""
+    import hashlib
+    root = Path(run_dir) / f"group-{group}" / "checkpoints"
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.glob("step_*/**/*")) if p.is_file()}
+
+
+def end_group_after_a_death(procs: list[mp.Process], rank: int, timeout_s: float = 300) -> None:
+    """Rank `rank` SIGKILLs itself (see _arm): once it is dead, end the others as torchrun would (it stops a group
+    whose worker died). A peer may have ended by itself first (its collective with the dead rank failed): how it
+    ended does not matter, torchrun ends it either way."""
+    wait_for(lambda: procs[rank].exitcode is not None, timeout_s, f"rank {rank} of the group to die")
+    assert procs[rank].exitcode == -signal.SIGKILL, [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.join()
+
+
+def patient_lighthouse() -> Lighthouse:
+    """A lighthouse that waits up to 3 s for a group that heartbeats but has not asked for this quorum yet (a
+    process starved on a loaded machine), so a restarted group that is joining meets the live one in its next
+    quorum instead of each forming one alone."""
+    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=2000))

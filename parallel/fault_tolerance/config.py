@@ -2,8 +2,9 @@
 recipes/config.py, the resolver and `megazoo --help` load without either.
 
 With `enabled = true` the recipe's `parallel.dp` ranks are cut into `replica_groups` groups of dp / replica_groups
-ranks each (x tp x pp x cp). Each group is its own torch.distributed job (ZeRO shards over the group's dp ranks:
-HSDP's shard dimension); the groups are torchft replica groups, HSDP's replica dimension: the gradients are
+ranks each (x tp x pp x cp). Each group is its own torch.distributed job (ZeRO 0-3 shards over the group's dp ranks:
+HSDP's shard dimension; with zero.shard_group = "node" over each node of the group, a group of one node being one
+HSDP replica); the groups are torchft replica groups, HSDP's replica dimension: the gradients are
 averaged across the live groups through torchft's fault-tolerant process group after every step's quorum, a
 group that fails is dropped and the others go on, and a restarted group heals from a live one
 (parallel/fault_tolerance/replica.py). The lighthouse (torchft's quorum server) is started by `megazoo train`
@@ -71,12 +72,6 @@ def check_fault_tolerance(ft: FaultToleranceConfig, *, dp: int, zero_stage: int,
     if ft.lighthouse and not LIGHTHOUSE_ADDRESS.match(ft.lighthouse):
         raise ValueError(f"fault_tolerance.lighthouse = {ft.lighthouse!r} is invalid; valid: \"http://HOST:PORT\" of "
                          "a running torchft lighthouse, or \"\" (megazoo train starts one)")
-    if zero_stage not in (0, 1, 2):
-        raise ValueError(f"fault_tolerance with zero.stage = {zero_stage} is not supported; valid: 0, 1, 2 (inside a "
-                         "group ZeRO shards over the group's dp ranks; stage 3's parameter shards are not healed yet)")
-    if shard_group != "dp":
-        raise ValueError(f"fault_tolerance with zero.shard_group = {shard_group!r} is invalid; valid: \"dp\" (each "
-                         "replica group is the shard group, the groups are HSDP's replicas: replica_groups sets them)")
     if optimizer != "adamw":
         raise ValueError(f"fault_tolerance with optimizer.name = {optimizer!r} is invalid; valid: \"adamw\" (the "
                          "compressed optimizers run their own data-parallel exchange, outside torchft's quorum)")

@@ -10,7 +10,7 @@ groups together are HSDP's replica dimension. Per optimizer step, on every rank 
                (below) is every ZeRO state view (parameters, fp32 masters, Adam moments: the same views checkpoints
                use), the optimizer's update count, the loss scaler and every RNG stream the step draws from.
   reduce       `reduce_gradients(grads)` (called by parallel/zero/interface.optimizer_step after the group's own
-               reduction): each of this rank's gradient tensors (ZeRO-0: the full flat buffers, ZeRO-1/2: the owned
+               reduction): each of this rank's gradient tensors (ZeRO-0: the full flat buffers, ZeRO-1/2/3: the owned
                chunks) is all-reduced (average over the live groups) with the same rank of every other live group
                through torchft's fault-tolerant gloo / NCCL group. A failed peer makes the all-reduce fail quietly:
                the step is not committed, and the next quorum goes on without it.

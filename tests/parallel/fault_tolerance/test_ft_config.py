@@ -53,10 +53,6 @@ def test_a_valid_section_resolves_with_the_whole_layouts_batch():
      r"lighthouse = 'node7:29510' is invalid; valid: \"http://HOST:PORT\""),
     ({"parallel": {"dp": 2}, "fault_tolerance": {**ON, "max_group_restarts": -1}},
      r"max_group_restarts = -1 is invalid"),
-    ({"parallel": {"dp": 2}, "zero": {"stage": 3}, "fault_tolerance": ON},
-     r"zero\.stage = 3 is not supported; valid: 0, 1, 2"),
-    ({"parallel": {"dp": 4, "node_size": 2}, "zero": {"stage": 2, "shard_group": "node"}, "fault_tolerance": ON},
-     r"zero\.shard_group = 'node' is invalid; valid: \"dp\""),
     ({"parallel": {"dp": 2}, "optimizer": {"name": "onebit_adam"}, "fault_tolerance": ON},
      r"optimizer\.name = 'onebit_adam' is invalid; valid: \"adamw\""),
     ({"fault_tolerance": {"straggler_factor": 0.5}},
@@ -71,3 +67,11 @@ def test_bad_combinations_refused_before_any_process(sections, message):
 def test_off_section_checks_nothing_of_the_layout():
     # replica_groups that would not divide dp are fine while fault tolerance is off
     tiny_resolved(parallel={"dp": 1}, fault_tolerance={"replica_groups": 3})
+
+
+def test_zero3_and_hsdp_inside_a_group_resolve():
+    """No longer refused (tests/parallel/fault_tolerance/test_replica_groups_zero3.py trains, kills and heals them)."""
+    for zero, parallel in (({"stage": 3}, {"dp": 4}), ({"stage": 3, "shard_group": "node"}, {"dp": 4, "node_size": 2}),
+                           ({"stage": 2, "shard_group": "node"}, {"dp": 4, "node_size": 1})):
+        res = tiny_resolved(parallel=parallel, zero=zero, fault_tolerance=ON)
+        assert res.recipe.zero.stage == zero["stage"] and res.global_batch == 4 * 4
