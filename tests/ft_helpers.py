@@ -248,16 +248,15 @@ def _ranks_main(group: int, rank: int, nproc: int, ports, sections: dict, addres
                 options: dict) -> None:
     """One rank of an `nproc`-rank replica group. Rank 0 binds its TCPStore on a port the kernel picks (port 0) and
     hands it to the others through `ports` (a pipe per peer): no port is chosen before it is bound, so no other
-    process on a busy machine can take it in between. options as _group_rank_main's, plus `joining`: a file rank 0
-    touches right before the group's first quorum request (ReplicaGroup.join), i.e. once the group is about to
-    ask the lighthouse to let it in (a live group held on it then meets it in its next quorum)."""
+    process on a busy machine can take it in between. options as _group_rank_main's, plus `joining`: the file
+    touched once every rank is at the group's first quorum request (_ready_at_join; a live group held on it then
+    meets it in its next quorum)."""
     torch.set_num_threads(1)
     try:
         from dataclasses import replace
 
         from torch.distributed import TCPStore
 
-        from megazoo.parallel.fault_tolerance import replica
         from megazoo.parallel.topology import init_distributed
         if rank == 0:
             store = TCPStore("localhost", 0, nproc, is_master=True, wait_for_workers=False)
@@ -274,16 +273,10 @@ def _ranks_main(group: int, rank: int, nproc: int, ports, sections: dict, addres
         res = resolve(recipe, world_size=nproc)
         topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
         trainer = Trainer(res, topo, replica_group=group)
-        _arm(trainer, rank, options.get("die"))
-        for hold in options.get("holds") or ():
-            _hold(trainer, hold)
-        if options.get("joining") is not None and rank == 0:
-            join, marker = replica.ReplicaGroup.join, options["joining"]
-
-            def joining(self, *args, **kwargs):
-                Path(marker).touch()
-                return join(self, *args, **kwargs)
-            replica.ReplicaGroup.join = joining  # this fork's class only
+        _arm(trainer, rank, options.get("die"), out + ".died")
+        _hold(options.get("holds") or [])
+        if options.get("joining") is not None:
+            _ready_at_join(options["joining"])
         snapshots: dict[int, dict] = {}
         if options.get("snapshots"):  # the full parameters each step starts from (collective: every rank takes it)
             step_fn = trainer.train_step

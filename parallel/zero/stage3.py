@@ -62,6 +62,8 @@ class ZeroStage3(PartitionedOptimizer):
             if unit.gathered:
                 self._free(unit)
         self.spare.clear()
+        if self.fp8 is not None:  # the FP8 scales were of the shards before the load (a heal, a resume)
+            self.fp8.invalidate()
 
     def __init__(self, model: nn.Module, named: Named, units: list[nn.Module], topo: Topology, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, init_fn: InitFn | None = None,

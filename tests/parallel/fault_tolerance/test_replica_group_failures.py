@@ -8,8 +8,6 @@ group is SIGKILLed again during its heal (applying the state; inside the transfe
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 import socket
 from pathlib import Path
 
@@ -18,7 +16,8 @@ import torch
 
 from megazoo.parallel.checkpoint.io import step_dir
 
-from ft_helpers import finish, ft_sections, lighthouse, metrics, start_group_of_two, wait_for
+from ft_helpers import (end_group_after_a_death, finish, ft_sections, lighthouse, metrics, start_group_of_two,
+                        wait_for)
 
 pytest.importorskip("torchft")
 STEPS = 14
@@ -41,17 +40,6 @@ def _files(run_dir: Path, group: int) -> dict[str, str]:
 
 def _alone(run_dir: Path) -> int:
     return sum(m["replicas_live"] == 1 for m in metrics(run_dir, 0))
-
-
-def _killed(procs, timeout_s: float = 60) -> None:
-    """One rank SIGKILLed itself; end the other as torchrun would (it stops a group whose worker died)."""
-    wait_for(lambda: any(p.exitcode is not None for p in procs), timeout_s, "a rank of group 1 to die")
-    dead = [p for p in procs if p.exitcode is not None]
-    assert [p.exitcode for p in dead] == [-signal.SIGKILL], [p.exitcode for p in procs]
-    for p in procs:
-        if p.exitcode is None:
-            os.kill(p.pid, signal.SIGKILL)
-        p.join()
 
 
 LAYOUTS = {  # name: (parallel, zero, train) of the whole job; 2 replica groups of 2 ranks each
@@ -82,14 +70,14 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
     try:
         group0 = start_group_of_two(0, free_port(), sections, house.address, outs[0], holds=holds)
         group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], die=(1, "step", KILL_AT))
-        _killed(group1)
+        end_group_after_a_death(group1, 1, 60)
         before = _files(tmp_path, 1)
         lines_before = metrics(tmp_path, 1)
         # the launcher's restart takes seconds; meanwhile group 0's step counter keeps rising, alone
         wait_for(lambda: _alone(tmp_path) >= 2, 60, "group 0 to train 2 steps alone")
         if kill_during_heal:  # the restarted group dies during its heal (in the transfer, or applying the state)
-            _killed(start_group_of_two(1, free_port(), sections, house.address, outs[1], restarted=True,
-                                       die=(0, heal_death, 0), ready=first_ready))
+            end_group_after_a_death(start_group_of_two(1, free_port(), sections, house.address, outs[1],
+                                                       restarted=True, die=(0, heal_death, 0), ready=first_ready), 0, 60)
             # group 0 goes on: the step it shared with the dying group is not committed, and it trains that step
             # again with the live groups (itself) before the next restart is even started
             died = float(Path(str(outs[1][0]) + ".died").read_text())
