@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazoo.parallel.expert import host_row_counts
+from megazoo.parallel.expert import device_capability, host_row_counts
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -34,15 +34,12 @@ GROUPED_CUDA_MAJORS = (9, 10)
 
 
 def cuda_capability(device) -> tuple[int, int] | None:
-    """The CUDA device's compute capability, or None where there is none to ask (not CUDA, or a device that cannot
-    answer: the dry run's fake CUDA)."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda":
+    """The CUDA device's compute capability (the accelerator's runtime: the dry run's fake CUDA answers 9.0), None
+    off CUDA."""
+    if device is None or torch.device(device).type != "cuda":
         return None
-    try:
-        return tuple(torch.cuda.get_device_capability(device))
-    except (RuntimeError, AssertionError, AttributeError):
-        return None
+    capability = device_capability(torch.device(device))
+    return tuple(capability) if capability is not None else None
 
 
 def grouped_mm_unsupported(dtype: torch.dtype, d: int, f: int, device=None) -> str | None:

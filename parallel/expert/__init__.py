@@ -6,10 +6,12 @@ layout.py: the resolver's checks of parallel.ep. zero.py: any ZeRO stage with ex
 data-parallel group (ExpertSplitZero).
 """
 
+from megazoo.parallel.accelerator import device_capability  # which GPU the experts' grouped matmul runs on
 from megazoo.parallel.collectives import CommLedger  # what the dispatch counts its all-to-all bytes into
 from megazoo.parallel.expert.comms import all_to_all_bytes, all_to_all_uneven, exchange_counts
 from megazoo.parallel.expert.dispatch import (ExpertDispatcher, ExpertsFn, check_expert_split, dispatch_combine,
                                              exchange_rows, host_row_counts, local_expert_range)
 
 __all__ = ["CommLedger", "ExpertDispatcher", "ExpertsFn", "all_to_all_bytes", "all_to_all_uneven", "check_expert_split",
-           "dispatch_combine", "exchange_counts", "exchange_rows", "host_row_counts", "local_expert_range"]
+           "device_capability", "dispatch_combine", "exchange_counts", "exchange_rows", "host_row_counts",
+           "local_expert_range"]
