@@ -85,15 +85,30 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d); (b, s/tp, d) under sp
         shape = x.shape
         rows = x.reshape(-1, shape[-1])  # (T, d)
+        logits, weights, indices, scores = self.route_rows(rows)
+        # training: every rank routes as many rows (a capacity factor's padded splits are then static)
+        done = self.dispatcher(rows, weights, indices, self.experts, same_shapes=self.training)
+        stats = self.record(logits, scores, indices, done.counts, done.dropped, shape[0])
+        out = self.with_layer_losses(done.out.view(shape), stats)
+        return out + self.shared_out(x) if self.cfg.moe_shared_experts else out
+
+    # The pieces of forward, which the forward/backward overlap's sub-stages (recipes/training/moe_metrics.py)
+    # call around its own dispatch.
+    def route_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, d) -> router logits (T, E) fp32, top-k weights, indices, scores."""
         logits = self.router(rows)  # (T, E) fp32
         cfg = self.cfg
         weights, indices, scores = route(logits, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob,
-                                    bias=self.router.expert_bias, n_group=cfg.moe_n_group,
-                                    topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor,
-                                    nodes=cfg.moe_nodes, max_nodes=cfg.moe_max_nodes)
-        # training: every rank routes as many rows (a capacity factor's padded splits are then static)
-        done = self.dispatcher(rows, weights, indices, self.experts, same_shapes=self.training)
-        stats = RouterStats.of(logits, done.counts, done.dropped)
+                                         bias=self.router.expert_bias, n_group=cfg.moe_n_group,
+                                         topk_group=cfg.moe_topk_group, scaling=cfg.moe_routed_scaling_factor,
+                                         nodes=cfg.moe_nodes, max_nodes=cfg.moe_max_nodes)
+        return logits, weights, indices, scores
+
+    def record(self, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor,
+               dropped: torch.Tensor, batch: int) -> RouterStats:
+        """This forward's RouterStats (kept in self.stats) and, under sigmoid_bias training, the routing load."""
+        cfg = self.cfg
+        stats = RouterStats.of(logits, counts, dropped)
         if self.sequence_parallel.active:  # each tp rank routed its own positions: the batch's statistics
             group = self.sequence_parallel.group  # the sums: all-reduce forward, identity backward
             stats = stats.reduced(self.topo.tp, lambda t: reduce_from_tp_region(t.detach(), group),
@@ -105,20 +120,23 @@ class MoE(nn.Module):
         if cfg.moe_seq_aux_loss_coef and self.training:  # losses.py; the decoder's loss adds it
             sp = self.sequence_parallel
             stats.seq_aux = sequence_balance_loss(
-                scores, indices, shape[0], cfg.moe_top_k, lambda t: reduce_from_tp_region(t.detach(), sp.group),
+                scores, indices, batch, cfg.moe_top_k, lambda t: reduce_from_tp_region(t.detach(), sp.group),
                 lambda t: reduce_from_tp_region(t, sp.group), self.topo.tp if sp.active else 1)
         self.stats = stats
         if self.router.expert_bias is not None and self.training:  # the step's load for update_expert_bias
             self.router.load += stats.counts.detach()
-        out = done.out.view(shape)
+        return stats
+
+    def with_layer_losses(self, out: torch.Tensor, stats: RouterStats) -> torch.Tensor:
+        """out, carrying the "layer"-scope losses' gradient (AuxLossScaler) in training."""
+        cfg = self.cfg
         if cfg.moe_aux_loss_scope == "layer" and self.training and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
             n_moe = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
             out = AuxLossScaler.apply(out, layer_losses(stats, cfg.n_experts, cfg.moe_aux_loss_coef,
                                                         cfg.moe_z_loss_coef, n_moe), self.aux_grad_scale)
-        if cfg.moe_shared_experts:
-            shared = self.shared(x)
-            if cfg.moe_shared_gate:
-                shared = self.shared_gate(x) * shared
-            out = out + shared
         return out
 
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts on the block's input (b, s, d), gated under Qwen2-MoE."""
+        shared = self.shared(x)
+        return self.shared_gate(x) * shared if self.cfg.moe_shared_gate else shared

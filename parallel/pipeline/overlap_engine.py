@@ -81,9 +81,13 @@ def pairs(steps: list[Step]) -> set[int]:
 class OverlapPipelineEngine(PipelineEngine):
     """PipelineEngine for chunks with `sub_stages()` (fb_overlap.SubStaged); `events` records what ran."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, sub_stages: Callable[[torch.nn.Module], list] | None = None, **kwargs):
+        """`sub_stages(chunk)`: a chunk's sub-stages, where the chunk does not list them itself (the decoder's,
+        recipes/training/moe_metrics.overlap_sub_stages: parallel does not import models)."""
         super().__init__(*args, **kwargs)
-        missing = [i for i, c in enumerate(self.chunks) if not hasattr(c, "sub_stages")]
+        self.sub_stages = sub_stages if sub_stages is not None else (lambda chunk: chunk.sub_stages())
+        missing = [] if sub_stages is not None else [i for i, c in enumerate(self.chunks)
+                                                     if not hasattr(c, "sub_stages")]
         if missing:
             raise ValueError(f"the forward/backward overlap needs every model chunk split into sub-stages "
                              f"(sub_stages()); chunks {missing} are not")
@@ -105,7 +109,7 @@ class OverlapPipelineEngine(PipelineEngine):
             stage = self._stage(chunk)
             first, last = stage == 0, stage == self.stages - 1
             x = micro_batches[micro][0] if first else inbox.pop((micro, stage - 1, False))
-            out, record = yield from forward_steps(self.chunks[chunk].sub_stages(), x, micro, self.events,
+            out, record = yield from forward_steps(self.sub_stages(self.chunks[chunk]), x, micro, self.events,
                                                    grad=not forward_only)
             loss = None
             if last:
