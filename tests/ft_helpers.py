@@ -339,3 +339,21 @@ def patient_lighthouse() -> Lighthouse:
     process starved on a loaded machine), so a restarted group that is joining meets the live one in its next
     quorum instead of each forming one alone."""
     return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=2000))
+
+
+def assert_healed_bitwise_and_nothing_lost(results: list[dict], run_dir: Path, steps: int, kill_at: int, every: int,
+                                           before: dict[str, str], lines_before: list[dict], what) -> None:
+    """After a run with a failure (2 groups of 2 ranks, group 1 failed at step `kill_at`): every rank of group 1
+    equals the same rank of group 0 bit for bit (its state views: parameters or shards, fp32 masters, Adam moments;
+    the update count; the full parameters), and group 1's checkpoints (sha256, `before`) and metrics lines from
+    before the failure are unchanged."""
+    from megazoo.parallel.checkpoint.io import step_dir
+    for r in range(2):
+        a, b = results[r], results[2 + r]
+        assert a["names"] == b["names"] and a["optimizer_steps"] == b["optimizer_steps"] == steps
+        assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"])), (what, r)
+        assert all(torch.equal(a["full"][k], b["full"][k]) for k in a["full"])
+    assert any(k.startswith(step_dir(Path(), every).name + "/") for k in before), before
+    after = published_files(run_dir, 1)
+    assert {k: after.get(k) for k in before} == before
+    assert metrics(run_dir, 1)[:kill_at] == lines_before

@@ -104,6 +104,21 @@ class PipelineEngine:
     def _stage(self, chunk: int) -> int:
         return stage_of(chunk, self.topo.pp, self.topo.pp_rank, self.placement)
 
+    def _transfer_buffers(self, transfers, outbox: dict, inbox: dict, micro_batches) -> list[torch.Tensor]:
+        """The tensors a step's transfers send (taken from the outbox) and receive into (new, put in the inbox)."""
+        buffers = []
+        for t in transfers:
+            if t.send:
+                buffers.append(outbox.pop(t.identity))
+            else:
+                b, s = micro_batches[t.micro][0].shape
+                if self.topo.sequence_parallel:  # a stage's hidden states are its tp rank's s / tp positions
+                    s //= self.topo.tp
+                inbox[t.identity] = torch.empty((b, s, self.hidden), dtype=self.dtype,
+                                                device=self.topo.device)  # (b, s, d)
+                buffers.append(inbox[t.identity])
+        return buffers
+
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], steps: list[Step], *,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, forward_only: bool = False,
             before_backward: Callable[[bool], None] | None = None) -> list[torch.Tensor]:
@@ -123,17 +138,7 @@ class PipelineEngine:
         last_backward = max((k for k, st in enumerate(steps) if st.action and (
             st.action[0] == "W" or (st.action[0] == "B" and st.action[1:] not in split))), default=-1)
         for k, step in enumerate(steps):
-            buffers = []
-            for t in step.transfers:
-                if t.send:
-                    buffers.append(outbox.pop(t.identity))
-                else:
-                    b, s = micro_batches[t.micro][0].shape
-                    if self.topo.sequence_parallel:  # a stage's hidden states are its tp rank's s / tp positions
-                        s //= self.topo.tp
-                    inbox[t.identity] = torch.empty((b, s, self.hidden), dtype=self.dtype,
-                                                    device=self.topo.device)  # (b, s, d)
-                    buffers.append(inbox[t.identity])
+            buffers = self._transfer_buffers(step.transfers, outbox, inbox, micro_batches)
             post(step.transfers, buffers, self.topo.pp_ranks)
             buffers.clear()  # post waited: a sent gradient or activation is not kept through this step's compute
             if step.action is None:

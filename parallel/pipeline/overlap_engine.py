@@ -149,14 +149,7 @@ class OverlapPipelineEngine(PipelineEngine):
         k = 0
         while k < len(steps):
             step = steps[k]
-            buffers = []
-            for t in step.transfers:
-                if t.send:
-                    buffers.append(outbox.pop(t.identity))
-                else:
-                    b, s = micro_batches[t.micro][0].shape
-                    inbox[t.identity] = torch.empty((b, s, self.hidden), dtype=self.dtype, device=self.topo.device)
-                    buffers.append(inbox[t.identity])
+            buffers = self._transfer_buffers(step.transfers, outbox, inbox, micro_batches)
             post(step.transfers, buffers, self.topo.pp_ranks)
             buffers.clear()
             if step.action is None or step.action[0] == "W":  # W: its B ran the whole backward

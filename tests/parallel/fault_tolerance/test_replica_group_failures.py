@@ -7,17 +7,15 @@ group is SIGKILLed again during its heal (applying the state; inside the transfe
 
 from __future__ import annotations
 
-import hashlib
 import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from megazoo.parallel.checkpoint.io import step_dir
 
-from ft_helpers import (end_group_after_a_death, finish, ft_sections, lighthouse, metrics, start_group_of_two,
-                        wait_for)
+from ft_helpers import (assert_healed_bitwise_and_nothing_lost, end_group_after_a_death, finish, ft_sections,
+                        lighthouse, metrics, published_files, start_group_of_two, wait_for)
 
 pytest.importorskip("torchft")
 STEPS = 14
@@ -29,13 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
-
-
-def _files(run_dir: Path, group: int) -> dict[str, str]:
-    """sha256 of every published checkpoint file of the group (step_N folders only: nothing in flight)."""
-    root = run_dir / f"group-{group}" / "checkpoints"
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.glob("step_*/**/*")) if p.is_file()}
 
 
 def _alone(run_dir: Path) -> int:
@@ -71,7 +62,7 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
         group0 = start_group_of_two(0, free_port(), sections, house.address, outs[0], holds=holds)
         group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], die=(1, "step", KILL_AT))
         end_group_after_a_death(group1, 1, 60)
-        before = _files(tmp_path, 1)
+        before = published_files(tmp_path, 1)
         lines_before = metrics(tmp_path, 1)
         # the launcher's restart takes seconds; meanwhile group 0's step counter keeps rising, alone
         wait_for(lambda: _alone(tmp_path) >= 2, 60, "group 0 to train 2 steps alone")
@@ -101,14 +92,5 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
     assert healed[0]["join_quorums"] <= 3 and heal_step < STEPS
     assert [m["step"] for m in m1] == list(range(KILL_AT)) + list(range(heal_step, STEPS))
     assert all(m["replicas_live"] == 2 for m in m0 + m1 if m["step"] >= heal_step)
-    # every rank of group 1 equals the same rank of group 0, bit for bit: parameters, masters, Adam moments, count
-    for r in range(2):
-        a, b = results[r], results[2 + r]
-        assert a["names"] == b["names"] and a["optimizer_steps"] == b["optimizer_steps"] == STEPS
-        assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"])), (layout, r)
-        assert all(torch.equal(a["full"][k], b["full"][k]) for k in a["full"])
-    # nothing on disk lost or overwritten: group 1's checkpoints and metrics lines from before the failure
-    assert any(k.startswith(step_dir(Path(), EVERY).name + "/") for k in before), before
-    after = _files(tmp_path, 1)
-    assert {k: after.get(k) for k in before} == before
-    assert m1[:KILL_AT] == lines_before
+    # every rank of group 1 equals the same rank of group 0, bit for bit; nothing on disk lost or overwritten
+    assert_healed_bitwise_and_nothing_lost(results, tmp_path, STEPS, KILL_AT, EVERY, before, lines_before, layout)

@@ -12,17 +12,14 @@ for a heartbeating group that has not asked yet, so the two meet at the live gro
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from ft_helpers import (end_group_after_a_death, finish, ft_sections, metrics, patient_lighthouse, published_files,
-                        start_ranks, wait_for)
+from ft_helpers import (assert_healed_bitwise_and_nothing_lost, end_group_after_a_death, finish, ft_sections, metrics,
+                        patient_lighthouse, published_files, start_ranks, wait_for)
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
-from megazoo.parallel.checkpoint.io import step_dir
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.resolve import resolve
 from megazoo.recipes.training.trainer import Trainer
@@ -128,14 +125,4 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
     # parameters, fp32 masters, Adam moments, the update count, and the full parameters gathered from the shards
     kinds = {n.split(":")[0] for n in results[0]["names"]}
     assert {"master", "exp_avg", "exp_avg_sq", "param"} <= kinds, kinds
-    for r in range(2):
-        a, b = results[r], results[2 + r]
-        assert a["names"] == b["names"] and a["optimizer_steps"] == b["optimizer_steps"] == STEPS
-        assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"])), (layout, r)
-        assert all(torch.equal(a["full"][k], b["full"][k]) for k in a["full"])
-    # nothing on disk lost or overwritten: group 1's checkpoints and metrics lines from before the failure
-    assert any(k.startswith(step_dir(Path(), EVERY).name + "/") for k in before), before
-    after = published_files(tmp_path, 1)
-    assert {k: after.get(k) for k in before} == before
-    assert m1[:KILL_AT] == lines_before
-
+    assert_healed_bitwise_and_nothing_lost(results, tmp_path, STEPS, KILL_AT, EVERY, before, lines_before, layout)
