@@ -1,5 +1,5 @@
 """parallel.fb_overlap (DualPipe-V's forward/backward overlap under ep) is refused, naming field, value and what is
-valid, with another schedule, without ep, and - until the decoder blocks are split into sub-stages - at all."""
+valid, with another schedule, without ep, and - until the trainer runs the overlap engine - at all."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MOE = {"preset": "llama-tiny", "n_layer": 4, "d_model": 32, "n_head": 4, "n_kv_h
     ({"fb_overlap": "yes"}, "parallel.fb_overlap = 'yes' has the wrong type: expected bool"),
     ({"fb_overlap": True, "pp": 2, "schedule": "zbv"}, "needs parallel.schedule = 'dualpipev' (got 'zbv')"),
     ({"fb_overlap": True, "pp": 2, "schedule": "dualpipev"}, "needs parallel.ep >= 2 (got ep = 1)"),
-    ({"fb_overlap": True, "pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"}, "not split into sub-stages yet"),
+    ({"fb_overlap": True, "pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"}, "the trainer does not run the overlap engine yet"),
 ])
 def test_fb_overlap_is_refused_with_its_reason(parallel, message):
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
