@@ -202,5 +202,5 @@ def _check_fb_overlap(par) -> None:
                           "expert all-to-alls, and without expert parallelism there are none; valid: ep >= 2, or "
                           "fb_overlap = false")
     raise RecipeError("parallel.fb_overlap = true: the trainer does not run the overlap engine yet (the decoder's "
-                      "sub-stages, recipes/training/moe_metrics.overlap_sub_stages, and parallel/pipeline/"
+                      "sub-stages, recipes/training/model_setup.overlap_sub_stages, and parallel/pipeline/"
                       "overlap_engine.py are built and tested on their own); valid: false")

@@ -95,9 +95,7 @@ def exchange_rows(rows: torch.Tensor, counts: torch.Tensor, experts_fn: ExpertsF
         arrived = all_to_all_uneven(rows, even, even, group, ledger)
         computed = experts_fn(arrived, received.view(ep, n_local).sum(0))
         return all_to_all_uneven(computed, even, even, group, ledger)
-    host = torch.cat([counts, received]).tolist()  # the layer's one device-to-host read: every split size
-    send = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
-    recv = [sum(host[num_experts + r * n_local:num_experts + (r + 1) * n_local]) for r in range(ep)]
+    send, recv = split_sizes(counts, received, ep)  # the layer's one device-to-host read: every split size
     arrived = all_to_all_uneven(rows, recv, send, group, ledger)  # (source rank, local expert) order
     received = received.view(ep, n_local)
     regroup = _rank_major_to_expert_major(received, sum(recv))
@@ -110,15 +108,36 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tens
     """x [T, d], weights [T, k], indices [T, k] (expert ids in [0, num_experts)) -> [T, d_out]: for each token
     the sum over its k experts of weight x expert(token), the experts living on the ranks of `group` (None: all
     local). Differentiable in x, weights and whatever `experts_fn` closes over."""
-    t, k = indices.shape
-    flat = indices.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
-    order = torch.argsort(flat, stable=True)
-    rows = x.index_select(0, order // k)  # [T * k, d], sorted by expert
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)  # bincount, with a static shape
+    order, counts = sort_by_expert(indices, num_experts)
+    rows = x.index_select(0, order // indices.shape[1])  # [T * k, d], sorted by expert
+    return combine_pairs(exchange_rows(rows, counts, experts_fn, group, ledger), order, weights)
+
+
+def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, k] -> (the stable order that sorts the T * k (token, expert) pairs by expert, pair p being token
+    p // k's (p % k)-th expert; the rows per expert [num_experts], a bincount with a static shape)."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.index_add_(0, flat, torch.ones_like(flat))
-    out = exchange_rows(rows, counts, experts_fn, group, ledger)
-    pairs = out.index_select(0, _inverse(order))  # back to pair order: [T * k, d_out]
+    return torch.argsort(flat, stable=True), counts
+
+
+def combine_pairs(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out [T * k, d_out] in expert order (`order`, sort_by_expert's) -> [T, d_out]: each token's k expert outputs
+    weighted by weights [T, k] and summed."""
+    t, k = weights.shape
+    pairs = out.index_select(0, _inverse(order))  # back to pair order
     return (pairs.view(t, k, pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
+
+
+def split_sizes(counts: torch.Tensor, received: torch.Tensor, ep: int) -> tuple[list[int], list[int]]:
+    """(rows this rank sends to each ep rank, rows it receives from each) from its counts per global expert and the
+    exchanged ones [ep * n]: the layer's one device-to-host read."""
+    n, num_experts = received.numel() // ep, counts.numel()
+    host = torch.cat([counts, received.reshape(-1)]).tolist()
+    send = [sum(host[r * n:(r + 1) * n]) for r in range(ep)]
+    recv = [sum(host[num_experts + r * n:num_experts + (r + 1) * n]) for r in range(ep)]
+    return send, recv
 
 
 def host_row_counts(counts: torch.Tensor, rows: int) -> list[int]:

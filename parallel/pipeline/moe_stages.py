@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from megazoo.parallel.expert.comms import exchange_counts
-from megazoo.parallel.expert.dispatch import ExpertsFn, _inverse, _rank_major_to_expert_major, check_expert_split
+from megazoo.parallel.expert.dispatch import (ExpertsFn, _inverse, _rank_major_to_expert_major, check_expert_split,
+                                             combine_pairs, sort_by_expert, split_sizes)
 from megazoo.parallel.pipeline.fb_overlap import Compute, Exchange, Tensors
 from megazoo.parallel.topology import group_size
 
@@ -39,16 +40,11 @@ def moe_sub_stages(name: str, before: Callable[[dict, Tensors], torch.Tensor | T
         h, carry = (got, ()) if isinstance(got, torch.Tensor) else (got[0], tuple(got[1:]))
         weights, indices = route(h)
         k = indices.shape[1]
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
+        order, counts = sort_by_expert(indices, num_experts)
         received = exchange_counts(counts, group)
-        host = torch.cat([counts, received]).tolist()  # the layer's one device-to-host read
-        send = [sum(host[r * n:(r + 1) * n]) for r in range(ep)]
-        recv = [sum(host[num_experts + r * n:num_experts + (r + 1) * n]) for r in range(ep)]
+        send, recv = split_sizes(counts, received, ep)  # the layer's one device-to-host read
         received = received.view(ep, n)
-        ctx[name] = {"order": order, "k": k, "send": send, "recv": recv, "local": received.sum(0),
+        ctx[name] = {"order": order, "send": send, "recv": recv, "local": received.sum(0),
                      "regroup": _rank_major_to_expert_major(received, sum(recv))}
         return (h, weights, h.index_select(0, order // k), *carry)
 
@@ -60,10 +56,7 @@ def moe_sub_stages(name: str, before: Callable[[dict, Tensors], torch.Tensor | T
 
     def combined(ctx: dict, inputs: Tensors) -> Tensors:
         h, weights, back, *carry = inputs
-        mine = ctx[name]
-        pairs = back.index_select(0, _inverse(mine["order"]))
-        moe = (pairs.view(h.shape[0], mine["k"], pairs.shape[-1]) * weights.to(pairs.dtype).unsqueeze(-1)).sum(1)
-        return after(ctx, h, moe, *carry)
+        return after(ctx, h, combine_pairs(back, ctx[name]["order"], weights), *carry)
 
     return [Compute(f"{name}.route", routed),
             Exchange(f"{name}.dispatch", 2, lambda ctx: (ctx[name]["recv"], ctx[name]["send"]), group),

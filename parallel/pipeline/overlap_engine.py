@@ -83,7 +83,7 @@ class OverlapPipelineEngine(PipelineEngine):
 
     def __init__(self, *args, sub_stages: Callable[[torch.nn.Module], list] | None = None, **kwargs):
         """`sub_stages(chunk)`: a chunk's sub-stages, where the chunk does not list them itself (the decoder's,
-        recipes/training/moe_metrics.overlap_sub_stages: parallel does not import models)."""
+        recipes/training/model_setup.overlap_sub_stages: parallel does not import models)."""
         super().__init__(*args, **kwargs)
         self.sub_stages = sub_stages if sub_stages is not None else (lambda chunk: chunk.sub_stages())
         missing = [] if sub_stages is not None else [i for i, c in enumerate(self.chunks)

@@ -28,15 +28,9 @@ not reported.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megazoo.models.moe import MoE
-from megazoo.models.transformer import GPT
-from megazoo.parallel.context import positions
-from megazoo.parallel.pipeline.fb_overlap import Compute, Exchange
-from megazoo.parallel.pipeline.moe_stages import moe_sub_stages
 from megazoo.models.moe.losses import load_balancing_loss, z_loss
 from megazoo.parallel.topology import Topology
 
@@ -144,77 +138,3 @@ def set_aux_grad_scale(chunks, scale: float) -> None:
         for module in chunk.modules():
             if isinstance(module, MoE):
                 module.aux_grad_scale = scale
-
-
-def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
-    """One decoder chunk (models/transformer.GPT) as the forward/backward overlap's sub-stages
-    (parallel/pipeline/fb_overlap.py): the embedding, each dense block and the final norm + head as single
-    computes; each MoE block as moe_sub_stages' route | dispatch | experts | combine | after, its attention half
-    and the router in the route compute, with what MoE.forward does beside the dispatch: the RouterStats and
-    their all-reduces, the routing-bias load and the "layer"-scope losses (carried by the routing weights, whose
-    gradient always comes back through the combine); the shared experts and the residual in the after compute.
-    Each compute is its own autograd graph, so nothing of one may reach another but through the running tuple:
-    the residual stream rides beside the routed rows, and the stats the model keeps for its "model"-scope loss
-    and the metrics are detached (that loss must then have zero coefficients: refused otherwise)."""
-    cfg, topo = gpt.cfg, gpt.topo
-    refused = [(f, v, valid) for f, v, valid in (
-        ("train.activation_checkpointing", gpt.activation_checkpointing, "false"),
-        ("model.mtp_depth", cfg.mtp_depth, "0"),
-        ("model.moe_capacity_factor", cfg.moe_capacity_factor, "0 (dropless)"),
-        ("the fused loss (train.fused_loss)", gpt.fused_loss, "false"),
-        ("model.dropout", cfg.dropout, "0"),
-        ("model.attn_dropout", cfg.attn_dropout, "0"),
-        ("parallel.cp", topo.cp if topo.cp > 1 else 0, "1"),
-        ("parallel.sequence_parallel", topo.sequence_parallel, "false")) if v]
-    coefs = cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef or cfg.moe_seq_aux_loss_coef
-    if cfg.moe_aux_loss_scope == "model" and coefs:
-        refused.append(("model.moe_aux_loss_scope", "'model' with non-zero coefficients", "'layer'"))
-    if refused:
-        field, value, valid = refused[0]
-        raise ValueError(f"parallel.fb_overlap: {field} = {value!r} is not built into the sub-staged decoder "
-                         f"chunk (recipes/training/moe_metrics.overlap_sub_stages); valid: {valid}")
-    stages: list[Compute | Exchange] = []
-    if gpt.with_embedding:
-        def embed(ctx: dict, inputs: tuple) -> tuple:
-            x = gpt.wte(inputs[0])
-            if cfg.positions == "learned":
-                x = x + gpt.wpe(positions(inputs[0].shape[1], 1, 0, x.device))
-            return (gpt.drop(x),)
-        stages.append(Compute("embed", embed))
-    for key, block in gpt.h.items():
-        if isinstance(block.mlp, MoE):
-            stages += _moe_block(f"h.{key}", block)
-        else:
-            stages.append(Compute(f"h.{key}", lambda ctx, inputs, block=block: (block(inputs[0]),)))
-    if gpt.with_head:
-        stages.append(Compute("head", lambda ctx, inputs: (gpt.logits(gpt.ln_f(inputs[0])),)))
-    return stages
-
-
-def _moe_block(name: str, block) -> list[Compute | Exchange]:
-    moe: MoE = block.mlp
-
-    def before(ctx: dict, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        x = inputs[0]
-        x = x + block._drop(block.attn(block.ln_1(x)))
-        h = block.ln_2(x)
-        return h.reshape(-1, h.shape[-1]), x  # the rows to route, and the residual stream beside them
-
-    def routed(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, weights, indices, scores = moe.route_rows(rows)
-        counts = torch.bincount(indices.reshape(-1), minlength=moe.cfg.n_experts)  # the dispatcher's counts
-        dropped = torch.zeros((), dtype=torch.int64, device=rows.device)
-        # the batch size: read only by seq_aux, which needs the "model" scope with coefficients (refused)
-        stats = moe.record(logits, scores, indices, counts, dropped, 0)
-        moe.stats = dataclasses.replace(stats, prob_sum=stats.prob_sum.detach(), z_sum=stats.z_sum.detach(),
-                                        seq_aux=None if stats.seq_aux is None else stats.seq_aux.detach())
-        return moe.with_layer_losses(weights, stats), indices
-
-    def after(ctx: dict, rows: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple:
-        out = out.view(x.shape)
-        if moe.cfg.moe_shared_experts:
-            out = out + moe.shared_out(rows.view(x.shape))
-        return (x + block._drop(out),)
-
-    return moe_sub_stages(name, before, routed, moe.experts, after, moe.cfg.n_experts,
-                          getattr(moe.dispatcher, "group", None))  # None: ep = 1, nothing travels

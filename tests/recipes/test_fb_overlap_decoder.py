@@ -1,5 +1,5 @@
 """The real decoder chunk (models/transformer.GPT, its MoE blocks models/moe/block.py) as the forward/backward
-overlap's sub-stages (recipes/training/moe_metrics.overlap_sub_stages): a shrunk deepseek-tiny (MLA, a dense first
+overlap's sub-stages (recipes/training/model_setup.overlap_sub_stages): a shrunk deepseek-tiny (MLA, a dense first
 layer, sigmoid_bias routing with its load, a shared expert, "layer"-scope aux and z losses), fp64, pp 2 x dp 2
 with ep 2, DualPipe-V over 4 virtual stages, through OverlapPipelineEngine equals the ordinary PipelineEngine
 running GPT.forward: losses, every parameter gradient and the routing load to 1e-10, with all-to-alls of both
@@ -22,7 +22,7 @@ from megazoo.parallel.pipeline.fb_overlap import Events, overlapped
 from megazoo.parallel.pipeline.overlap_engine import OverlapPipelineEngine
 from megazoo.parallel.pipeline.p2p import plan_for
 from megazoo.parallel.topology import Topology
-from megazoo.recipes.training.moe_metrics import overlap_sub_stages
+from megazoo.recipes.training.model_setup import overlap_sub_stages
 
 CFG = dataclasses.replace(get_preset("deepseek-tiny"), n_layer=4, d_model=32, n_head=2, n_kv_head=2, d_ff=48, vocab_size=64,
                           n_positions=32, n_experts=4, moe_d_ff=16, moe_n_group=2, moe_topk_group=1,
