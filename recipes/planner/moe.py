@@ -52,21 +52,37 @@ def all_to_all_link_bytes(cfg, layout, layers, pp_rank: int, element_bytes: int,
     return out
 
 
-def moe_activation_terms(cfg, element_bytes: int, param_bytes: int, ep: int = 1) -> tuple[float, float, float]:
+def moe_activation_terms(cfg, element_bytes: int, param_bytes: int,
+                         ep: int = 1) -> tuple[float, float, float, float]:
     """What an MoE layer adds to a block's activations (the dense MLP's part is then its shared experts' only), as
     measured on the dry runs' fake steps (recipes/dry_run; the tensors alive at each peak named by the op that made
     them): (bytes kept per routing token, bytes of the routed rows' input gradient per routing token, bytes of the
-    local experts' c_fc weight gradient). A routing token is one of this rank's s b / cp positions (/ tp under
-    sequence parallelism: each tp rank routes its own). Kept for backward, per token (k = top-k, f = moe_d_ff, e
-    bytes): the rows received by the dispatch all-to-all (the grouped matmul's input, k h), the rows received back
-    by the combine's (the expert outputs its weighting needs, k h) and the weighted rows cast back (k h); the
-    grouped c_fc's [gate; up] (2 k f), silu(gate) and the product (k f each); the router's fp32 input (4 h) and
-    its fp32 logits and two softmaxes (routing, load-balancing statistics: 12 E bytes). The backward's heaviest
-    moment is the experts' c_fc backward: its weight gradient of all n_experts / ep local experts (2 f h in the
-    parameters' dtype; under sequence parallelism cloned once more for its all-reduce over tp) beside the rows'
-    input gradient (k h), the layer's other routed activations freed by then."""
+    local experts' c_fc weight gradient, bytes the combine's backward adds per routing token). A routing token is
+    one of this rank's s b / cp positions (/ tp under sequence parallelism: each tp rank routes its own). Kept for
+    backward, per token (k = top-k, f = moe_d_ff, e bytes): the rows received by the dispatch all-to-all (the
+    grouped matmul's input, k h), the rows received back by the combine's (the expert outputs its weighting needs,
+    k h) and the weighted rows cast back (k h); the grouped c_fc's [gate; up] (2 k f), silu(gate) and the product
+    (k f each); the router's fp32 input (4 h) and its fp32 logits and two softmaxes (routing, load-balancing
+    statistics: 12 E bytes). The backward's heaviest moments: the experts' c_fc backward, its weight gradient of
+    all n_experts / ep local experts (2 f h in the parameters' dtype; under sequence parallelism cloned once more
+    for its all-reduce over tp) beside the rows' input gradient (k h), the layer's other routed activations freed
+    by then; and the combine's backward (models/moe/dispatch.py: the expert outputs times their fp32 routing
+    weights, cast back), which holds three fp32 rows a routed row - the gradient cast up, and its products with
+    the weights and with the outputs - when the weighted rows' own k h e are gone (DeepSeek-V3's stages peak there:
+    2.8 GB at k 8, h 7168, 4,096 tokens)."""
     if not cfg.is_moe:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     h, k, f = cfg.d_model, cfg.moe_top_k, cfg.moe_d_ff
     kept = k * (3 * h + 4 * f) * element_bytes + 4 * h + 12 * cfg.n_experts
-    return float(kept), float(k * h * element_bytes), float(cfg.n_experts // ep * 2 * f * h * param_bytes)
+    return (float(kept), float(k * h * element_bytes), float(cfg.n_experts // ep * 2 * f * h * param_bytes),
+            float(k * h * (3 * 4 - element_bytes)))
+
+
+def moe_workspace(spec, s: int, b: int, t: int, sequence_parallel: bool) -> list[float]:
+    """An MoE block's backward moments beyond its saved activations (moe_activation_terms): the experts' c_fc
+    backward (its weight gradient, under sequence parallelism its clone for the all-reduce over tp, and the rows'
+    input gradient, the routed activations freed) and the combine's backward."""
+    routing = s * b / (t if sequence_parallel else 1)
+    copies = 2 if sequence_parallel and t > 1 else 1
+    experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
+    return [experts, routing * spec.moe_combine_bytes]
