@@ -46,10 +46,9 @@ backward, and under activation checkpointing W re-traverses the graph: both keep
 that arrived. During a backward one block's gradient temporaries (the MLP's, mlp_elements h / t, e bytes) and
 on the last stage d logits come on top (`workspace_bytes`). The planner takes the stage with the most memory.
 
-FP8 (train.fp8, parallel/tensor/fp8.py) keeps the same activations for backward as the plain linears (x and W in
-their own precision; under autocast of fp32 parameters no 16-bit weight cast, and the QKV / fc1 inputs at the
-residual's bytes, as they arrive), and its own memory is transient, one linear at a time (`fp8_workspace`): the
-1-byte copies of x, W and dy, one chunk's wide copy while each is quantized, and _scaled_mm's column-major copies.
+FP8 (train.fp8) keeps the plain linears' activations (under autocast of fp32 parameters no 16-bit weight cast, and
+the QKV / fc1 inputs at the residual's bytes); its own memory is transient (planner/links.py's fp8_workspace).
+An MoE model's blocks and its MTP modules: planner/moe.py (ActivationSpec.block, moe_workspace, mtp_terms).
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layer
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
 from megazoo.recipes.planner.links import FP8_CHUNK_ELEMENTS, fp8_workspace  # noqa: F401 (the tests read them here)
-from megazoo.recipes.planner.moe import moe_workspace
+from megazoo.recipes.planner.moe import moe_workspace, mtp_terms
 from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
 from megazoo.recipes.planner.zero import PlanError
 
@@ -93,10 +92,9 @@ class ActivationSpec:
     # replicated over tp (latent attention's down-projection outputs and its gathered latents: 0 otherwise).
     attention_elements: float = 4.0
     latent_elements: float = 0.0
-    # An MoE model's blocks (planner/moe.py's moe_activation_terms; mlp_elements the shared experts'): bytes kept
-    # and the routed rows' input gradient per routing token, the local experts' c_fc weight gradient, the
-    # combine's backward per routing token (backward's peaks). Its dense blocks (DeepSeek's first k, Qwen's
-    # mlp_only_layers): their MLP's elements and hidden width (0: every block is MoE); `block(False)` is their spec.
+    # An MoE model's blocks (planner/moe.py moe_activation_terms; mlp_elements the shared experts'): bytes kept and
+    # the rows' input gradient per routing token, the local experts' c_fc weight gradient, the combine's backward
+    # per routing token. Its dense blocks (DeepSeek's first k): their MLP (dense_mlp_*; spec `block(False)`).
     moe_token_bytes: float = 0.0
     moe_rows_grad_bytes: float = 0.0
     moe_weight_grad_bytes: float = 0.0
@@ -133,8 +131,7 @@ class ActivationSpec:
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
         hidden, moe, dense = cfg.d_ff / h, (0.0, 0.0, 0.0, 0.0), (0.0, 0.0)
         if cfg.is_moe:  # an MoE block's MLP is its shared experts'; dense blocks keep theirs (`block(False)`)
-            if not all(cfg.moe_layer(i) for i in range(cfg.n_layer)):
-                dense = (mlp, hidden)
+            dense = (0.0, 0.0) if all(map(cfg.moe_layer, range(cfg.n_layer))) else (mlp, hidden)
             hidden = cfg.moe_shared_experts * cfg.moe_shared_d_ff / h
             mlp = 4 * hidden
             moe = moe_activation_terms(cfg, element_bytes, 4 if amp else element_bytes, ep)
@@ -287,14 +284,13 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
     split = tp if sequence_parallel else 1
-    # Per kind of block (an MoE model's dense and MoE blocks: ActivationSpec.block): what a layer stores, what it
-    # keeps (its input under checkpointing), and its backward at its heaviest moment with (checkpointing) its
-    # recomputed activations beneath. A chunk's blocks are counted by kind, from its first block's index.
-    kinds = {moe: spec.block(moe) for moe in (False, True)}
-    full = {m: layer_bytes(s, b, h, a, tp, kinds[m], cp, sequence_parallel) for m in kinds}
-    kept = {m: checkpoint_bytes(s, b, h, spec) / split if checkpointing else full[m] for m in kinds}
-    heavy = {m: (full[m] if checkpointing else 0.0) + block_workspace(s, b, h, tp, kinds[m], sequence_parallel)
-             for m in kinds}
+    # Per kind of block (an MoE model's dense and MoE ones: ActivationSpec.block): what a layer stores, keeps, and
+    # holds at its backward's heaviest (recomputed beneath under checkpointing); chunks' blocks counted by kind.
+    specs = {moe: spec.block(moe) for moe in (False, True)}
+    full = {m: layer_bytes(s, b, h, a, tp, specs[m], cp, sequence_parallel) for m in specs}
+    kept = {m: checkpoint_bytes(s, b, h, spec) / split if checkpointing else full[m] for m in specs}
+    heavy = {m: (full[m] if checkpointing else 0.0) + block_workspace(s, b, h, tp, specs[m], sequence_parallel)
+             for m in specs}
     pp = len(stage_layers)
     chunks_per_rank = virtual if pp > 1 else 1
     if chunk_layers is None:
@@ -302,10 +298,10 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         chunk_layers = [chunk_layers[rank * chunks_per_rank + c] for c in range(chunks_per_rank) for rank in range(pp)]
     stages = len(chunk_layers)
     starts = [sum(chunk_layers[:c]) for c in range(stages)]
-    moe_blocks = [sum(cfg.moe_layer(i) for i in range(starts[c], starts[c] + chunk_layers[c]))
-                  if spec.moe_token_bytes else 0 for c in range(stages)]
-    present = lambda c: [m for m, count in ((False, chunk_layers[c] - moe_blocks[c]), (True, moe_blocks[c]))  # noqa: E731
-                         if count]
+    moe_blocks = [sum(map(cfg.moe_layer, range(starts[c], starts[c] + chunk_layers[c]))) if spec.moe_token_bytes
+                  else 0 for c in range(stages)]
+    count = lambda c, m: moe_blocks[c] if m else chunk_layers[c] - moe_blocks[c]  # noqa: E731
+    present = lambda c: [m for m in specs if count(c, m)]  # noqa: E731
     sbh = s * b * h
     # the logits and, below fp32, the reference loss's fp32 copy of them (the fused cross-entropy makes none)
     loss = (e + (4 if e < 4 and not spec.fused_ce else 0)) * s * b * vocab / tp
@@ -315,6 +311,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     rows, chunk_rows = s * b, max(1, CE_CHUNK_ELEMENTS // (vocab // tp))
     chunk = 4 * min(rows, chunk_rows) * vocab / tp if spec.fused_ce and not fused_loss else 0.0
     ce_forward, ce_backward = 2 * chunk, (2 if rows > chunk_rows else 1) * chunk
+    mtp_kept, mtp_moment, mtp_kinds = mtp_terms(  # MTP on the last stage (planner/moe.py): never a fused loss
+        cfg, spec, full, heavy, sbh, split, loss, (4 if spec.weight_copies else e) * vocab / tp * h, checkpointing)
     if fused_loss:  # (dh: the e sbh beside the final norm's input, in place of the head's input) + dW
         loss = e * vocab / tp * h
         # forward's peak inside the loss (parallel/tensor/linear_cross_entropy.py), beside dW's fp32 accumulator:
@@ -328,7 +326,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         fused_forward = wide * vocab / tp * h + max((wide + below) * c * vocab / tp,
                                                      below * (c * vocab / tp + vocab / tp * h))
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
-    d_block = {m: weight_gradient_inputs(s, b, h, tp, kinds[m], sequence_parallel) for m in kinds}
+    d_block = {m: weight_gradient_inputs(s, b, h, tp, specs[m], sequence_parallel) for m in specs}
 
     def chunk_bytes(stage: int, recompute: float) -> tuple[ChunkBytes, float]:
         """`recompute`: the layer recomputed on this chunk's rank (its largest), which the rank's total counts."""
@@ -338,7 +336,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         out = 0.0 if last else spec.residual * sbh / split  # the stage's output, kept until its backward
         if last:
             # the final norm's input (s / tp long under sequence parallelism) and the head's (gathered)
-            extra += (spec.residual / split + e) * sbh + loss
+            extra += (spec.residual / split + e) * sbh + loss + mtp_kept
             if spec.weight_copies and not fused_loss:  # the head's 16-bit cast of its vocabulary shard, for backward
                 extra += e * vocab / tp * h
         forward = (n - n_moe) * kept[False] + n_moe * kept[True] + extra + out
@@ -357,6 +355,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         workspace = 0.0
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
             workspace = max(heavy[m] for m in present(stage)) - recompute - (extra if last else 0.0)
+        workspace = max(workspace, mtp_moment - recompute) if last and mtp_kinds else workspace  # MTP's blocks
         loss_backward = e * s * b * (vocab / tp + h) + ce_backward  # d logits, the head input's gradient
         loss_forward = 0.0
         if fused_loss:  # backward scales the kept dh and dW in place (a block of rows at a time): nothing beside
@@ -370,7 +369,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
-            workspace = loss_backward + (max(kinds[m].mlp_elements for m in present(stage)) * e * sbh / tp if n else 0.0)
+            workspace = loss_backward + (max(specs[m].mlp_elements for m in present(stage)) * e * sbh / tp if n else 0.0)
         # The peak adds one recomputed layer under checkpointing (StageActivations.total_bytes), yet the loss's
         # backward runs before any is recomputed: for MoE models (large recomputed layers; qwen3-30b-a3b's dry run
         # peaks there) that moment is net of it. Dense models keep the double count, standing in for ZeRO-2's head
@@ -385,7 +384,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     out = []
     for rank, n in enumerate(stage_layers):
         held = rank_chunks(list(range(stages)), pp, rank, placement_of(schedule)) if pp > 1 else [0]
-        recompute = max((full[m] for c in held for m in present(c)), default=0.0) if checkpointing and n else 0.0
+        kinds = [m for c in held for m in present(c) + (mtp_kinds if c == stages - 1 else [])]
+        recompute = max((full[m] for m in kinds), default=0.0) if checkpointing and n else 0.0  # the largest
         chunks = [chunk_bytes(st, recompute) for st in held]
         try:
             peak = rank_peak(schedule, micro_batches, pp, rank, virtual, [c for c, _ in chunks])
@@ -393,7 +393,7 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             raise PlanError(str(err)) from None
         at_rest = rank_peak(schedule, micro_batches, pp, rank, virtual,  # what B..W would hold as F..B
                             [ChunkBytes(c.forward, c.forward) for c, _ in chunks]).held
-        stored = sum(kept[m] * (chunk_layers[c] - moe_blocks[c] if not m else moe_blocks[c]) for c in held for m in kinds)
+        stored = sum(kept[m] * count(c, m) for c in held for m in specs)
         out.append(StageActivations(rank, n, peak.live / len(held), stored / n if n else kept[False], recompute,
                                     sum(x for _, x in chunks), peak.held, max(peak.held - at_rest, 0.0),
                                     peak.peak - peak.held))

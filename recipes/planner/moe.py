@@ -10,6 +10,10 @@ rank is on this rank's node (node_size consecutive ranks), else inter-node. Pass
 dispatch and the combine, each again in backward (4), and under activation checkpointing once more in the
 recomputed forward (6). The ep group: ep consecutive grad ranks (dp-major, cp inner) at this rank's (pp, tp),
 numbered as parallel/topology.Topology.rank_at numbers the mesh (pp, dp, cp, tp), tp innermost.
+
+Also the activation planner's DeepSeek-V3 terms (recipes/planner/activations.py): an MoE block's routed rows and its
+backward moments (moe_activation_terms, moe_workspace), and the multi-token prediction modules on the last stage
+(mtp_terms).
 """
 
 from __future__ import annotations
@@ -86,3 +90,26 @@ def moe_workspace(spec, s: int, b: int, t: int, sequence_parallel: bool) -> list
     copies = 2 if sequence_parallel and t > 1 else 1
     experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
     return [experts, routing * spec.moe_combine_bytes]
+
+
+def mtp_terms(cfg, spec, full: dict, heavy: dict, sbh: float, split: int, logits: float, head_grad: float,
+              checkpointing: bool) -> tuple[float, float, list[bool]]:
+    """DeepSeek-V3's multi-token prediction on the last stage (models/deepseek/mtp.py), per micro-batch, measured on
+    the dry run of deepseek-v3's last stage (tests/recipes/planner/test_deepseek_dry_run.py): (bytes its depths
+    keep from forward to backward, its heaviest backward moment beyond what the stage holds, the kinds of its
+    blocks, moe or not). `full` / `heavy`: a block's stored bytes and its backward at its heaviest (recomputed
+    under checkpointing) by kind; `logits`: one head's logits as kept (e bytes, its fp32 copy below fp32 without
+    the fused cross-entropy); `head_grad`: the head's weight gradient (V / tp x h, e bytes).
+    Kept per depth: the embedding of its shifted tokens (e s b h), its output (the final norm's input, r) and the
+    head's input (e), the logits; without checkpointing also its block's activations and the norms' outputs
+    concatenated with the projection's output (3 e s b h). Under checkpointing each depth is recomputed as a block
+    (keeping its two inputs). Its backward's heaviest moment is its block's, after its own head's: that head's
+    input and logits are freed, its weight gradient is held until the main head's adds to it (the head is used
+    twice), and the recomputed norms and projection (3 e s b h) are alive beside the block's."""
+    e, r = spec.element_bytes, spec.residual
+    kinds = [bool(spec.moe_token_bytes) and cfg.moe_layer(cfg.n_layer + k) for k in range(cfg.mtp_depth)]
+    own = (e + r) * sbh / split + e * sbh + logits  # the head's input gathered under sequence parallelism
+    kept = sum(own + (0.0 if checkpointing else full[m] + 3 * e * sbh / split) for m in kinds)
+    moment = max((heavy[m] + (3 * e * sbh / split if checkpointing else 0.0) + head_grad - own + e * sbh / split
+                  for m in kinds), default=0.0)
+    return kept, moment, kinds
