@@ -8,8 +8,8 @@ the recipe's first-k dense blocks (3; Kimi 1) and one MoE block, every other sta
 2 micro-batches; widths, experts, top-8, sequence, world, ep, nodes, ZeRO-1, bf16 and checkpointing are the
 recipe's. deepseek-v3 runs with its one multi-token prediction module (the report's D = 1; model.mtp_depth = 1,
 which the recipe leaves out): an MoE block with its own head on the last stage, recomputed under checkpointing
-(models/deepseek/mtp.py). With the recipe's 16 micro-batches in flight the same runs are within 1.4% too (DSW's
-notes).
+(models/deepseek/mtp.py). With the recipe's 16 micro-batches in flight the same runs (without MTP) were within
+1.4% too, run by hand (the README's table).
 
 Before the planner counted an MoE model's dense and MoE blocks apart (ActivationSpec.block) and the combine's
 backward (moe_activation_terms: three fp32 rows per routed row, 2.8 GB at DeepSeek-V3's shapes), it planned every
