@@ -232,8 +232,12 @@ class GPT(nn.Module):
         def embed(ids: torch.Tensor) -> torch.Tensor:  # split over tp under sequence parallelism, as the main one
             return self.sequence_parallel.shard(self.wte(ids))
 
+        run = None
+        if self.activation_checkpointing and self.training:  # each depth (norms, projection, block) as a block is
+            def run(layer, *args):
+                return checkpoint(self.rng.replayable(layer), *args, use_reentrant=False)
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
-        for k, out in enumerate(self.mtp(hidden, inputs, embed), start=1):
+        for k, out in enumerate(self.mtp(hidden, inputs, embed, run=run), start=1):
             shifted = mtp_targets(targets, k)
             per_token = self.kernels["cross_entropy"].fn(self.logits(out), shifted, self.topo.tp_group,
                                                          self.cfg.vocab_size)

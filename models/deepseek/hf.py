@@ -22,8 +22,14 @@ pairs (x0, x1), (x2, x3), ... of each head's rotary part, and transformers' rota
 rotates halves (models/rotary.py). Permuting the rotary rows of q_b (q_proj) per head and of kv_a's rotary key to
 [even rows; odd rows] on reading (and back on writing) makes the two the same function: q.k is unchanged by
 the same permutation of q's and k's rotary dims. Configs written here say rope_interleave = true.
-Not mapped: multi-token-prediction layers (model.layers.<n_layer>.*, transformers ignores them on load too) and
-attention_bias (DeepSeek has none; refused).
+
+Multi-token prediction (models/deepseek/mtp_hf.py): depth k as layer n_layer + k - 1, as DeepSeek-V3's published
+checkpoint stores its one module (model.layers.61: embed_tokens, enorm, hnorm, eh_proj, the decoder layer's own
+names, shared_head.norm, shared_head.head). Written with config.json's num_nextn_predict_layers = mtp_depth and the
+two shared copies; read only where the folder's weights hold the layer (read_hf_config: held_depth), the copies
+checked equal to the main embedding and head and left out. transformers ignores layer 61 on loading, and its
+save_pretrained writes none (while its config says num_nextn_predict_layers = 1): such a folder reads as mtp_depth 0.
+Not mapped: attention_bias (DeepSeek has none; refused).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import functools
 import torch
 
 from megazoo.models.config import ModelConfig
+from megazoo.models.deepseek.mtp_hf import mtp_entries
 from megazoo.models.hf import llama, moe_families
 from megazoo.models.hf.family import Entry, Family
 from megazoo.models.layout import parameter_layout
@@ -57,6 +64,16 @@ def _permute_rope(cfg: ModelConfig, heads: int, block: int, inverse: bool, tenso
 
 
 def entries(cfg: ModelConfig) -> list[Entry]:
+    """The key map as read: the main model's, then the MTP layers' (less their shared copies)."""
+    return _main_entries(cfg.replace(mtp_depth=0)) + mtp_entries(cfg, _main_entries)
+
+
+def written_entries(cfg: ModelConfig) -> list[Entry]:
+    """The key map as written: with each MTP layer's copies of the shared embedding and head."""
+    return _main_entries(cfg.replace(mtp_depth=0)) + mtp_entries(cfg, _main_entries, copies=True)
+
+
+def _main_entries(cfg: ModelConfig) -> list[Entry]:
     out = []
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     for p in parameter_layout(cfg, vocab=cfg.vocab_size):
@@ -174,11 +191,14 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
     return transformers.DeepseekV3Config(
         **fields, attention_bias=False, rope_interleave=True, kv_lora_rank=cfg.kv_lora_rank,
         q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, **moe)
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, num_nextn_predict_layers=cfg.mtp_depth,
+        **moe)
 
 
 FAMILY = Family(
     name="DeepSeek-V3", model_types=("deepseek_v3",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     exports=exports, entries=entries,
     tied_head=lambda cfg: ("lm_head.weight", llama.TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
-    ignored=llama._IGNORED_SUFFIXES, fp32_in_hf=True)
+    # the MTP layers' copies of the embedding and head: checked on reading (converter.megazoo_tensors), not kept
+    ignored=llama._IGNORED_SUFFIXES + (".embed_tokens.weight", "shared_head.head.weight"), fp32_in_hf=True,
+    mtp=True, written=written_entries)

@@ -77,12 +77,15 @@ class MTP(nn.Module):
                                                       device=device, dtype=dtype) for k in range(cfg.mtp_depth)})
 
     def forward(self, hidden: torch.Tensor, inputs: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
-                depths: int | None = None) -> list[torch.Tensor]:
+                depths: int | None = None, run: Callable | None = None) -> list[torch.Tensor]:
         """Each depth's normalised output (b, s, d), to go through the shared head. `embed` (b, s) ids ->
-        (b, s, d) embeddings split like `hidden`; `depths`: run only the first ones (speculative drafting)."""
+        (b, s, d) embeddings split like `hidden`; `depths`: run only the first ones (speculative drafting);
+        `run(layer, hidden, embedded)`: how a depth runs (activation checkpointing: recomputed in backward, keeping
+        its two inputs only, as the decoder's blocks)."""
         out = []
         for k, layer in enumerate(list(self.layers.values())[:depths], start=1):
-            hidden = layer(hidden, embed(shift_left(inputs, k, 0)))
+            embedded = embed(shift_left(inputs, k, 0))
+            hidden = layer(hidden, embedded) if run is None else run(layer, hidden, embedded)
             out.append(layer.norm(hidden))
         return out
 

@@ -54,15 +54,38 @@ def mtp_entries(cfg: ModelConfig, family_entries: Callable[[ModelConfig], list[E
     return out
 
 
+def held_depth(hf_dir, n_layer: int, declared: int) -> int:
+    """The MTP depths an HF folder holds: of the `declared` ones (config.json's num_nextn_predict_layers), those
+    whose layer n_layer + k - 1 its weights hold (that layer's eh_proj), counted from the first. A folder that
+    transformers' save_pretrained wrote declares 1 (DeepseekV3Config's default) and holds none: it reads as
+    mtp_depth 0. No weight files: 0 (reading the weights then says what is missing)."""
+    from megazoo.models.hf.safetensors_files import HFWeights
+
+    if not declared:
+        return 0
+    try:
+        names = set(HFWeights(hf_dir).names())
+    except FileNotFoundError:
+        return 0
+    depth = 0
+    while depth < declared and f"model.layers.{n_layer + depth}.{OWN['eh_proj.weight']}" in names:
+        depth += 1
+    return depth
+
+
 def shared_copies(cfg: ModelConfig, embedding: str, head: str) -> list[tuple[str, str]]:
     """(HF copy name, the main tensor's HF name) of the shared embedding and head each MTP layer repeats."""
     return [(f"model.layers.{cfg.n_layer + k}.{copy}", main) for k in range(cfg.mtp_depth)
             for copy, main in (("embed_tokens.weight", embedding), ("shared_head.head.weight", head))]
 
 
-def check_shared_copies(read: Callable[[str], torch.Tensor], cfg: ModelConfig, embedding: str, head: str) -> None:
-    """On reading: each layer's copies equal the main embedding and head (ours shares one of each)."""
+def check_shared_copies(read: Callable[[str], torch.Tensor], cfg: ModelConfig, embedding: str, head: str,
+                        present: set[str] | None = None) -> None:
+    """On reading: each layer's copies equal the main embedding and head (ours shares one of each). `present`:
+    the folder's tensor names, when a folder may leave the copies out (its readers take the main ones)."""
     for copy, main in shared_copies(cfg, embedding, head):
+        if present is not None and copy not in present:
+            continue
         if not torch.equal(read(copy), read(main)):
             raise ValueError(f"{copy} differs from {main}: megazoo's MTP modules share the main model's embedding "
                              "and head, so it cannot hold this checkpoint")

@@ -26,10 +26,11 @@ def _dcp_view(family, cfg, names: str):
     if names == "torchtitan":
         if family.torchtitan is None:
             raise ValueError(f"model {cfg.name}: the {family.name} family has no torchtitan key map")
-        return dataclasses.replace(family, entries=family.torchtitan, tied_head=lambda cfg: None, ignored=())
+        return dataclasses.replace(family, entries=family.torchtitan, tied_head=lambda cfg: None, ignored=(),
+                                   written=None)
     def own(cfg):
         return [Entry(p.name, (p.name,), (p.shape,)) for p in parameter_layout(cfg, vocab=cfg.vocab_size)]
-    return dataclasses.replace(family, entries=own, tied_head=lambda cfg: None, ignored=())
+    return dataclasses.replace(family, entries=own, tied_head=lambda cfg: None, ignored=(), written=None)
 
 
 def dcp_family(reader, family, cfg) -> tuple[str, object]:

@@ -72,18 +72,24 @@ def megazoo_tensors(weights: HFWeights, family: Family, cfg: ModelConfig) -> Ite
     if tied and tied[0] in weights.names() and not torch.equal(weights.read(tied[0]), weights.read(tied[1])):
         raise ValueError(f"{tied[0]} differs from {tied[1]} but model {cfg.name} ties its output head to the "
                          "embedding: it cannot hold this checkpoint")
+    if family.mtp and cfg.mtp_depth:  # the MTP layers' copies of the shared embedding and head: equal to them
+        from megazoo.models.deepseek.mtp_hf import check_shared_copies
+
+        main = {e.ours: e.hf[0] for e in family.entries(cfg) if e.ours in ("wte.weight", "lm_head.weight")}
+        check_shared_copies(weights.read, cfg, main["wte.weight"], main.get("lm_head.weight", main["wte.weight"]),
+                            present=set(weights.names()))
     for entry in family.entries(cfg):
         yield entry.ours, entry.join([weights.read(name) for name in entry.hf])
 
 
 def hf_plan(family: Family, cfg: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(HF name, shape, dtype) of every tensor an export writes, in writing order (a tied head left out)."""
-    return [(name, tuple(shape), dtype) for e in family.entries(cfg) for name, shape in zip(e.hf, e.hf_shapes)]
+    return [(name, tuple(shape), dtype) for e in family.written_entries(cfg) for name, shape in zip(e.hf, e.hf_shapes)]
 
 
 def hf_tensors(read, family: Family, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in hf_plan's order; `read(our name)` gives one full megazoo tensor."""
-    for entry in family.entries(cfg):
+    for entry in family.written_entries(cfg):
         yield from zip(entry.hf, entry.split(read(entry.ours)))
 
 

@@ -72,7 +72,13 @@ def read_hf_config(hf_dir: str | Path) -> tuple[Family, ModelConfig, object]:
         hf_config = AutoConfig.from_pretrained(str(hf_dir))
     except Exception as error:  # transformers raises OSError / ValueError / JSON errors for bad configs
         raise ValueError(f"cannot read HF config {config}: {error}") from error
-    return family, family.config_from_hf(hf_config, name=hf_dir.resolve().name), hf_config
+    cfg = family.config_from_hf(hf_config, name=hf_dir.resolve().name)
+    if family.mtp:  # multi-token prediction modules: those the folder's weights hold (models/deepseek/mtp_hf.py)
+        from megazoo.models.deepseek.mtp_hf import held_depth
+
+        declared = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+        cfg = cfg.replace(mtp_depth=held_depth(hf_dir, cfg.n_layer, declared))
+    return family, cfg, hf_config
 
 
 def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -14,6 +14,8 @@ A family module (gpt2.py, llama.py, ...) declares `FAMILY = Family(...)` with:
   entries(cfg) -> list[Entry]
                 every megazoo parameter (models/layout.py's order and names, embedding at the true vocabulary)
                 with the HF tensors it is made of, in the order HF files list them
+  written(cfg)  (optional) the entries an export writes where they are more than entries(cfg)'s: DeepSeek-V3's
+                multi-token prediction layers repeat the shared embedding and head, which a reader leaves out
   tied_head(cfg) -> (hf head name, hf embedding name) | None
                 a tied output head some HF files still carry: on reading it must equal the embedding (checked),
                 on writing it is left out, as transformers' save_pretrained does
@@ -83,6 +85,11 @@ class Family:
     # Whether the HF format holds multi-token prediction modules (DeepSeek-V3's, as layers n_layer + k: see
     # models/deepseek/mtp_hf.py); the other families' folders leave them out (exported_config).
     mtp: bool = False
+    written: Callable[[ModelConfig], list[Entry]] | None = None
+
+    def written_entries(self, cfg: ModelConfig) -> list[Entry]:
+        """The entries an export writes (module docstring: `written`)."""
+        return (self.written or self.entries)(cfg)
 
 
 def exported_config(family: Family, cfg: ModelConfig) -> ModelConfig:

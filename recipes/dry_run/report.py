@@ -75,8 +75,10 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + buf
     if layout.ep > 1:  # the MoE layers' all-to-alls per link class (recipes/planner/moe.py), at dp = cp = tp rank 0
         held = rank_chunks(res.stage_layers, layout.pp, pp_stage, placement(layout.schedule))
-        out["all_to_all_link_bytes"] = all_to_all_link_bytes(
-            cfg, layout, [i for v in held for i in res.stage_layers[v]], pp_stage, state.params)
+        blocks = [i for v in held for i in res.stage_layers[v]]
+        if len(res.stage_layers) - 1 in held:  # the head's stage: the MTP blocks, as layers n_layer + k - 1
+            blocks += [cfg.n_layer + k for k in range(cfg.mtp_depth)]
+        out["all_to_all_link_bytes"] = all_to_all_link_bytes(cfg, layout, blocks, pp_stage, state.params)
     if layout.node_size and layout.dp > 1:  # ZeRO's bytes per link class (recipes/planner/links.py)
         root = sum(t.numel for t in st.tensors if not t.name.startswith("h.")) if layout.zero == 3 else 0
         # ZeRO's groups are dp x cp: the whole group, and its part on one node

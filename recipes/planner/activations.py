@@ -46,26 +46,26 @@ backward, and under activation checkpointing W re-traverses the graph: both keep
 that arrived. During a backward one block's gradient temporaries (the MLP's, mlp_elements h / t, e bytes) and
 on the last stage d logits come on top (`workspace_bytes`). The planner takes the stage with the most memory.
 
-FP8 (train.fp8, parallel/tensor/fp8.py) keeps the same activations for backward as the plain linears (x and W in
-their own precision; under autocast of fp32 parameters no 16-bit weight cast, and the QKV / fc1 inputs at the
-residual's bytes, as they arrive), and its own memory is transient, one linear at a time (`fp8_workspace`): the
-1-byte copies of x, W and dy, one chunk's wide copy while each is quantized, and _scaled_mm's column-major copies.
+FP8 (train.fp8) keeps the plain linears' activations (under autocast of fp32 parameters no 16-bit weight cast, and
+the QKV / fc1 inputs at the residual's bytes); its own memory is transient (planner/links.py's fp8_workspace).
+An MoE model's blocks and its MTP modules: planner/moe.py (ActivationSpec.block, moe_workspace, mtp_terms).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megazoo.models.config import ModelConfig
 from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
+from megazoo.recipes.planner.links import FP8_CHUNK_ELEMENTS, fp8_workspace  # noqa: F401 (the tests read them here)
+from megazoo.recipes.planner.moe import moe_workspace, mtp_terms
 from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
 from megazoo.recipes.planner.zero import PlanError
 
 # kernels/cross_entropy.py's CHUNK_ELEMENTS (not imported: that module loads torch; a test holds the two equal)
 CE_CHUNK_ELEMENTS = 1 << 24
-FP8_CHUNK_ELEMENTS = 1 << 24  # parallel/tensor/fp8.py's CHUNK_ELEMENTS (its quantize's wide copy), held equal by a test
 
 
 @dataclass(frozen=True)
@@ -92,16 +92,27 @@ class ActivationSpec:
     # replicated over tp (latent attention's down-projection outputs and its gathered latents: 0 otherwise).
     attention_elements: float = 4.0
     latent_elements: float = 0.0
-    # Every block MoE (planner/moe.py's moe_activation_terms; mlp_elements the shared experts'): bytes kept and
-    # the routed rows' input gradient per routing token, the local experts' c_fc weight gradient (backward's peak).
+    # An MoE model's blocks (planner/moe.py moe_activation_terms; mlp_elements the shared experts'): bytes kept and
+    # the rows' input gradient per routing token, the local experts' c_fc weight gradient, the combine's backward
+    # per routing token. Its dense blocks (DeepSeek's first k): their MLP (dense_mlp_*; spec `block(False)`).
     moe_token_bytes: float = 0.0
     moe_rows_grad_bytes: float = 0.0
     moe_weight_grad_bytes: float = 0.0
+    moe_combine_bytes: float = 0.0
     fp8: str = "none"  # train.fp8: the blocks' attention and MLP projections in FP8 (fp8_workspace)
+    dense_mlp_elements: float = 0.0
+    dense_mlp_hidden: float = 0.0
 
     @property
     def residual(self) -> int:
         return self.residual_bytes or self.element_bytes
+
+    def block(self, moe: bool) -> "ActivationSpec":
+        """The spec of one block: an MoE block's (self), or a dense block's of an MoE model (its MLP, no routing)."""
+        if moe or not self.moe_token_bytes:
+            return self
+        return replace(self, mlp_elements=self.dense_mlp_elements, mlp_hidden=self.dense_mlp_hidden,
+                       moe_token_bytes=0.0, moe_rows_grad_bytes=0.0, moe_weight_grad_bytes=0.0, moe_combine_bytes=0.0)
 
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
@@ -118,8 +129,9 @@ class ActivationSpec:
         # GELU keeps its input and fc2's (d_ff each); SwiGLU keeps [gate; up] (2 d_ff), silu(gate) and the
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
-        hidden, moe = cfg.d_ff / h, (0.0, 0.0, 0.0)
-        if cfg.is_moe and all(cfg.moe_layer(i) for i in range(cfg.n_layer)):  # no dense MLP: the shared experts'
+        hidden, moe, dense = cfg.d_ff / h, (0.0, 0.0, 0.0, 0.0), (0.0, 0.0)
+        if cfg.is_moe:  # an MoE block's MLP is its shared experts'; dense blocks keep theirs (`block(False)`)
+            dense = (0.0, 0.0) if all(map(cfg.moe_layer, range(cfg.n_layer))) else (mlp, hidden)
             hidden = cfg.moe_shared_experts * cfg.moe_shared_d_ff / h
             mlp = 4 * hidden
             moe = moe_activation_terms(cfg, element_bytes, 4 if amp else element_bytes, ep)
@@ -133,7 +145,7 @@ class ActivationSpec:
         copies = amp and fp8 == "none"  # FP8 linears run outside autocast: no 16-bit weight casts
         return ActivationSpec(element_bytes, mask_bytes, flash_attention, cfg.dropout > 0, cfg.attn_dropout > 0,
                               4 if amp else 0, copies, mlp, block_matmul_params(cfg) / (h * h), hidden,
-                              packed, fused_ce, attention, latent, *moe, fp8)
+                              packed, fused_ce, attention, latent, *moe, fp8, *dense)
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, spec: ActivationSpec = ActivationSpec(),
@@ -215,13 +227,8 @@ def block_workspace(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = A
     c_fc = (e * s * b * h * (mlp_in / t + 1 + (1 if sequence_parallel else 0)) + spec.residual * mlp_in * h * h / t
             - start)
     heaviest = [start, c_fc]
-    if spec.moe_token_bytes:
-        # An MoE layer (recipes/planner/moe.py): the experts' c_fc backward, its weight gradient (and under sequence
-        # parallelism its clone for the all-reduce over tp) and the rows' input gradient, the routed activations freed
-        routing = s * b / (t if sequence_parallel else 1)
-        copies = 2 if sequence_parallel and t > 1 else 1
-        experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
-        heaviest.append(experts)
+    if spec.moe_token_bytes:  # an MoE layer's own moments (recipes/planner/moe.py)
+        heaviest += moe_workspace(spec, s, b, t, sequence_parallel)
     if spec.fp8 == "none":
         return max(heaviest)
     m, ew = s * b, spec.residual  # tokens; the weight gradients' dtype (the parameters')
@@ -234,31 +241,6 @@ def block_workspace(s: int, b: int, h: int, t: int = 1, spec: ActivationSpec = A
         fp8_workspace(m, in_proj, h, e, ew, spec.fp8, forward=True),  # the forward's: c_fc, then c_proj
         fp8_workspace(m, h, in_proj, e, ew, spec.fp8, forward=True)]
     return max(*heaviest, *moments)
-
-
-def _chunk(numel: float, row: float) -> float:
-    return min(numel, max(1, FP8_CHUNK_ELEMENTS // row) * row)  # quantize's wide copy: whole rows (tensor/fp8.py)
-
-
-def fp8_workspace(m: float, n: float, k: float, e: int, ew: int, recipe: str, forward: bool = False) -> float:
-    """Bytes an FP8 linear y = x W^T (x m x k, W n x k, dy m x n) holds at its heaviest moment beyond its saved x,
-    W and (backward) dy, as parallel/tensor/fp8.py runs it on a GPU (fp32 wide copies, 4 bytes a chunk; e: dx's
-    dtype, ew: dW's). Rowwise quantizes dy again (along m) for dW; tensorwise reuses dgrad's copy. Measured by
-    the fake-CUDA dry run (tests/recipes/dry_run/test_dry_run_fp8.py); each moment is named below."""
-    mk, nk, mn = m * k, n * k, m * n
-    # rowwise GEMMs write bf16 only (fp8.scaled_matmul): a wider dx or dW is a cast of that output, both held
-    widen = lambda b: b + (2 if recipe == "rowwise" and b != 2 else 0)  # noqa: E731
-    dx, dw = widen(e) * mk, widen(ew) * nk
-    if forward:  # x's 1-byte copy, then W's beside it while W is quantized
-        return max(mk + 4 * _chunk(mk, k), mk + nk + 4 * _chunk(nk, k))
-    moments = [mn + 4 * _chunk(mn, n),  # dy quantized (tensorwise: the one copy dgrad and wgrad share)
-               mn + nk + 4 * _chunk(nk, k),  # W quantized beside dy's copy
-               mn + 2 * nk + dx,  # dgrad's GEMM: W column-major, dx
-               dx + mn + mk + 4 * _chunk(mk, k),  # x quantized for dW (after dgrad freed W's copies)
-               dx + 2 * mn + 2 * mk + dw]  # wgrad's GEMM: dy^T and x column-major, dW
-    if recipe == "rowwise":  # dy again, along the tokens: dy's first copy freed, dx held
-        moments.append(e * mk + mn + 4 * _chunk(mn, n))
-    return max(moments)
 
 
 @dataclass(frozen=True)
@@ -302,14 +284,24 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
     split = tp if sequence_parallel else 1
-    full = layer_bytes(s, b, h, a, tp, spec, cp, sequence_parallel)
-    kept = checkpoint_bytes(s, b, h, spec) / split if checkpointing else full
+    # Per kind of block (an MoE model's dense and MoE ones: ActivationSpec.block): what a layer stores, keeps, and
+    # holds at its backward's heaviest (recomputed beneath under checkpointing); chunks' blocks counted by kind.
+    specs = {moe: spec.block(moe) for moe in (False, True)}
+    full = {m: layer_bytes(s, b, h, a, tp, specs[m], cp, sequence_parallel) for m in specs}
+    kept = {m: checkpoint_bytes(s, b, h, spec) / split if checkpointing else full[m] for m in specs}
+    heavy = {m: (full[m] if checkpointing else 0.0) + block_workspace(s, b, h, tp, specs[m], sequence_parallel)
+             for m in specs}
     pp = len(stage_layers)
     chunks_per_rank = virtual if pp > 1 else 1
     if chunk_layers is None:
         chunk_layers = [len(r) for n in stage_layers for r in uniform_stage_layers(n, chunks_per_rank)]
         chunk_layers = [chunk_layers[rank * chunks_per_rank + c] for c in range(chunks_per_rank) for rank in range(pp)]
     stages = len(chunk_layers)
+    starts = [sum(chunk_layers[:c]) for c in range(stages)]
+    moe_blocks = [sum(map(cfg.moe_layer, range(starts[c], starts[c] + chunk_layers[c]))) if spec.moe_token_bytes
+                  else 0 for c in range(stages)]
+    count = lambda c, m: moe_blocks[c] if m else chunk_layers[c] - moe_blocks[c]  # noqa: E731
+    present = lambda c: [m for m in specs if count(c, m)]  # noqa: E731
     sbh = s * b * h
     # the logits and, below fp32, the reference loss's fp32 copy of them (the fused cross-entropy makes none)
     loss = (e + (4 if e < 4 and not spec.fused_ce else 0)) * s * b * vocab / tp
@@ -319,6 +311,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     rows, chunk_rows = s * b, max(1, CE_CHUNK_ELEMENTS // (vocab // tp))
     chunk = 4 * min(rows, chunk_rows) * vocab / tp if spec.fused_ce and not fused_loss else 0.0
     ce_forward, ce_backward = 2 * chunk, (2 if rows > chunk_rows else 1) * chunk
+    mtp_kept, mtp_moment, mtp_kinds = mtp_terms(  # MTP on the last stage (planner/moe.py): never a fused loss
+        cfg, spec, full, heavy, sbh, split, loss, (4 if spec.weight_copies else e) * vocab / tp * h, checkpointing)
     if fused_loss:  # (dh: the e sbh beside the final norm's input, in place of the head's input) + dW
         loss = e * vocab / tp * h
         # forward's peak inside the loss (parallel/tensor/linear_cross_entropy.py), beside dW's fp32 accumulator:
@@ -332,18 +326,20 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         fused_forward = wide * vocab / tp * h + max((wide + below) * c * vocab / tp,
                                                      below * (c * vocab / tp + vocab / tp * h))
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
-    d_block = weight_gradient_inputs(s, b, h, tp, spec, sequence_parallel)
+    d_block = {m: weight_gradient_inputs(s, b, h, tp, specs[m], sequence_parallel) for m in specs}
 
-    def chunk_bytes(stage: int) -> tuple[ChunkBytes, float]:
+    def chunk_bytes(stage: int, recompute: float) -> tuple[ChunkBytes, float]:
+        """`recompute`: the layer recomputed on this chunk's rank (its largest), which the rank's total counts."""
         n, first, last = chunk_layers[stage], stage == 0, stage == stages - 1
+        n_moe = moe_blocks[stage]
         extra = spec.mask_bytes * sbh if first and spec.dropout else 0.0
         out = 0.0 if last else spec.residual * sbh / split  # the stage's output, kept until its backward
         if last:
             # the final norm's input (s / tp long under sequence parallelism) and the head's (gathered)
-            extra += (spec.residual / split + e) * sbh + loss
+            extra += (spec.residual / split + e) * sbh + loss + mtp_kept
             if spec.weight_copies and not fused_loss:  # the head's 16-bit cast of its vocabulary shard, for backward
                 extra += e * vocab / tp * h
-        forward = n * kept + extra + out
+        forward = (n - n_moe) * kept[False] + n_moe * kept[True] + extra + out
         d_logits = e * s * b * vocab / tp
         if checkpointing:  # W re-traverses: B keeps its root and the gradient at it
             after_b = forward - loss + d_logits if last else forward + grad_in
@@ -355,10 +351,11 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             head = min(d_logits + e * sbh, e * vocab / tp * h)
             if sequence_parallel and not cfg.tie_embeddings:
                 head = (4 if spec.weight_copies else e) * vocab / tp * h
-            after_b = n * d_block + (head if last else 0.0)
+            after_b = (n - n_moe) * d_block[False] + n_moe * d_block[True] + (head if last else 0.0)
         workspace = 0.0
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
-            workspace = block_workspace(s, b, h, tp, spec, sequence_parallel) - (extra if last else 0.0)
+            workspace = max(heavy[m] for m in present(stage)) - recompute - (extra if last else 0.0)
+        workspace = max(workspace, mtp_moment - recompute) if last and mtp_kinds else workspace  # MTP's blocks
         loss_backward = e * s * b * (vocab / tp + h) + ce_backward  # d logits, the head input's gradient
         loss_forward = 0.0
         if fused_loss:  # backward scales the kept dh and dW in place (a block of rows at a time): nothing beside
@@ -367,17 +364,17 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             # and dh (and under sequence parallelism the norm's output it was gathered from), while no block is
             # recomputed, which the stage's total counts under checkpointing (+15% over its dry run before)
             loss_forward = (fused_forward - loss + e * sbh * (1 + (1 / split if sequence_parallel else 0))
-                            - (full if checkpointing and n else 0.0))
+                            - (recompute if n else 0.0))
         if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
-            workspace = loss_backward + (spec.mlp_elements * e * sbh / tp if n else 0.0)
+            workspace = loss_backward + (max(specs[m].mlp_elements for m in present(stage)) * e * sbh / tp if n else 0.0)
         # The peak adds one recomputed layer under checkpointing (StageActivations.total_bytes), yet the loss's
         # backward runs before any is recomputed: for MoE models (large recomputed layers; qwen3-30b-a3b's dry run
         # peaks there) that moment is net of it. Dense models keep the double count, standing in for ZeRO-2's head
         # gradient buckets in the 405B last stage's recomputed backward (0.75 GB; netting it: 23% under).
-        again = full if checkpointing and n and spec.moe_token_bytes else 0.0
+        again = recompute if n and n_moe else 0.0
         if last and schedule not in SPLIT_BACKWARD:  # the unsplit backward frees d logits before the blocks' (the
             workspace = max(workspace, loss_backward - again)  # 405B dry run's last stage)
         if last:  # the loss's forward runs on top of everything the chunk holds, as its backward does
@@ -387,14 +384,17 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     out = []
     for rank, n in enumerate(stage_layers):
         held = rank_chunks(list(range(stages)), pp, rank, placement_of(schedule)) if pp > 1 else [0]
-        chunks = [chunk_bytes(st) for st in held]
+        kinds = [m for c in held for m in present(c) + (mtp_kinds if c == stages - 1 else [])]
+        recompute = max((full[m] for m in kinds), default=0.0) if checkpointing and n else 0.0  # the largest
+        chunks = [chunk_bytes(st, recompute) for st in held]
         try:
             peak = rank_peak(schedule, micro_batches, pp, rank, virtual, [c for c, _ in chunks])
         except ValueError as err:
             raise PlanError(str(err)) from None
         at_rest = rank_peak(schedule, micro_batches, pp, rank, virtual,  # what B..W would hold as F..B
                             [ChunkBytes(c.forward, c.forward) for c, _ in chunks]).held
-        out.append(StageActivations(rank, n, peak.live / len(held), kept, full if checkpointing and n else 0.0,
+        stored = sum(kept[m] * count(c, m) for c in held for m in specs)
+        out.append(StageActivations(rank, n, peak.live / len(held), stored / n if n else kept[False], recompute,
                                     sum(x for _, x in chunks), peak.held, max(peak.held - at_rest, 0.0),
                                     peak.peak - peak.held))
     return out

@@ -216,3 +216,32 @@ def fp8_gathered(tensors) -> dict[str, int]:
     over-count of its few elements' bytes."""
     fp8 = _fp8_weights(tensors)
     return {"fp8": sum(t.numel for t in fp8), "fp8_weights": len(fp8)}
+
+
+# FP8 linears' own transient memory (the activation planner's fp8_workspace; here beside the FP8 gathers' bytes)
+FP8_CHUNK_ELEMENTS = 1 << 24  # parallel/tensor/fp8.py's CHUNK_ELEMENTS (its quantize's wide copy), held equal by a test
+
+
+def _chunk(numel: float, row: float) -> float:
+    return min(numel, max(1, FP8_CHUNK_ELEMENTS // row) * row)  # quantize's wide copy: whole rows (tensor/fp8.py)
+
+
+def fp8_workspace(m: float, n: float, k: float, e: int, ew: int, recipe: str, forward: bool = False) -> float:
+    """Bytes an FP8 linear y = x W^T (x m x k, W n x k, dy m x n) holds at its heaviest moment beyond its saved x,
+    W and (backward) dy, as parallel/tensor/fp8.py runs it on a GPU (fp32 wide copies, 4 bytes a chunk; e: dx's
+    dtype, ew: dW's). Rowwise quantizes dy again (along m) for dW; tensorwise reuses dgrad's copy. Measured by
+    the fake-CUDA dry run (tests/recipes/dry_run/test_dry_run_fp8.py); each moment is named below."""
+    mk, nk, mn = m * k, n * k, m * n
+    # rowwise GEMMs write bf16 only (fp8.scaled_matmul): a wider dx or dW is a cast of that output, both held
+    widen = lambda b: b + (2 if recipe == "rowwise" and b != 2 else 0)  # noqa: E731
+    dx, dw = widen(e) * mk, widen(ew) * nk
+    if forward:  # x's 1-byte copy, then W's beside it while W is quantized
+        return max(mk + 4 * _chunk(mk, k), mk + nk + 4 * _chunk(nk, k))
+    moments = [mn + 4 * _chunk(mn, n),  # dy quantized (tensorwise: the one copy dgrad and wgrad share)
+               mn + nk + 4 * _chunk(nk, k),  # W quantized beside dy's copy
+               mn + 2 * nk + dx,  # dgrad's GEMM: W column-major, dx
+               dx + mn + mk + 4 * _chunk(mk, k),  # x quantized for dW (after dgrad freed W's copies)
+               dx + 2 * mn + 2 * mk + dw]  # wgrad's GEMM: dy^T and x column-major, dW
+    if recipe == "rowwise":  # dy again, along the tokens: dy's first copy freed, dx held
+        moments.append(e * mk + mn + 4 * _chunk(mn, n))
+    return max(moments)

@@ -10,6 +10,10 @@ rank is on this rank's node (node_size consecutive ranks), else inter-node. Pass
 dispatch and the combine, each again in backward (4), and under activation checkpointing once more in the
 recomputed forward (6). The ep group: ep consecutive grad ranks (dp-major, cp inner) at this rank's (pp, tp),
 numbered as parallel/topology.Topology.rank_at numbers the mesh (pp, dp, cp, tp), tp innermost.
+
+Also the activation planner's DeepSeek-V3 terms (recipes/planner/activations.py): an MoE block's routed rows and its
+backward moments (moe_activation_terms, moe_workspace), and the multi-token prediction modules on the last stage
+(mtp_terms).
 """
 
 from __future__ import annotations
@@ -52,21 +56,60 @@ def all_to_all_link_bytes(cfg, layout, layers, pp_rank: int, element_bytes: int,
     return out
 
 
-def moe_activation_terms(cfg, element_bytes: int, param_bytes: int, ep: int = 1) -> tuple[float, float, float]:
+def moe_activation_terms(cfg, element_bytes: int, param_bytes: int,
+                         ep: int = 1) -> tuple[float, float, float, float]:
     """What an MoE layer adds to a block's activations (the dense MLP's part is then its shared experts' only), as
     measured on the dry runs' fake steps (recipes/dry_run; the tensors alive at each peak named by the op that made
     them): (bytes kept per routing token, bytes of the routed rows' input gradient per routing token, bytes of the
-    local experts' c_fc weight gradient). A routing token is one of this rank's s b / cp positions (/ tp under
-    sequence parallelism: each tp rank routes its own). Kept for backward, per token (k = top-k, f = moe_d_ff, e
-    bytes): the rows received by the dispatch all-to-all (the grouped matmul's input, k h), the rows received back
-    by the combine's (the expert outputs its weighting needs, k h) and the weighted rows cast back (k h); the
-    grouped c_fc's [gate; up] (2 k f), silu(gate) and the product (k f each); the router's fp32 input (4 h) and
-    its fp32 logits and two softmaxes (routing, load-balancing statistics: 12 E bytes). The backward's heaviest
-    moment is the experts' c_fc backward: its weight gradient of all n_experts / ep local experts (2 f h in the
-    parameters' dtype; under sequence parallelism cloned once more for its all-reduce over tp) beside the rows'
-    input gradient (k h), the layer's other routed activations freed by then."""
+    local experts' c_fc weight gradient, bytes the combine's backward adds per routing token). A routing token is
+    one of this rank's s b / cp positions (/ tp under sequence parallelism: each tp rank routes its own). Kept for
+    backward, per token (k = top-k, f = moe_d_ff, e bytes): the rows received by the dispatch all-to-all (the
+    grouped matmul's input, k h), the rows received back by the combine's (the expert outputs its weighting needs,
+    k h) and the weighted rows cast back (k h); the grouped c_fc's [gate; up] (2 k f), silu(gate) and the product
+    (k f each); the router's fp32 input (4 h) and its fp32 logits and two softmaxes (routing, load-balancing
+    statistics: 12 E bytes). The backward's heaviest moments: the experts' c_fc backward, its weight gradient of
+    all n_experts / ep local experts (2 f h in the parameters' dtype; under sequence parallelism cloned once more
+    for its all-reduce over tp) beside the rows' input gradient (k h), the layer's other routed activations freed
+    by then; and the combine's backward (models/moe/dispatch.py: the expert outputs times their fp32 routing
+    weights, cast back), which holds three fp32 rows a routed row - the gradient cast up, and its products with
+    the weights and with the outputs - when the weighted rows' own k h e are gone (DeepSeek-V3's stages peak there:
+    2.8 GB at k 8, h 7168, 4,096 tokens)."""
     if not cfg.is_moe:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     h, k, f = cfg.d_model, cfg.moe_top_k, cfg.moe_d_ff
     kept = k * (3 * h + 4 * f) * element_bytes + 4 * h + 12 * cfg.n_experts
-    return float(kept), float(k * h * element_bytes), float(cfg.n_experts // ep * 2 * f * h * param_bytes)
+    return (float(kept), float(k * h * element_bytes), float(cfg.n_experts // ep * 2 * f * h * param_bytes),
+            float(k * h * (3 * 4 - element_bytes)))
+
+
+def moe_workspace(spec, s: int, b: int, t: int, sequence_parallel: bool) -> list[float]:
+    """An MoE block's backward moments beyond its saved activations (moe_activation_terms): the experts' c_fc
+    backward (its weight gradient, under sequence parallelism its clone for the all-reduce over tp, and the rows'
+    input gradient, the routed activations freed) and the combine's backward."""
+    routing = s * b / (t if sequence_parallel else 1)
+    copies = 2 if sequence_parallel and t > 1 else 1
+    experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
+    return [experts, routing * spec.moe_combine_bytes]
+
+
+def mtp_terms(cfg, spec, full: dict, heavy: dict, sbh: float, split: int, logits: float, head_grad: float,
+              checkpointing: bool) -> tuple[float, float, list[bool]]:
+    """DeepSeek-V3's multi-token prediction on the last stage (models/deepseek/mtp.py), per micro-batch, measured on
+    the dry run of deepseek-v3's last stage (tests/recipes/planner/test_deepseek_dry_run.py): (bytes its depths
+    keep from forward to backward, its heaviest backward moment beyond what the stage holds, the kinds of its
+    blocks, moe or not). `full` / `heavy`: a block's stored bytes and its backward at its heaviest (recomputed
+    under checkpointing) by kind; `logits`: one head's logits as kept (e bytes, its fp32 copy below fp32 without
+    the fused cross-entropy); `head_grad`: the head's weight gradient (V / tp x h, e bytes).
+    Kept per depth: the embedding of its shifted tokens (e s b h), its output (the final norm's input, r) and the
+    head's input (e), the logits; without checkpointing also its block's activations and the norms' outputs
+    concatenated with the projection's output (3 e s b h). Under checkpointing each depth is recomputed as a block
+    (keeping its two inputs). Its backward's heaviest moment is its block's, after its own head's: that head's
+    input and logits are freed, its weight gradient is held until the main head's adds to it (the head is used
+    twice), and the recomputed norms and projection (3 e s b h) are alive beside the block's."""
+    e, r = spec.element_bytes, spec.residual
+    kinds = [bool(spec.moe_token_bytes) and cfg.moe_layer(cfg.n_layer + k) for k in range(cfg.mtp_depth)]
+    own = (e + r) * sbh / split + e * sbh + logits  # the head's input gathered under sequence parallelism
+    kept = sum(own + (0.0 if checkpointing else full[m] + 3 * e * sbh / split) for m in kinds)
+    moment = max((heavy[m] + (3 * e * sbh / split if checkpointing else 0.0) + head_grad - own + e * sbh / split
+                  for m in kinds), default=0.0)
+    return kept, moment, kinds

@@ -87,10 +87,12 @@ def test_mtp_loss_equals_hand_reference():
     torch.testing.assert_close(model.loss(model(x), y, x), main, rtol=1e-12, atol=0)
 
 
-def _res(parallel: dict, grad_accum: int, model: dict | None = None, run_dir: str | None = None, stage: int = 1):
+def _res(parallel: dict, grad_accum: int, model: dict | None = None, run_dir: str | None = None, stage: int = 1,
+         checkpointing: bool = False):
     return tiny_resolved(model={**MODEL, **(model or {})}, parallel=parallel, zero={"stage": stage},
                          run={"dir": run_dir} if run_dir else {},
-                         train={"steps": STEPS, "micro_batch": 2, "grad_accum": grad_accum, "eval_batches": 1})
+                         train={"steps": STEPS, "micro_batch": 2, "grad_accum": grad_accum, "eval_batches": 1,
+                                "activation_checkpointing": checkpointing})
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +111,43 @@ def test_reference_trains_the_mtp_module(reference):
     assert abs(reference["losses"][0] - (without["losses"][0] + 0.5 * reference["mtp"][0])) < 1e-12
 
 
-@pytest.mark.parametrize("parallel, grad_accum, stage", [
-    ({"tp": 2, "sequence_parallel": True}, 4, 1),  # vocab-parallel head and lookup; eh_proj's gradient summed over tp
-    ({"pp": 2}, 4, 1),  # the MTP module on the last stage, beside a copy of the embedding summed with the first's
-    ({"dp": 2}, 2, 3),  # ZeRO-3: the MTP module in the root unit (and the routing bias buffers made real)
+@pytest.mark.parametrize("parallel, grad_accum, stage, checkpointing", [
+    ({"tp": 2, "sequence_parallel": True}, 4, 1, False),  # vocab-parallel head and lookup; eh_proj's gradient summed over tp
+    ({"pp": 2}, 4, 1, False),  # the MTP module on the last stage, beside a copy of the embedding summed with the first's
+    ({"dp": 2}, 2, 3, False),  # ZeRO-3: the MTP module in the root unit (and the routing bias buffers made real)
+    ({"pp": 2}, 4, 1, True),  # activation checkpointing: every block and each MTP depth recomputed in backward
 ])
-def test_mtp_training_equals_one_process(reference, parallel, grad_accum, stage):
-    res = _res(parallel, grad_accum, MOE, stage=stage)
+def test_mtp_training_equals_one_process(reference, parallel, grad_accum, stage, checkpointing):
+    res = _res(parallel, grad_accum, MOE, stage=stage, checkpointing=checkpointing)
     for got in run_distributed(lambda: train_run(res, Topology.of(res.recipe.parallel)), res.world_size):
         assert_same_training(got, reference)
         torch.testing.assert_close(torch.tensor(got["mtp"]), torch.tensor(reference["mtp"]), rtol=1e-10, atol=0)
+
+
+def test_checkpointed_depths_are_recomputed_with_the_same_gradients():
+    """Under activation checkpointing each depth (its norms, projection and block) runs as the decoder's blocks do:
+    its forward runs again in backward, keeping only its two inputs; the loss and every gradient (the routing load
+    counted twice, as the blocks' is) equal the plain run's, fp64."""
+    cfg = _cfg(**MOE)
+    x = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def run(checkpointing: bool):
+        model = GPT(cfg, Topology.solo(), activation_checkpointing=checkpointing, dtype=torch.float64)
+        init_weights(model, 3)
+        model.train()
+        calls = []
+        for layer in model.mtp.layers.values():
+            layer.register_forward_pre_hook(lambda *_: calls.append(1))  # (recomputation stops early)
+        loss = model.loss(model(x), x.roll(-1, 1), x)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, len(calls)
+
+    (loss, grads, plain_calls), (again, checkpointed, calls) = run(False), run(True)
+    assert (plain_calls, calls) == (2, 4)  # 2 depths, each once more in backward
+    torch.testing.assert_close(again, loss, rtol=1e-12, atol=0)
+    assert grads.keys() == checkpointed.keys() and any(n.startswith("mtp.") for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-10, atol=1e-14, msg=name)
 
 
 def test_tied_head_fused_loss_and_pp2_equal_the_plain_loss():

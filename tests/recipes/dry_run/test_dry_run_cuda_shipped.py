@@ -28,7 +28,8 @@ from megazoo.recipes.dry_run.cuda import run_jobs
 REPO = Path(__file__).resolve().parents[3]
 # The two 405B recipes (16,384 ranks, 16 stages) ran 57 s and 93 s alone here, but their fake-CUDA run made this
 # file's fixture take 32 minutes inside a loaded two-worker suite: they are dry-run by hand, not in CI.
-# deepseek-v3 (2,048 ranks) and kimi-k2 (256): too many ranks for this fixture's time, as the 405B's
+# deepseek-v3 (2,048 ranks) and kimi-k2 (256): dry-run on fake CUDA at reduced depth against the planner in
+# tests/recipes/planner/test_deepseek_dry_run.py
 BY_HAND = {"llama3.1-405b", "llama3.1-405b-128k", "llama-405b-full-ft", "deepseek-v3", "kimi-k2",
            # the MoE recipes: their CPU dry run is tests/recipes/planner/test_moe_dry_run.py; moe-demo and
            # deepseek-demo run the same MoE step on fake CUDA here
