@@ -53,7 +53,7 @@ def _check_pipeline(recipe: Recipe, cfg: ModelConfig) -> list[list[int]]:
     elif par.virtual_stages != 1:
         raise RecipeError(f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = "
                           "'interleaved' (or 'zbv' / 'dualpipev' with 2); valid with gpipe/1f1b/zb_h1: 1")
-    _check_fb_overlap(par)
+    _check_fb_overlap(recipe, cfg)
     # "parameters" balancing counts the embeddings on the first stage and the head (the tied embedding's copy or
     # an untied lm_head) on the last, in units of one block's parameters (block 0's: every block has the same
     # shapes).
@@ -186,11 +186,11 @@ def _check_node_limit(recipe: Recipe, cfg: ModelConfig) -> None:
                                   "or moe_nodes = ep / (ep ranks per node)")
 
 
-def _check_fb_overlap(par) -> None:
+def _check_fb_overlap(recipe: Recipe, cfg: ModelConfig) -> None:
     """parallel.fb_overlap: DualPipe-V's forward/backward overlap (parallel/pipeline/fb_overlap.py) hides the
-    all-to-alls of expert parallelism, so it needs both. The decoder's sub-stages and the overlap engine are built
-    and held to the plain engine (tests/recipes/test_fb_overlap_decoder.py), but the trainer does not run them yet:
-    refused with that reason until it does."""
+    all-to-alls of expert parallelism, so it needs both. It runs the decoder chunks as sub-stages
+    (recipes/training/model_setup.overlap_sub_stages), which cover neither autocast nor what is listed below."""
+    par, train = recipe.parallel, recipe.train
     if not par.fb_overlap:
         return
     if par.schedule != "dualpipev":
@@ -201,6 +201,25 @@ def _check_fb_overlap(par) -> None:
         raise RecipeError(f"parallel.fb_overlap = true needs parallel.ep >= 2 (got ep = {par.ep}): it hides the "
                           "expert all-to-alls, and without expert parallelism there are none; valid: ep >= 2, or "
                           "fb_overlap = false")
-    raise RecipeError("parallel.fb_overlap = true: the trainer does not run the overlap engine yet (the decoder's "
-                      "sub-stages, recipes/training/model_setup.overlap_sub_stages, and parallel/pipeline/"
-                      "overlap_engine.py are built and tested on their own); valid: false")
+    coefs = cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef or cfg.moe_seq_aux_loss_coef
+    uncovered = [(f, v, valid) for f, v, bad, valid in (
+        ("train.precision", train.precision, train.precision not in ("fp32", "fp64"),
+         "'fp32' or 'fp64' (no autocast)"),
+        ("train.activation_checkpointing", True, train.activation_checkpointing, "false"),
+        ("train.fused_loss", train.fused_loss, train.fused_loss != "off", "'off'"),
+        ("train.fp8", train.fp8, train.fp8 != "none", "'none'"),
+        ("lora.rank", recipe.lora.rank, recipe.lora.rank > 0, "0"),
+        ("sft.path", recipe.sft.path, bool(recipe.sft.path), "'' (pre-training rows; no packing)"),
+        ("model.mtp_depth", cfg.mtp_depth, cfg.mtp_depth > 0, "0"),
+        ("model.moe_capacity_factor", cfg.moe_capacity_factor, cfg.moe_capacity_factor > 0, "0 (dropless)"),
+        ("model.dropout", cfg.dropout, cfg.dropout > 0, "0"),
+        ("model.attn_dropout", cfg.attn_dropout, cfg.attn_dropout > 0, "0"),
+        ("parallel.cp", par.cp, par.cp > 1, "1"),
+        ("parallel.sequence_parallel", True, par.sequence_parallel, "false"),
+        ("model.moe_aux_loss_scope", cfg.moe_aux_loss_scope, cfg.moe_aux_loss_scope == "model" and coefs,
+         "'layer' (the model scope with non-zero coefficients)")) if bad]
+    if uncovered:
+        field, value, valid = uncovered[0]
+        raise RecipeError(f"parallel.fb_overlap = true: {field} = {value!r} is not covered by the sub-staged decoder "
+                          f"chunks (recipes/training/model_setup.overlap_sub_stages); valid: {valid}, or "
+                          "fb_overlap = false")

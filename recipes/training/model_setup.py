@@ -245,6 +245,12 @@ def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
             stages.append(Compute(f"h.{key}", lambda ctx, inputs, block=block: (block(inputs[0]),)))
     if gpt.with_head:
         stages.append(Compute("head", lambda ctx, inputs: (gpt.logits(gpt.ln_f(inputs[0])),)))
+    if gpt._forward_hooks:  # what follows the chunk's forward (MoEStepMetrics' sums) follows its last sub-stage
+        def hooks(ctx: dict, inputs: tuple) -> tuple:
+            for hook in list(gpt._forward_hooks.values()):
+                hook(gpt, (), inputs[0])
+            return inputs
+        stages.append(Compute("forward_hooks", hooks))
     return stages
 
 

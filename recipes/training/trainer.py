@@ -11,6 +11,7 @@ at any step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from megazoo.models.weights import full_state_dict
 from megazoo.parallel import accelerator
 from megazoo.parallel.context import split_sequence
 from megazoo.parallel.pipeline.engine import PipelineEngine
+from megazoo.parallel.pipeline.overlap_engine import OverlapPipelineEngine
 from megazoo.parallel.pipeline.p2p import evaluation_plan_for, plan_for
 from megazoo.parallel.pipeline.schedules import placement
 from megazoo.parallel.tensor.random import seed_default_stream
@@ -41,7 +43,8 @@ from megazoo.recipes.training.metrics import MetricsLog, peak_memory_bytes
 from megazoo.recipes.training.moe_metrics import MoEStepMetrics, progress_fields, set_aux_grad_scale
 from megazoo.models.flops import model_flops_per_token
 from megazoo.recipes.gpus import peak_flops
-from megazoo.recipes.training.model_setup import Precision, build_model, build_optimizer, configure_matmuls, run_kernels
+from megazoo.recipes.training.model_setup import (Precision, build_model, build_optimizer, configure_matmuls,
+                                                  overlap_sub_stages, run_kernels)
 from megazoo.recipes.training.optim import lr_at
 from megazoo.recipes.training.progress import Progress
 from megazoo.recipes.resolve import Resolved
@@ -82,15 +85,19 @@ class Trainer:
         self.optimizer = self.zero.optimizer
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
         self.schedule = par.schedule if topo.pp > 1 else "1f1b"
-        self.engine = PipelineEngine(self.chunks, topo, hidden_size=res.model.d_model,
-                                     activation_dtype=precision.params, loss_fn=self._loss,
-                                     placement=placement(self.schedule), recomputing=t.activation_checkpointing)
+        # parallel.fb_overlap: DualPipe-V's forward/backward overlap over the chunks' sub-stages (model_setup.py);
+        # recipes/layout_checks refused what they do not cover (autocast among them: fp32 / fp64 only)
+        engine, extra = ((OverlapPipelineEngine, {"sub_stages": overlap_sub_stages}) if par.fb_overlap
+                         else (PipelineEngine, {}))
+        self.engine = engine(self.chunks, topo, hidden_size=res.model.d_model,
+                             activation_dtype=precision.params, loss_fn=self._loss,
+                             placement=placement(self.schedule), recomputing=t.activation_checkpointing, **extra)
         self.plan = plan_for(self.schedule, t.grad_accum, topo.pp, topo.pp_rank, par.virtual_stages)
         # Replica group g (fault tolerance) reads the g-th share of every global batch: its dp ranks are g x dp + ...
         groups = res.recipe.fault_tolerance.replica_groups if res.recipe.fault_tolerance.enabled else 1
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           replica_group * topo.dp + topo.dp_rank, topo.dp * groups, seed=t.seed)
-        self.autocast = precision.autocast
+        self.autocast = contextlib.nullcontext if par.fb_overlap else precision.autocast
         self.scaler = precision.loss_scaler(res)
         self.consecutive_skips = 0
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports

@@ -90,3 +90,39 @@ def test_sub_staged_decoder_under_dualpipev_overlap_equals_the_ordinary_engine_a
         assert "train.activation_checkpointing" in refused[0] and "valid: false" in refused[0]
         assert "model.moe_capacity_factor = 1.5" in refused[1]
         assert "model.moe_aux_loss_scope" in refused[2] and "valid: 'layer'" in refused[2]
+
+
+MOE = {"preset": "llama-tiny", "n_layer": 4, "d_model": 32, "n_head": 4, "n_kv_head": 2, "d_ff": 48,
+       "vocab_size": 300, "n_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_first_dense": 1, "dropout": 0.0,
+       "attn_dropout": 0.0, "moe_aux_loss_scope": "layer", "moe_aux_loss_coef": 0.05, "moe_z_loss_coef": 0.01}
+
+
+def _train(fb_overlap: bool):
+    from recipe_helpers import tiny_resolved
+
+    from megazoo.recipes.training.trainer import Trainer
+    res = tiny_resolved(model=MOE, parallel={"fb_overlap": fb_overlap, "pp": 2, "dp": 2, "ep": 2,
+                                             "schedule": "dualpipev"},
+                        train={"steps": 2, "micro_batch": 2, "grad_accum": 4, "precision": "fp64",
+                               "fused_loss": "off"})
+    trainer = Trainer(res, Topology.of(res.recipe.parallel))
+    metrics = [trainer.train_step(step) for step in range(2)]
+    params = {f"{c}.{n}": p.detach().clone() for c, chunk in enumerate(trainer.chunks)
+              for n, p in chunk.named_parameters()}
+    return type(trainer.engine).__name__, metrics, params
+
+
+def test_trainer_with_fb_overlap_equals_the_trainer_without_it():
+    """Two fp64 optimizer steps of the Trainer (ZeRO's reductions, the MoE metrics' hooks, the layer-scope losses)
+    with parallel.fb_overlap on equal them with it off: losses, MoE figures and every parameter to 1e-10."""
+    on, off = run_distributed(_train, 4, True), run_distributed(_train, 4, False)
+    for (engine, metrics, params), (plain, ref_metrics, ref_params) in zip(on, off):
+        assert engine == "OverlapPipelineEngine" and plain == "PipelineEngine"
+        for got, ref in zip(metrics, ref_metrics):
+            assert got["loss"] == pytest.approx(ref["loss"], abs=TOL, rel=0)
+            for key in ("moe_aux_loss", "moe_z_loss", "moe_load_max"):
+                assert torch.tensor(got[key]).double().allclose(torch.tensor(ref[key]).double(), rtol=0, atol=TOL)
+        assert params.keys() == ref_params.keys()
+        for name, want in ref_params.items():
+            torch.testing.assert_close(params[name], want, rtol=0, atol=TOL, msg=name)
+        assert metrics[0]["loss"] != metrics[1]["loss"]  # the steps trained
