@@ -98,12 +98,16 @@ def test_mixtral_zero_links_and_flops_are_ep_aware():
 
 def test_mixtral_8x22b_at_its_128_ranks():
     """recipes/mixtral-8x22b.toml's step at its full world size (tp 2 + SP x pp 8 x dp 8 = ep 8, ZeRO-1), 8 of its
-    56 layers (one a stage), 2 micro-batches, the middle stage: the MoE all-to-all bytes per link class equal the
-    planner's exactly, and so do the model states. (Its peak is 9% over the planner: the CPU dry run's silu
-    backward holds ~8 rows x expert-width temporaries; not modelled, MOE.md.)"""
-    row = _role_row("recipes/mixtral-8x22b.toml", ["model.n_layer=8", "train.grad_accum=2", "train.global_batch=16"],
-                    stage=1)
-    assert row["all_to_all_link_bytes"] == row["planned_all_to_all_link_bytes"]
-    assert row["planned_all_to_all_link_bytes"]["intra"] > 0 and row["planned_all_to_all_link_bytes"]["inter"] > 0
-    for part in ("params", "grads", "optimizer"):
-        assert row["by_category"][part] == pytest.approx(row["planned_by_category"][part], rel=1e-3), part
+    56 layers (one a stage), 2 micro-batches, every role (stages 0, 1 and 7): the MoE all-to-all bytes per link
+    class equal the planner's exactly, and so do the model states; the peak is within 5% of the planner's. It was
+    +6% to +9% while the dry run's FLOP counter ran silu's backward as its decomposition (8 rows x expert width
+    alive; parallel/simulation/fake_world._RunWhole); with the experts' SwiGLU backward moment in the planner
+    (moe_activation_terms) it is +1.9% / +2.4% / +3.2%."""
+    res = load("recipes/mixtral-8x22b.toml", ["model.n_layer=8", "train.grad_accum=2", "train.global_batch=16"])
+    for role in roles(res):
+        row = report(res, [run_role(res, role)], 80, 0.0)["roles"][0]
+        assert row["all_to_all_link_bytes"] == row["planned_all_to_all_link_bytes"]
+        assert row["planned_all_to_all_link_bytes"]["intra"] > 0 and row["planned_all_to_all_link_bytes"]["inter"] > 0
+        for part in ("params", "grads", "optimizer"):
+            assert row["by_category"][part] == pytest.approx(row["planned_by_category"][part], rel=1e-3), part
+        assert abs(row["relative_difference"]) <= 0.05, (role.pp_stage, row["relative_difference"])
