@@ -62,10 +62,14 @@ def test_qwen3_30b_a3b_peak_within_5_percent_of_the_planner(checkpointing):
     """Without checkpointing every MoE layer keeps its routed rows (3 k h: the two all-to-alls' outputs and the
     weighted rows), the experts' k (2 f + f + f) and the router's fp32 input: the planner was 16% under before its
     MoE term. With checkpointing the 2-layer step peaks in the loss's backward, before any layer is recomputed:
-    the planner counted a recomputed layer on top (-5.9% with the MoE term alone)."""
+    the planner counted a recomputed layer on top (-5.9% with the MoE term alone).
+    FLOPs: the formula's attention is 12 L s x n_head head_dim (Qwen3: 32 x 128 = 2 d_model); with d_model it was
+    11% under the counted. What remains (+2.0% / +2.3%) is FlashAttention's backward computing the scores again
+    (torch's counter: 2.5 forwards, the convention 2)."""
     row = _role_row("recipes/qwen3-30b-a3b-full-ft.toml",
                     [*SETS, f"train.activation_checkpointing={str(checkpointing).lower()}"])
     assert abs(row["relative_difference"]) <= 0.05, row["relative_difference"]
+    assert 0 < row["flops"] - row["formula_flops"] <= 0.03 * row["formula_flops"], (row["flops"], row["formula_flops"])
 
 
 def test_qwen3_235b_a22b_middle_stage_within_5_percent_of_the_planner():
