@@ -19,7 +19,7 @@ Exit 0 when every role's measured peak fits the GPU, 3 when one does not (the pl
 
 from __future__ import annotations
 
-from megazoo.models.layout import EXPERT_PARAMETERS, parameter_layout
+from megazoo.models.layout import EXPERT_PARAMETERS, mtp_parameters, parameter_layout
 from megazoo.recipes.planner.zero import GB, BufferConfig, buffer_memory, communication_volume
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
@@ -116,15 +116,19 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     layers = [i for v in held for i in res.stage_layers[v]]
     last = len(res.stage_layers) - 1 in held  # the head: the last rank, or the first under the V
     params = parameter_layout(cfg, par.tp, layers=layers, embedding=False, head=False)
+    # multi-token prediction on the head's rank: per depth its projection and block (recomputed as a block is under
+    # checkpointing, models/deepseek/mtp.py), the shared head once more and one more layer of attention
+    depth = cfg.mtp_depth if last else 0
+    params += mtp_parameters(cfg, par.tp) if depth else []
     # Routed experts (at expert-tp 1): a token runs top-k of the n_experts (the MFU convention's active
     # parameters), whatever ep; each tp rank routes all of its tokens, or its 1/tp of them under sequence parallelism
     active = cfg.moe_top_k / cfg.n_experts / (par.tp if par.sequence_parallel else 1) if cfg.is_moe else 1.0
     share = lambda p: active if p.name.endswith(EXPERT_PARAMETERS) else 1.0  # noqa: E731
     blocks = sum(p.local_numel(par.tp) * share(p) for p in params
                  if p.name.endswith(".weight") and ".ln_" not in p.name)
-    head = res.padded_vocab * cfg.d_model // par.tp if last else 0  # the tied output projection
+    head = (1 + depth) * res.padded_vocab * cfg.d_model // par.tp if last else 0  # the output projection
     tokens = t.micro_batch * t.grad_accum * t.seq_len // par.cp  # cp: this rank's chunks of every sequence
-    attention = 12.0 * len(layers) * t.seq_len * attention_width(cfg) / par.tp  # a window's mask: still s^2
+    attention = 12.0 * (len(layers) + depth) * t.seq_len * attention_width(cfg) / par.tp  # a window's mask: still s^2
     # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: without dropout after
     # it, the block's last matmul (mlp.c_proj, whose output nothing saves) is not run again.
     last_mm = sum(p.local_numel(par.tp) for p in params if p.name.endswith("mlp.c_proj.weight"))

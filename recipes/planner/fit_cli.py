@@ -122,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
         if args.recipe and not (args.gpu or args.gpu_memory) else "")
     print(f"Memory plan: {where} (GB = 1e9 bytes, per device)")
     if cfg.n_experts:  # FLOPs (models/flops.py) count the active ones
-        print(f"  model: {cfg.num_parameters():,} parameters, {cfg.num_active_parameters():,} active per token "
+        # multi-token prediction's modules apart: published totals (DeepSeek-V3's 671B) are the main model's
+        main = cfg.replace(mtp_depth=0) if cfg.mtp_depth else None
+        split = (f" ({main.num_parameters():,} main + {cfg.num_parameters() - main.num_parameters():,} in "
+                 f"{cfg.mtp_depth} MTP module(s))" if main else "")
+        print(f"  model: {cfg.num_parameters():,} parameters{split}, {cfg.num_active_parameters():,} active per token "
               f"({cfg.moe_top_k} of {cfg.n_experts} experts)")
     for line in mem.lines():
         print(line)

@@ -5,7 +5,9 @@ planner's, and where the two differ.
 Only figures the reports state are given (a memory per GPU is stated by neither: the planner's stands alone).
 Sources: [DeepSeek-V3] DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv:2412.19437, sec. 3.1-3.2 (2,048
 H800s, 8 per node; pp 16, ep 64 over 8 nodes, ZeRO-1 dp, no tp), sec. 4.2 (14.8T tokens, batch to 15,360 x 4K),
-table 1 (2.664M H800 GPU hours of pre-training, 2.788M in all); [Kimi K2] Kimi Team 2025, arXiv:2507.20534,
+table 1 (2.664M H800 GPU hours of pre-training, 2.788M in all), and the HF release's README_WEIGHTS.md (685B =
+671B main model + 14B multi-token prediction module, which counts the module's own copies of the embedding and
+the output head); [Kimi K2] Kimi Team 2025, arXiv:2507.20534,
 sec. 2.4.2-2.4.3 (pp 16 with virtual stages, ep 16, ZeRO-1 on multiples of 32 nodes of 8 H800s; 15.5T tokens,
 67M tokens a batch).
 """
@@ -32,6 +34,7 @@ class Reported:
     gpu_hours: float  # pre-training's (0: not stated)
     peak_flops: float  # the GPU's dense bf16 peak, for the report's implied utilisation
     notes: tuple[str, ...]
+    mtp_params: float = 0.0  # the multi-token prediction modules' (0: none stated), apart from total_params
 
 
 REPORTED = {
@@ -43,7 +46,8 @@ REPORTED = {
          "up-projections; this recipe: 1F1B, bf16, full activation checkpointing",
          "the report ramps the batch from 3,072 to 15,360 sequences over 469B tokens; this recipe runs 15,360 "
          "from step 0",
-         "the report limits each token to 4 nodes; this recipe's group-limited routing (4 of 8 groups) stands in")),
+         "the report limits each token to 4 nodes; this recipe's group-limited routing (4 of 8 groups) stands in"),
+        14e9),
     "kimi-k2": Reported(
         "Kimi K2 report (arXiv:2507.20534)", 256, "H800", 16, 16, 1, 1, 1.04e12, 32.6e9, 15.5e12, 67e6, 0.0,
         989e12,
@@ -72,11 +76,18 @@ def reported_lines(recipe: str | Path, resolved, cfg, peak_flops: float | None =
     world = par.dp * par.tp * par.pp * par.cp
     tokens = train.steps * resolved.global_batch * train.seq_len
     per_token = model_flops_per_token(cfg, train.seq_len)
+    # multi-token prediction apart: the report's 671B / 37B are the main model's (the FLOPs count both)
+    main = cfg.replace(mtp_depth=0)
+    mtp = cfg.num_parameters() - main.num_parameters()
+    params = "parameters (total / active)", f"{_num(rep.total_params)} / {_num(rep.active_params)}", \
+        f"{_num(cfg.num_parameters())} / {_num(cfg.num_active_parameters())}"
+    if rep.mtp_params or mtp:
+        params = ("parameters (main + MTP / active)", f"{_num(rep.total_params)} + {_num(rep.mtp_params)} MTP / {_num(rep.active_params)}",
+                  f"{_num(main.num_parameters())} + {_num(mtp)} MTP / {_num(main.num_active_parameters())}")
     rows = [("GPUs", f"{rep.gpus:,} {rep.gpu}", f"{world:,}"),
             ("pp x ep x tp, ZeRO", f"{rep.pp} x {rep.ep} x {rep.tp}, ZeRO-{rep.zero}",
              f"{par.pp} x {par.ep} x {par.tp}, ZeRO-{resolved.recipe.zero.stage}"),
-            ("parameters (total / active)", f"{_num(rep.total_params)} / {_num(rep.active_params)}",
-             f"{_num(cfg.num_parameters())} / {_num(cfg.num_active_parameters())}"),
+            params,
             ("tokens per batch", _num(rep.batch_tokens), _num(resolved.global_batch * train.seq_len)),
             ("training tokens", _num(rep.tokens), _num(tokens))]
     if rep.gpu_hours:
@@ -88,5 +99,12 @@ def reported_lines(recipe: str | Path, resolved, cfg, peak_flops: float | None =
     out = [f"  beside the {rep.source}'s own figures (report | this plan):"]
     out += [f"    {name:<{width}}  {theirs} | {ours}" for name, theirs, ours in rows]
     out += [f"    differs: {note}" for note in rep.notes]
-    out.append(f"    the report states no memory per GPU; FLOPs per token (models/flops.py): {per_token:.3e}")
+    if rep.mtp_params and mtp:  # the HF release's MTP figure holds the module's embedding and head copies
+        copies = 2 * cfg.mtp_depth * cfg.vocab_size * cfg.d_model
+        out.append(f"    differs: the {_num(rep.mtp_params)} MTP figure is the HF release's, with the module's copies "
+                   f"of the embedding and the output head (2 x {_num(copies / 2 / cfg.mtp_depth)}): {_num(mtp)} + "
+                   f"{_num(copies)} = {_num(mtp + copies)} here, which the recipe's export writes too")
+    mtp_flops = (f" ({per_token - model_flops_per_token(main, train.seq_len):.3e} of them in multi-token "
+                 f"prediction, depth {cfg.mtp_depth})") if cfg.mtp_depth else ""
+    out.append(f"    the report states no memory per GPU; FLOPs per token (models/flops.py): {per_token:.3e}{mtp_flops}")
     return out

@@ -43,7 +43,9 @@ def test_deepseek_v3_plans_on_h800_beside_the_reports_figures(capsys):
     assert out.startswith("Memory plan: deepseek-v3 on h800-80gb") and "fits: yes" in out
     assert "(experts over ep=64) = 2048 GPUs, ZeRO-1" in out
     for needle in ("DeepSeek-V3 Technical Report (arXiv:2412.19437)'s own figures", "2,048 H800 | 2,048",
-                   "16 x 64 x 1, ZeRO-1 | 16 x 64 x 1, ZeRO-1", "671B / 37B | 671B / 37.55B",
+                   "16 x 64 x 1, ZeRO-1 | 16 x 64 x 1, ZeRO-1", "671B + 14B MTP / 37B | 671B + 11.61B MTP / 37.55B",
+                   "(671,026,404,352 main + 11,610,067,968 in 1 MTP module(s))", "11.61B + 1.853B = 13.46B here",
+                   "(1.070e+10 of them in multi-token prediction, depth 1)",
                    "62.91M | 62.91M", "14.8T | 14.78T", "2.664M | ", "2.788M H800 GPU hours in all"):
         assert needle in out, needle
 

@@ -5,7 +5,9 @@ loaders read these names): depth k as layer n_layer + k - 1 with enorm, hnorm, e
 names, shared_head.norm and the copies embed_tokens / shared_head.head, and config.json's num_nextn_predict_layers.
 Read back bit for bit, through `megazoo convert` both ways with --verify too. A folder that transformers'
 save_pretrained wrote declares num_nextn_predict_layers = 1 (its config's default) and holds no such layer: it reads
-as mtp_depth 0 and converts as before. Copies that differ from the main embedding or head are refused."""
+as mtp_depth 0 and converts as before. Copies that differ from the main embedding or head are refused.
+`model.from_hf` of a folder holding the module fills every rank's slices of it (tp 2 x pp 2, ep 2) as the
+one-process read does, its routing bias included."""
 
 from __future__ import annotations
 
@@ -105,3 +107,52 @@ def test_copies_that_differ_are_refused(tmp_path):
     write_hf_folder(tmp_path, deepseek.FAMILY, cfg, read, torch.float32)
     with pytest.raises(ValueError, match="model.layers.3.embed_tokens.weight differs from model.embed_tokens.weight"):
         read_hf_dir(tmp_path)
+
+
+def _rank_views(folder: str, parallel: dict):
+    """`model.from_hf = folder` at `parallel`: this rank's parameter and routing-bias views after the load."""
+    import copy
+
+    from recipe_helpers import TINY
+
+    from megazoo.parallel.topology import Topology
+    from megazoo.recipes.config import Recipe, from_dict
+    from megazoo.recipes.resolve import resolve
+    from megazoo.recipes.training import checkpointing
+    from megazoo.recipes.training.trainer import Trainer
+
+    table = copy.deepcopy(TINY)
+    table["model"] = {"preset": "deepseek-tiny", "from_hf": folder, "dropout": 0.0, "attn_dropout": 0.0}
+    table["parallel"].update(parallel)
+    table["train"].update(micro_batch=2, seq_len=16)
+    res = resolve(from_dict(Recipe, table))
+    assert res.model.mtp_depth == 1  # the depth the folder holds
+    trainer = Trainer(res, Topology.of(res.recipe.parallel))
+    checkpointing.restore(trainer, report=lambda _: None)
+    return [(v.name, v.spec, v.start, v.stop, v.tensor.detach().clone()) for v in checkpointing.state_views(trainer)
+            if v.kind == "param"]
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2, "pp": 2, "schedule": "1f1b"}, {"dp": 2, "ep": 2}])
+def test_from_hf_fills_each_ranks_mtp_slices(tmp_path, parallel):
+    """`model.from_hf` of a folder holding layer n_layer: every rank's slices (tp 2 x pp 2: the module and the head
+    on the last stage, heads split over tp; ep 2: the module's experts split) equal the one-process read of the
+    folder, the module's routing bias included."""
+    from harness import run_distributed
+
+    from megazoo.parallel.tensor import shard_of
+
+    cfg, full = _mtp_model()
+    write_hf_folder(tmp_path, deepseek.FAMILY, cfg, full.__getitem__, torch.float32)
+    _, one = read_hf_dir(tmp_path)
+    world = parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
+    seen = set()
+    for views in run_distributed(_rank_views, world, str(tmp_path), parallel):
+        for name, spec, start, stop, got in views:
+            want = one[name].to(got.dtype)
+            if want.shape[0] < spec.global_shape[0]:  # the padded vocabulary's zero rows
+                want = torch.cat([want, want.new_zeros(spec.global_shape[0] - want.shape[0], *want.shape[1:])])
+            assert torch.equal(got, shard_of(want, spec).reshape(-1)[start:stop]), (name, start, stop)
+            seen.add(name)
+    assert seen == set(one)  # every tensor reached some rank, the module's 30-odd among them
+    assert "mtp.layers.0.block.mlp.router.expert_bias" in seen and "mtp.layers.0.eh_proj.weight" in seen

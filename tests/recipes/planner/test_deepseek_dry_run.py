@@ -6,10 +6,10 @@ class equal to the planner's (recipes/planner/moe.py) and to the count by hand.
 Reduced depth, so that the step runs in seconds (the full depth did not finish in 20 minutes here): stage 0 keeps
 the recipe's first-k dense blocks (3; Kimi 1) and one MoE block, every other stage one MoE block (19 and 17 blocks),
 2 micro-batches; widths, experts, top-8, sequence, world, ep, nodes, ZeRO-1, bf16 and checkpointing are the
-recipe's. deepseek-v3 runs with its one multi-token prediction module (the report's D = 1; model.mtp_depth = 1,
-which the recipe leaves out): an MoE block with its own head on the last stage, recomputed under checkpointing
-(models/deepseek/mtp.py). With the recipe's 16 micro-batches in flight the same runs (without MTP) were within
-1.4% too, run by hand (the README's table).
+recipe's, deepseek-v3's one multi-token prediction module included (the report's D = 1, the recipe's
+model.mtp_depth = 1): an MoE block with its own head on the last stage, recomputed under checkpointing
+(models/deepseek/mtp.py). With the recipe's 16 micro-batches in flight the same runs were within 1.4% too, run by
+hand (the README's table).
 
 Before the planner counted an MoE model's dense and MoE blocks apart (ActivationSpec.block) and the combine's
 backward (moe_activation_terms: three fp32 rows per routed row, 2.8 GB at DeepSeek-V3's shapes), it planned every
@@ -35,9 +35,9 @@ MICRO_BATCHES = 2
 
 def reduced(name: str) -> list[str]:
     """The `--set` overrides of the module docstring: 16 stages, the dense blocks and one MoE block on the first."""
-    dense, dp, _, _, mtp = RECIPES[name]
+    dense, dp, _, _, _ = RECIPES[name]
     layers = [list(range(dense + 1))] + [[i] for i in range(dense + 1, dense + 16)]
-    return [f"model.n_layer={dense + 16}", f"parallel.layers={json.dumps(layers)}", f"model.mtp_depth={mtp}",
+    return [f"model.n_layer={dense + 16}", f"parallel.layers={json.dumps(layers)}",
             f"train.grad_accum={MICRO_BATCHES}", f"train.global_batch={MICRO_BATCHES * dp}", "parallel.node_size=8"]
 
 
@@ -52,6 +52,7 @@ def test_full_world_dry_run_on_fake_cuda_equals_the_planner(reports, name):
     rep = reports[name]
     assert "error" not in rep, rep.get("error")
     _, dp, ep, world, mtp = RECIPES[name]
+    assert load(name).model.mtp_depth == mtp  # the recipe's own, no override
     assert rep["world_size"] == world and rep["device"].startswith("cuda")
     rows = rep["roles"]
     assert [row["pp_stage"] for row in rows] == [0, 1, 15]  # first (dense blocks + embedding), middle, last

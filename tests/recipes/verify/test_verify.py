@@ -40,7 +40,7 @@ PASSING = {
     "qwen3-30b-a3b-full-ft": ["qwen3-30b-a3b-full-ft"],  # ep 2 x ZeRO-3, accumulation, checkpointing
     "qwen3-30b-a3b-lora": ["qwen3-30b-a3b-lora"],  # ep 2 with LoRA on the attention, ZeRO-1
     "deepseek-demo": ["deepseek-demo"],  # sigmoid + bias in groups (shrunk to 2 of 4 experts), MTP, ep 2
-    "deepseek-v3": ["deepseek-v3"],  # MLA, YaRN, pp x ep with a stage of dense layers only
+    "deepseek-v3": ["deepseek-v3"],  # MLA, YaRN, pp x ep with a stage of dense layers only, one MTP module
     "kimi-k2": ["kimi-k2"],
     "window-cp": ["llama-demo", "--set", "model.sliding_window=8", "--set", "parallel.tp=1", "--set", "parallel.cp=2",
                   "--set", "parallel.cp_attention=all_to_all"],  # Mistral's window (8 < 32 tokens) under cp
@@ -176,3 +176,4 @@ def test_group_limited_routing_shrinks_to_groups_that_divide_the_experts():
     from 1, instead of "moe_n_group = 8 must divide model.n_experts = 4" while planning the check."""
     model = plan(load_recipe(find_recipe("deepseek-v3")), steps=2).layout.model
     assert (model.n_experts, model.moe_n_group, model.moe_topk_group, model.moe_router) == (4, 2, 1, "sigmoid_bias")
+    assert model.mtp_depth == 1  # the recipe's multi-token prediction module is checked with the rest
