@@ -18,13 +18,25 @@ launch and its wait the other micro-batch's compute runs. Each compute sub-stage
 inputs detached leaves), so the backward can be driven sub-stage by sub-stage with the gradients' all-to-alls
 asynchronous too; parameter gradients accumulate in .grad as in one backward.
 
+A `Handshake` is a collective without gradient that a later exchange needs - the per-expert counts, whose
+all-to-all tells each rank how many rows it will receive: launched after the route compute, waited just before
+the dispatch, so it too travels under the other micro-batch's compute.
+
+Under autocast (bf16 / fp16 runs) each compute runs inside the recipe's autocast context, as the ordinary engine
+runs the whole chunk's forward; the backward runs outside it, as torch's autograd does for the ordinary engine
+(each op's backward in the dtype its forward recorded).
+
 Every ep rank of a pipeline stage runs the same plan, so all of them launch the same all-to-alls in the same
 order (gloo and NCCL match collectives by order). `Events` records launches, waits and computes, which is how
-the tests prove the overlap (an all-to-all in flight while the other micro-batch computes), not a clock.
+the tests prove the overlap (an all-to-all in flight while the other micro-batch computes), not a clock; it also
+sums the host seconds spent blocked in waits (`wait_s`), the exposed all-to-all time benchmarks/pipeline.py
+prints (on a GPU an NCCL wait only orders streams, so there the host time is not the exposed time).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Protocol
 
@@ -54,18 +66,35 @@ class Exchange:
     group: dist.ProcessGroup | None
 
 
+@dataclass(frozen=True)
+class Handshake:
+    """A forward-only collective that a later Exchange's splits need: start(ctx) launches it asynchronously and
+    returns finish(), which waits on it and leaves what it brought in ctx. Nothing to do in the backward."""
+
+    name: str
+    start: Callable[[dict], Callable[[], None]]
+
+
+Stage = Compute | Exchange | Handshake
+
+
 class SubStaged(Protocol):
-    def sub_stages(self) -> list[Compute | Exchange]: ...
+    def sub_stages(self) -> list[Stage]: ...
 
 
 @dataclass
 class Events:
-    """What ran, in order: ("compute", micro, name, "F" | "B"), ("launch" | "wait", micro, name, "F" | "B")."""
+    """What ran, in order: ("compute", micro, name, "F" | "B"), ("launch" | "wait", micro, name, "F" | "B");
+    and the host seconds spent blocked in the waits, per phase ("F", "B")."""
 
     log: list[tuple[str, int, str, str]] = field(default_factory=list)
+    wait_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
 
     def add(self, kind: str, micro: int, name: str, phase: str) -> None:
         self.log.append((kind, micro, name, phase))
+
+    def waited(self, phase: str, started: float) -> None:
+        self.wait_s[phase] += time.perf_counter() - started
 
 
 class _InFlight:
@@ -97,25 +126,36 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
 
 
-def forward_steps(stages: list[Compute | Exchange], x: torch.Tensor, micro: int, events: Events,
-                  grad: bool = True) -> Generator[None, None, tuple[torch.Tensor, Record]]:
-    """Run the sub-stages on x; yields after each launched all-to-all. Returns (output, record)."""
+def forward_steps(stages: list[Stage], x: torch.Tensor, micro: int, events: Events, grad: bool = True,
+                  autocast: Callable = contextlib.nullcontext) -> Generator[None, None, tuple[torch.Tensor, Record]]:
+    """Run the sub-stages on x, each compute under `autocast()`; yields after each launched all-to-all. Returns
+    (output, record)."""
     record = Record(micro, {})
     state: Tensors = (x,)
     for op in stages:
         if isinstance(op, Compute):
             inputs = tuple(_leaf(t) for t in state) if grad else state
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), autocast():
                 outputs = op.fn(record.ctx, inputs)
             events.add("compute", micro, op.name, "F")
             record.entries.append((op, inputs, outputs))
             state = tuple(o.detach() for o in outputs)
+        elif isinstance(op, Handshake):
+            finish = op.start(record.ctx)
+            events.add("launch", micro, op.name, "F")
+            yield
+            started = time.perf_counter()
+            finish()
+            events.waited("F", started)
+            events.add("wait", micro, op.name, "F")
         else:
             out_splits, in_splits = op.splits(record.ctx)
             flight = _InFlight(state[op.index], out_splits, in_splits, op.group)
             events.add("launch", micro, op.name, "F")
             yield
+            started = time.perf_counter()
             arrived = flight.wait()
+            events.waited("F", started)
             events.add("wait", micro, op.name, "F")
             record.entries.append((op, None, None))
             state = state[:op.index] + (arrived,) + state[op.index + 1:]
@@ -141,7 +181,9 @@ def backward_steps(record: Record, grad_out: torch.Tensor, events: Events
             flight = _InFlight(grads[op.index], in_splits, out_splits, op.group)
             events.add("launch", record.micro, op.name, "B")
             yield
+            started = time.perf_counter()
             sent_back = flight.wait()
+            events.waited("B", started)
             events.add("wait", record.micro, op.name, "B")
             grads = grads[:op.index] + (sent_back,) + grads[op.index + 1:]
         del op, inputs, outputs

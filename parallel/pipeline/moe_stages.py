@@ -1,4 +1,4 @@
-"""One MoE layer as fb_overlap.py's sub-stages: route | dispatch | experts | combine | after.
+"""One MoE layer as fb_overlap.py's sub-stages: route | counts | dispatch | experts | combine | after.
 
 The same math as parallel/expert/dispatch.dispatch_combine (stable sort of the (token, expert) pairs by expert,
 the count exchange and its one host read, the uneven all-to-all, the regroup to expert-major, the experts, and
@@ -9,10 +9,15 @@ supplies what surrounds the experts:
   first stage); `carry` (the residual stream) rides beside the rows through the exchanges, untouched;
 - route(h) -> (weights [T, k], indices [T, k]): the router;
 - experts_fn(rows, counts): this rank's experts (dispatch.ExpertsFn);
-- after(ctx, h, moe [T, d], *carry) -> the tuple the next sub-stage takes (the residual sum, a reshape).
+- after(ctx, h, moe [T, d], *carry) -> the tuple the next sub-stage takes (the residual sum, a reshape);
+- combine(h, back [T k, d], order, weights) -> [T, d], optional: the weighted sum of each token's k expert outputs
+  (`back` in expert order, sort_by_expert's `order`); by default dispatch.combine_pairs. A model whose ordinary
+  dispatcher combines otherwise passes its own, so that both paths run the same ops (bit-equal under autocast).
 
-The count exchange stays inside the route compute (a small synchronous all-to-all: the splits must be known
-before the rows can go), so only the row all-to-alls are overlapped.
+The count exchange (a small all-to-all: each rank must learn how many rows it receives before the rows can go) is
+a Handshake: launched asynchronously after the route compute and waited just before the dispatch, where the split
+sizes are read to the host (the layer's one device-to-host read), so it travels under the other micro-batch's
+compute like the row all-to-alls.
 """
 
 from __future__ import annotations
@@ -20,18 +25,18 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from megazoo.parallel.expert.comms import exchange_counts
 from megazoo.parallel.expert.dispatch import (ExpertsFn, _inverse, _rank_major_to_expert_major, check_expert_split,
                                              combine_pairs, sort_by_expert, split_sizes)
-from megazoo.parallel.pipeline.fb_overlap import Compute, Exchange, Tensors
+from megazoo.parallel.pipeline.fb_overlap import Compute, Exchange, Handshake, Stage, Tensors
 from megazoo.parallel.topology import group_size
 
 
 def moe_sub_stages(name: str, before: Callable[[dict, Tensors], torch.Tensor | Tensors],
                    route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], experts_fn: ExpertsFn,
-                   after: Callable[..., Tensors], num_experts: int,
-                   group=None) -> list[Compute | Exchange]:
+                   after: Callable[..., Tensors], num_experts: int, group=None,
+                   combine: Callable[..., torch.Tensor] | None = None) -> list[Stage]:
     ep = group_size(group)
     n = check_expert_split(num_experts, ep)
 
@@ -41,12 +46,23 @@ def moe_sub_stages(name: str, before: Callable[[dict, Tensors], torch.Tensor | T
         weights, indices = route(h)
         k = indices.shape[1]
         order, counts = sort_by_expert(indices, num_experts)
-        received = exchange_counts(counts, group)
-        send, recv = split_sizes(counts, received, ep)  # the layer's one device-to-host read
-        received = received.view(ep, n)
-        ctx[name] = {"order": order, "send": send, "recv": recv, "local": received.sum(0),
-                     "regroup": _rank_major_to_expert_major(received, sum(recv))}
+        ctx[name] = {"order": order, "counts": counts}
         return (h, weights, h.index_select(0, order // k), *carry)
+
+    def exchange_counts(ctx: dict) -> Callable[[], None]:
+        """Launch the per-expert counts' all-to-all (comms.exchange_counts, asynchronous); finish() waits and
+        reads the split sizes."""
+        mine = ctx[name]["counts"].contiguous()
+        received = mine if group is None else torch.empty_like(mine)
+        work = None if group is None else dist.all_to_all_single(received, mine, group=group, async_op=True)
+
+        def finish() -> None:
+            if work is not None:
+                work.wait()
+            send, recv = split_sizes(mine, received, ep)  # the layer's one device-to-host read
+            ctx[name].update(send=send, recv=recv, local=received.view(ep, n).sum(0),
+                             regroup=_rank_major_to_expert_major(received.view(ep, n), sum(recv)))
+        return finish
 
     def experts(ctx: dict, inputs: Tensors) -> Tensors:
         h, weights, arrived, *carry = inputs
@@ -56,9 +72,12 @@ def moe_sub_stages(name: str, before: Callable[[dict, Tensors], torch.Tensor | T
 
     def combined(ctx: dict, inputs: Tensors) -> Tensors:
         h, weights, back, *carry = inputs
-        return after(ctx, h, combine_pairs(back, ctx[name]["order"], weights), *carry)
+        order = ctx[name]["order"]
+        moe = combine_pairs(back, order, weights) if combine is None else combine(h, back, order, weights)
+        return after(ctx, h, moe, *carry)
 
     return [Compute(f"{name}.route", routed),
+            Handshake(f"{name}.counts", exchange_counts),
             Exchange(f"{name}.dispatch", 2, lambda ctx: (ctx[name]["recv"], ctx[name]["send"]), group),
             Compute(f"{name}.experts", experts),
             Exchange(f"{name}.combine", 2, lambda ctx: (ctx[name]["send"], ctx[name]["recv"]), group),

@@ -6,8 +6,11 @@ inbox, both outputs going to the outbox), it runs them as one overlapped pair: e
 the other computes. Every other action runs alone, its all-to-alls waited right away.
 
 Differences from PipelineEngine, stated: a split backward (B with a later W) runs whole at B - the sub-stages
-already free the graph piece by piece, so W has nothing left and is a no-op; packed rows (segment ids) and
-autocast are not supported (refused); per-kind compute times are not recorded, only the whole schedule's.
+already free the graph piece by piece, so W has nothing left and is a no-op; packed rows (segment ids) are not
+supported (refused). Autocast is entered around each compute sub-stage (fb_overlap.forward_steps). The busy time
+is per action, or per overlapped pair (kind "FB"), all-to-all waits included as in PipelineEngine, where a
+synchronous all-to-all sits inside the chunk's forward or backward; `events.wait_s` is the part of it spent
+blocked on all-to-alls. `events` holds the last run() only.
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ class OverlapPipelineEngine(PipelineEngine):
     def run(self, micro_batches: list[tuple[torch.Tensor, ...]], steps: list[Step], *, loss_scale: float = 1.0,
             autocast=contextlib.nullcontext, forward_only: bool = False,
             before_backward: Callable[[bool], None] | None = None) -> list[torch.Tensor]:
-        if autocast is not contextlib.nullcontext or any(len(mb) > 2 for mb in micro_batches):
-            raise ValueError("the forward/backward overlap runs without autocast and without packed rows")
+        if any(len(mb) > 2 for mb in micro_batches):
+            raise ValueError("the forward/backward overlap runs without packed rows (segment ids)")
+        self.events = Events()  # this run's: a log kept across steps would grow without end
         start = self.stats.start()
         m = len(micro_batches)
         saved: dict[tuple[int, int], tuple] = {}
@@ -110,7 +114,7 @@ class OverlapPipelineEngine(PipelineEngine):
             first, last = stage == 0, stage == self.stages - 1
             x = micro_batches[micro][0] if first else inbox.pop((micro, stage - 1, False))
             out, record = yield from forward_steps(self.sub_stages(self.chunks[chunk]), x, micro, self.events,
-                                                   grad=not forward_only)
+                                                   grad=not forward_only, autocast=autocast)
             loss = None
             if last:
                 out.requires_grad_(not forward_only)
@@ -158,10 +162,12 @@ class OverlapPipelineEngine(PipelineEngine):
             both = [step.action] + ([steps[k + 1].action] if k in paired else [])
             if before_backward is not None and any(a[0] == "B" for a in both):
                 before_backward(last_backward in (k, k + len(both) - 1))
+            tick = self.stats.start()
             if len(both) == 2:
                 run_pair(job(both[0]), job(both[1]))
             else:
                 run(job(both[0]))
+            self.stats.stop(tick, busy=True, kind="FB" if len(both) == 2 else both[0][0])
             k += len(both)
         assert not outbox and not inbox and not saved, "the p2p plan left transfers or backwards undone"
         self.stats.stop(start, busy=False)

@@ -16,14 +16,14 @@ import torch
 from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.moe import MoE
-from megazoo.models.moe.dispatch import expert_parameter_names
+from megazoo.models.moe.dispatch import combine_sorted, expert_parameter_names
 from megazoo.models.moe.router import materialize_router_buffers
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.expert.zero import JointLedger, build_expert_split
 from megazoo.parallel.context import positions
 from megazoo.parallel.fault_tolerance.diloco import DiLoCo
-from megazoo.parallel.pipeline.fb_overlap import Compute, Exchange
+from megazoo.parallel.pipeline.fb_overlap import Compute, Stage
 from megazoo.parallel.pipeline.moe_stages import moe_sub_stages
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
@@ -203,7 +203,7 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     return zero
 
 
-def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
+def overlap_sub_stages(gpt: GPT) -> list[Stage]:
     """One decoder chunk (models/transformer.GPT) as the forward/backward overlap's sub-stages
     (parallel/pipeline/fb_overlap.py): the embedding, each dense block and the final norm + head as single
     computes; each MoE block as moe_sub_stages' route | dispatch | experts | combine | after, its attention half
@@ -230,7 +230,7 @@ def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
         field, value, valid = refused[0]
         raise ValueError(f"parallel.fb_overlap: {field} = {value!r} is not built into the sub-staged decoder "
                          f"chunk (recipes/training/model_setup.overlap_sub_stages); valid: {valid}")
-    stages: list[Compute | Exchange] = []
+    stages: list[Stage] = []
     if gpt.with_embedding:
         def embed(ctx: dict, inputs: tuple) -> tuple:
             x = gpt.wte(inputs[0])
@@ -254,7 +254,7 @@ def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
     return stages
 
 
-def _moe_block(name: str, block) -> list[Compute | Exchange]:
+def _moe_block(name: str, block) -> list[Stage]:
     moe: MoE = block.mlp
 
     def before(ctx: dict, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,5 +279,9 @@ def _moe_block(name: str, block) -> list[Compute | Exchange]:
             out = out + moe.shared_out(rows.view(x.shape))
         return (x + block._drop(out),)
 
+    def combine(rows: torch.Tensor, back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # the model dispatcher's own combine (models/moe/dispatch.py), not the library's: the same ops both ways
+        return combine_sorted(rows, back, order // weights.shape[1], weights.reshape(-1)[order])
+
     return moe_sub_stages(name, before, routed, moe.experts, after, moe.cfg.n_experts,
-                          getattr(moe.dispatcher, "group", None))  # None: ep = 1, nothing travels
+                          getattr(moe.dispatcher, "group", None), combine)  # group None: ep = 1

@@ -97,14 +97,14 @@ MOE = {"preset": "llama-tiny", "n_layer": 4, "d_model": 32, "n_head": 4, "n_kv_h
        "attn_dropout": 0.0, "moe_aux_loss_scope": "layer", "moe_aux_loss_coef": 0.05, "moe_z_loss_coef": 0.01}
 
 
-def _train(fb_overlap: bool):
+def _train(fb_overlap: bool, precision: str = "fp64", zero: int = 0):
     from recipe_helpers import tiny_resolved
 
     from megazoo.recipes.training.trainer import Trainer
     res = tiny_resolved(model=MOE, parallel={"fb_overlap": fb_overlap, "pp": 2, "dp": 2, "ep": 2,
                                              "schedule": "dualpipev"},
-                        train={"steps": 2, "micro_batch": 2, "grad_accum": 4, "precision": "fp64",
-                               "fused_loss": "off"})
+                        train={"steps": 2, "micro_batch": 2, "grad_accum": 4, "precision": precision,
+                               "fused_loss": "off"}, zero={"stage": zero})
     trainer = Trainer(res, Topology.of(res.recipe.parallel))
     metrics = [trainer.train_step(step) for step in range(2)]
     params = {f"{c}.{n}": p.detach().clone() for c, chunk in enumerate(trainer.chunks)
@@ -126,3 +126,21 @@ def test_trainer_with_fb_overlap_equals_the_trainer_without_it():
         for name, want in ref_params.items():
             torch.testing.assert_close(params[name], want, rtol=0, atol=TOL, msg=name)
         assert metrics[0]["loss"] != metrics[1]["loss"]  # the steps trained
+
+
+@pytest.mark.parametrize("precision, zero", [("bf16", 0), ("bf16", 1), ("fp16", 0)])
+def test_trainer_with_fb_overlap_under_autocast_equals_the_trainer_without_it(precision, zero):
+    """bf16 / fp16 autocast (each compute sub-stage under the recipe's autocast; fp16 with its loss scaler): two
+    Trainer steps with fb_overlap on equal them with it off bit for bit - the same ops in the same dtypes, only
+    run in another order."""
+    on, off = run_distributed(_train, 4, True, precision, zero), run_distributed(_train, 4, False, precision, zero)
+    for (engine, metrics, params), (plain, ref_metrics, ref_params) in zip(on, off):
+        assert engine == "OverlapPipelineEngine" and plain == "PipelineEngine"
+        for got, ref in zip(metrics, ref_metrics):
+            for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_max"):
+                assert got[key] == ref[key], (key, got[key], ref[key])
+        assert params.keys() == ref_params.keys()
+        for name, want in ref_params.items():
+            assert params[name].dtype == want.dtype
+            torch.testing.assert_close(params[name], want, rtol=0, atol=0, msg=name)
+        assert metrics[0]["loss"] != metrics[1]["loss"]
