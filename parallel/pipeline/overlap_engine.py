@@ -95,6 +95,9 @@ class OverlapPipelineEngine(PipelineEngine):
             raise ValueError(f"the forward/backward overlap needs every model chunk split into sub-stages "
                              f"(sub_stages()); chunks {missing} are not")
         self.events = Events()
+        # False: every action alone, each all-to-all waited right after its launch - the same sub-stages without
+        # the overlap (benchmarks/pipeline.py --overlap's control row: what the sub-staging itself costs)
+        self.pair = True
 
     def run(self, micro_batches: list[tuple[torch.Tensor, ...]], steps: list[Step], *, loss_scale: float = 1.0,
             autocast=contextlib.nullcontext, forward_only: bool = False,
@@ -149,7 +152,7 @@ class OverlapPipelineEngine(PipelineEngine):
         steps = overlap_plan(steps, self.topo.pp, self.topo.pp_rank, self.placement)
         # The last action that accumulates parameter gradients (every B here: W is a no-op): ZeRO-1 reduces in it.
         last_backward = max((k for k, st in enumerate(steps) if st.action and st.action[0] == "B"), default=-1)
-        paired = pairs(steps)
+        paired = pairs(steps) if self.pair else set()
         k = 0
         while k < len(steps):
             step = steps[k]
