@@ -28,7 +28,8 @@ Per rank, over the timed steps (then averaged over ranks), as fractions of the s
 How the exposed all-to-all time is measured: each worker process wraps torch.distributed.all_to_all_single
 (`_TimedAllToAll`, this benchmark's test double around the real collective, the same for every row) and sums
 the time blocked in it. For the overlap row the engine's own event log (fb_overlap.Events.wait_s, the waits on
-the handles) is reported beside it; the two measure the same waits. `latency_ms` > 0 emulates a slower link: the
+the handles) is reported beside it; the two measure the same waits, the log's also holding the split sizes' host
+read that follows the counts' wait. `latency_ms` > 0 emulates a slower link: the
 wrapper holds each all-to-all's result back until that many ms after its launch (a sleep in the synchronous call,
 or in the handle's wait). It is labelled in every row: an emulated latency, not a measured network.
 
