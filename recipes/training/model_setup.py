@@ -260,8 +260,7 @@ def _moe_block(name: str, block) -> list[Stage]:
     def before(ctx: dict, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         x = inputs[0]
         x = x + block._drop(block.attn(block.ln_1(x)))
-        h = block.ln_2(x)
-        return h.reshape(-1, h.shape[-1]), x  # the rows to route, and the residual stream beside them
+        return block.ln_2(x), x  # (b, s, d): the rows to route, and the residual stream beside them
 
     def routed(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, weights, indices, scores = moe.route_rows(rows)
@@ -273,15 +272,17 @@ def _moe_block(name: str, block) -> list[Stage]:
                                         seq_aux=None if stats.seq_aux is None else stats.seq_aux.detach())
         return moe.with_layer_losses(weights, stats), indices
 
-    def after(ctx: dict, rows: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple:
+    def after(ctx: dict, h: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple:
         out = out.view(x.shape)
         if moe.cfg.moe_shared_experts:
-            out = out + moe.shared_out(rows.view(x.shape))
+            out = out + moe.shared_out(h)
         return (x + block._drop(out),)
 
+    # the model dispatcher's own gather and combine (models/moe/dispatch.py), not the library's: the same ops
+    # both ways, so bf16 / fp16 runs are bit-equal with and without the overlap
     def combine(rows: torch.Tensor, back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # the model dispatcher's own combine (models/moe/dispatch.py), not the library's: the same ops both ways
         return combine_sorted(rows, back, order // weights.shape[1], weights.reshape(-1)[order])
 
     return moe_sub_stages(name, before, routed, moe.experts, after, moe.cfg.n_experts,
-                          getattr(moe.dispatcher, "group", None), combine)  # group None: ep = 1
+                          getattr(moe.dispatcher, "group", None),  # None: ep = 1
+                          gather=lambda rows, token: rows[token], combine=combine)
