@@ -43,6 +43,8 @@ from typing import Callable, Generator, Protocol
 import torch
 import torch.distributed as dist
 
+from megazoo.parallel.pipeline.split_backward import backward_input, backward_weight
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -84,7 +86,7 @@ class SubStaged(Protocol):
 
 @dataclass
 class Events:
-    """What ran, in order: ("compute", micro, name, "F" | "B"), ("launch" | "wait", micro, name, "F" | "B");
+    """What ran, in order: ("compute", micro, name, "F" | "B" | "W"), ("launch" | "wait", micro, name, "F" | "B");
     and the host seconds spent blocked in the waits, per phase ("F", "B")."""
 
     log: list[tuple[str, int, str, str]] = field(default_factory=list)
@@ -120,6 +122,7 @@ class Record:
     micro: int
     ctx: dict
     entries: list = field(default_factory=list)
+    pending: list = field(default_factory=list)  # a split B's (compute name, PendingWeightGradient) for its W
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -163,19 +166,24 @@ def forward_steps(stages: list[Stage], x: torch.Tensor, micro: int, events: Even
     return state[0], record
 
 
-def backward_steps(record: Record, grad_out: torch.Tensor, events: Events
+def backward_steps(record: Record, grad_out: torch.Tensor, events: Events, split: bool = False
                    ) -> Generator[None, None, torch.Tensor | None]:
     """Backpropagate grad_out through the recorded sub-stages; yields after each launched all-to-all of a
-    gradient. Returns d loss / d chunk input (None when the input needs none). Frees the record."""
+    gradient. Returns d loss / d chunk input (None when the input needs none). Frees the record. `split`: the
+    zero-bubble B - each compute gives its inputs' gradients only (split_backward.backward_input) and leaves its
+    weight gradients in `record.pending` for `weight_steps` (W)."""
     grads: tuple[torch.Tensor | None, ...] = (grad_out,)
     while record.entries:
         op, inputs, outputs = record.entries.pop()
         if isinstance(op, Compute):
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if split:
+                grads = _backward_input(record, op.name, inputs, pairs)
+            else:
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                grads = tuple(t.grad if t.requires_grad else None for t in inputs)
             events.add("compute", record.micro, op.name, "B")
-            grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         else:
             out_splits, in_splits = op.splits(record.ctx)
             flight = _InFlight(grads[op.index], in_splits, out_splits, op.group)
@@ -188,6 +196,27 @@ def backward_steps(record: Record, grad_out: torch.Tensor, events: Events
             grads = grads[:op.index] + (sent_back,) + grads[op.index + 1:]
         del op, inputs, outputs
     return grads[0]
+
+
+def _backward_input(record: Record, name: str, inputs: Tensors, pairs: list) -> tuple:
+    """A compute's B: its inputs' gradients, the weight gradients stashed (record.pending). Its outputs and their
+    gradients become one root, sum(o * g), whose gradient at each o is g exactly (1 * g)."""
+    if not pairs:
+        return (None,) * len(inputs)
+    root = sum((o * g).sum() for o, g in pairs)
+    dx, pending = backward_input(root, None, [t for t in inputs if t.requires_grad])
+    record.pending.append((name, pending))
+    got = iter(dx)
+    return tuple(next(got) if t.requires_grad else None for t in inputs)
+
+
+def weight_steps(record: Record, parameters: list[torch.nn.Parameter], events: Events) -> None:
+    """W of a split backward: every compute's stashed weight gradients into .grad (split_backward.backward_weight;
+    each parameter sits in one compute, so it is accumulated once, as in one backward)."""
+    while record.pending:
+        name, pending = record.pending.pop(0)
+        backward_weight(pending, parameters)
+        events.add("compute", record.micro, name, "W")
 
 
 def run(gen: Generator):
