@@ -1,5 +1,5 @@
 """What ep > 1 changes in scoring and decoding (eval/scoring.gpt_forward, models/generation/generate.decode), on a
-tiny Mixtral in fp64 at ep 2 against the same weights in one process:
+tiny Mixtral in fp64 at ep 2 (and tp 2 x ep 2) against the same weights in one process:
 
   * a scoring forward's rows are split over the ep ranks (ceil(b / ep) each, the last row repeated to fill) and
     the logits all-gathered: equal to ep 1 on every rank, with each rank running only its share; with a capacity
@@ -39,18 +39,18 @@ def _rows_seen(model) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("capacity, rows", [(0.0, 2), (4.0, 3)])
-def test_scoring_at_ep2_splits_the_rows_and_equals_ep1(capacity, rows):
+@pytest.mark.parametrize("tp, capacity, rows", [(1, 0.0, 2), (2, 0.0, 2), (1, 4.0, 3)])
+def test_scoring_at_ep2_splits_the_rows_and_equals_ep1(tp, capacity, rows):
     cfg = CFG.replace(moe_capacity_factor=capacity)
     full = _weights(cfg)
-    reference = gpt_logits_fn(gpt_from_full_state(cfg, full, Topology.solo()))(IDS)
+    reference = gpt_logits_fn(gpt_from_full_state(cfg, full, Topology.solo(), torch.float64))(IDS)
 
     def ranks():
-        model = gpt_from_full_state(cfg, full, Topology.build(dp=2, tp=1, ep=2))
+        model = gpt_from_full_state(cfg, full, Topology.build(dp=2, tp=tp, ep=2), torch.float64)
         seen = _rows_seen(model)
         return gpt_logits_fn(model)(IDS), seen
 
-    for logits, seen in run_distributed(ranks, 2):
+    for logits, seen in run_distributed(ranks, 2 * tp):
         assert seen == [rows]  # dropless: 2 of the 3 rows here (ep rank 1: row 2 and row 2 again); else all 3
         torch.testing.assert_close(logits, reference, rtol=0, atol=1e-12)
 
@@ -58,13 +58,13 @@ def test_scoring_at_ep2_splits_the_rows_and_equals_ep1(capacity, rows):
 def test_decoding_at_ep2_continues_with_the_first_ranks_token():
     full = _weights(CFG)
     prompt = IDS[0, :5].tolist()
-    reference = decode(gpt_from_full_state(CFG, full, Topology.solo()), prompt, 6)
+    reference = decode(gpt_from_full_state(CFG, full, Topology.solo(), torch.float64), prompt, 6)
 
     def ranks():
         import megazoo.models.generation.generate as generation
 
         topo = Topology.build(dp=2, tp=1, ep=2)
-        model = gpt_from_full_state(CFG, full, topo)
+        model = gpt_from_full_state(CFG, full, topo, torch.float64)
         if topo.ep_rank == 1:  # this rank's logits would pick token 7 at every step
             real = generation.full_logits
 
