@@ -81,11 +81,11 @@ def decode(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, temperatur
            forward: Callable[[torch.Tensor, KVCache], torch.Tensor] | None = None,
            cache: KVCache | LatentCache | None = None) -> list[int]:
     """prompt + up to max_new_tokens new ids. `stop(new_ids)` is asked after each token (e.g. "was it EOS?");
-    decoding ends when it says so, with that token kept. Collective under tp: every rank calls it alike.
+    decoding ends when it says so, with that token kept. Collective under tp and ep: every rank calls it alike.
     `forward(ids, cache)` -> full logits replaces `full_logits(model, ids, cache)` (the lm-eval adapter's rank 0
-    uses it to have the other tp / ep ranks run the same forward: this rank alone picks the tokens). `cache`: an empty cache to fill (new_cache's by
-    default; a KVCache for latent attention decodes with full per-head keys and values, the reference), left
-    holding the last window for the caller to read (bytes_per_token)."""
+    uses it to have the other tp / ep ranks run the same forward: this rank alone picks the tokens). `cache`: an
+    empty cache to fill (new_cache's by default; a KVCache for latent attention decodes with full per-head keys
+    and values, the reference), left holding the last window for the caller to read (bytes_per_token)."""
     check_sampling(temperature, top_k, top_p)
     check_decodable(model)
     if not prompt:
