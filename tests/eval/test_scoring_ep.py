@@ -4,6 +4,7 @@ tiny Mixtral in fp64 at ep 2 (and tp 2 x ep 2) against the same weights in one p
   * a scoring forward's rows are split over the ep ranks (ceil(b / ep) each, the last row repeated to fill) and
     the logits all-gathered: equal to ep 1 on every rank, with each rank running only its share; with a capacity
     factor (it caps an expert's rows per rank) every rank runs every row, still equal to ep 1;
+  * the ep ranks' counted FLOPs of a batch add up to one process's (the work is split, not repeated);
   * decoding: the token the first ep rank picks is the one every rank continues with, even where another rank's
     logits would pick another.
 """
@@ -78,3 +79,21 @@ def test_decoding_at_ep2_continues_with_the_first_ranks_token():
 
     assert reference[5:] != [7] * 6
     assert run_distributed(ranks, 2) == [reference, reference]
+
+
+def test_the_ep_ranks_flops_add_up_to_one_process():
+    """The work is split, not repeated: counted FLOPs (torch's counter, the grouped matmul's formula included) of
+    one scoring batch (8 x 32 tokens) on the two ep ranks add up to one process's exactly."""
+    from megazoo.parallel.simulation.fake_world import flop_counter
+
+    full, ids = _weights(CFG), torch.randint(0, 96, (8, 32), generator=torch.Generator().manual_seed(1))
+
+    def flops(topo) -> int:
+        logits_fn = gpt_logits_fn(gpt_from_full_state(CFG, full, topo))
+        with flop_counter() as counter:
+            logits_fn(ids)
+        return counter.get_total_flops()
+
+    one = flops(Topology.solo())
+    per_rank = run_distributed(lambda: flops(Topology.build(dp=2, tp=1, ep=2)), 2)
+    assert sum(per_rank) == one and max(per_rank) < 0.6 * one, (per_rank, one)
