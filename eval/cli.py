@@ -14,7 +14,8 @@ the JSON result (--json), which records the protocol.
 
 With --tp N > 1 the command relaunches itself under torchrun (`python -m torch.distributed.run -m megazoo.eval.cli`);
 with --ep E > 1 (an MoE model) on E x N workers, the routed experts split over E ranks (each reads only its own
-experts from the checkpoint), every rank scoring the same batches: the experts' memory is split, not the work.
+experts from the checkpoint), each batch's rows split over them too (eval/scoring.gpt_forward: the tokens reach
+their experts by all-to-all, the logits are all-gathered), so every rank scores every batch with 1/E of the work.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
-"""`megazoo eval harness --checkpoint CKPT --tasks T1,T2 [--tokenizer TOK] [--tp N] [--batch-size B]
+"""`megazoo eval harness --checkpoint CKPT --tasks T1,T2 [--tokenizer TOK] [--tp N] [--ep E] [--batch-size B]
 [--include-path DIR] [--limit N] [--bootstrap-iters N] [--json OUT]`: lm-eval's evaluator on a megazoo checkpoint.
 
 The model is eval/harness_model.py's lm-eval model class. Checked in this process before any worker starts (exit
 2 and one line): lm-eval installed (else the line names the `megazoo[eval]` extra), the checkpoint and its
-tokenizer (recorded in the checkpoint, or --tokenizer), --tp against the heads, and the task names (an unknown
-one gets lm-eval's own "Tasks not found" message). Tasks are looked up in --include-path first, and lm-eval's
-~14,000 built-in task configs are indexed only when a name is not found there.
+tokenizer (recorded in the checkpoint, or --tokenizer), --tp against the heads, --ep against the experts, and the
+task names (an unknown one gets lm-eval's own "Tasks not found" message). Tasks are looked up in --include-path
+first, and lm-eval's ~14,000 built-in task configs are indexed only when a name is not found there.
 
-With --tp N > 1 the command relaunches itself under torchrun (`python -m megazoo.eval.harness`): every rank loads
-only its own shards of the checkpoint (no consolidated copy) and runs every forward; rank 0 drives lm-eval, prints
-lm-eval's table and writes lm-eval's `results` object (--json).
+With --tp N > 1 (or --ep E > 1 for an MoE model: E x N workers, each holding 1/E of the routed experts) the
+command relaunches itself under torchrun (`python -m megazoo.eval.harness`): every rank loads only its own shards
+of the checkpoint (no consolidated copy) and takes part in every forward (at ep > 1 a scoring forward's rows are
+split over the ep ranks: eval/harness_model.py); rank 0 drives lm-eval, prints lm-eval's table and writes lm-eval's
+`results` object (--json).
 """
 
 from __future__ import annotations

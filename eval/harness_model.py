@@ -8,11 +8,12 @@
 `megazoo eval ... --protocol lm-eval`; `generate_until` decodes with the KV cache of `megazoo generate`
 (models/generation/generate.py). Needs lm-eval (`pip install 'megazoo[eval]'`).
 
-Tensor parallelism (`megazoo eval harness --tp N`, eval/harness.py): every rank loads only its shards and runs
-every forward; rank 0 drives lm-eval and, before each forward, broadcasts it to the other ranks
-(`TPForward`), which wait in `serve` until rank 0 says stop. Collectives: one broadcast of a 4-int header and
-one of the ids per forward (rank 0 -> all), then the model's own (all-reduces in the blocks, all-gather of the
-logits' vocabulary shards).
+Tensor and expert parallelism (`megazoo eval harness --tp N --ep E`, eval/harness.py): every rank loads only its
+shards and takes part in every forward; rank 0 drives lm-eval and, before each forward, broadcasts it to the other
+ranks (`TPForward`), which wait in `serve` until rank 0 says stop. Collectives: one broadcast of a 4-int header
+and one of the ids per forward (rank 0 -> all), then the model's own (all-reduces in the blocks, the MoE layers'
+all-to-alls, all-gather of the logits' vocabulary shards); at ep > 1 a scoring forward's rows are split over the
+ep ranks and their logits all-gathered (eval/scoring.gpt_forward), a decoding one runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from megazoo.eval.lm_eval_protocol import rolling_windows, score_pairs
+from megazoo.eval.scoring import gpt_forward
 from megazoo.models.generation.generate import decode, full_logits, new_cache
 from megazoo.models.generation.kv_cache import KVCache
 
@@ -49,7 +51,7 @@ class TPForward:
 
     def __call__(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         self._announce(PLAIN if cache is None else CACHED, ids, reset=cache is not None and cache.length == 0)
-        return full_logits(self.model, ids, cache)
+        return gpt_forward(self.model, ids, cache)
 
     def close(self) -> None:
         self._announce(STOP)
@@ -70,7 +72,7 @@ def serve(model) -> None:
         dist.broadcast(ids, src=0)
         if op == CACHED and reset:
             cache.reset()
-        full_logits(model, ids, cache if op == CACHED else None)
+        gpt_forward(model, ids, cache if op == CACHED else None)
 
 
 @register_model("megazoo")

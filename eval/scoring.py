@@ -16,16 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from megazoo.data.fileio import atomic_write_text
-from megazoo.parallel.tensor import gather_from_tp_region
+from megazoo.models.generation.generate import full_logits
+from megazoo.parallel.collectives import all_gather_stacked
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids (b, s) long -> logits (b, s, V) float
 
 
 def gpt_logits_fn(model) -> LogitsFn:
-    """Full-vocabulary logits of our GPT (whole model, pp = 1) at any tp.
+    """Full-vocabulary logits of our GPT (whole model, pp = 1) at any tp and ep (`gpt_forward`).
 
     Each rank computes its vocabulary shard (b, s, V_padded / tp); the shards are all-gathered over tp and the
-    padding columns dropped. Every tp rank must call it with the same ids (collective), and then holds the same
+    padding columns dropped. Every rank must call it with the same ids (collective), and then holds the same
     logits, so all ranks compute identical metrics.
     """
     if not (model.with_embedding and model.with_head):
@@ -34,10 +35,28 @@ def gpt_logits_fn(model) -> LogitsFn:
 
     @torch.no_grad()
     def logits(ids: torch.Tensor) -> torch.Tensor:
-        local = model(ids.to(model.topo.device))  # (b, s, V_padded / tp)
-        return gather_from_tp_region(local, model.topo.tp_group)[..., : model.cfg.vocab_size]
+        return gpt_forward(model, ids)
 
     return logits
+
+
+def gpt_forward(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
+    """Logits (b, s, V) of ids (b, s) on every rank, every rank calling with the same ids.
+
+    At ep > 1 without a cache the rows are split over the ep ranks: each runs ceil(b / ep) of them (the last row
+    repeated to fill the last rank's share), the MoE layers send each token to its experts' ranks by all-to-all as
+    in training, and the logits are all-gathered over the ep group. So ep splits the work as it splits the experts'
+    memory, and every rank holds the same logits. Not with a capacity factor: it caps an expert's rows per rank,
+    so which tokens drop would depend on the split (every rank then runs every row), nor when decoding (a cache
+    holds its rows' past: every rank runs the whole batch).
+    """
+    topo = model.topo
+    if cache is not None or topo.ep_group is None or model.cfg.moe_capacity_factor:
+        return full_logits(model, ids, cache)
+    rows, per = ids.shape[0], -(-ids.shape[0] // topo.ep)
+    filled = torch.cat([ids, ids[-1:].expand(per * topo.ep - rows, -1)])
+    mine = full_logits(model, filled[topo.ep_rank * per:(topo.ep_rank + 1) * per])
+    return all_gather_stacked(mine, topo.ep_group, topo.ep).flatten(0, 1)[:rows]
 
 
 def hf_logits_fn(hf_model) -> LogitsFn:

@@ -84,6 +84,9 @@ def _check(args: argparse.Namespace) -> Source:
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
     check_ep(args.ep, cfg)
+    if getattr(args, "speculative", False) and args.ep > 1:  # speculative_decode has no agreement over ep ranks
+        raise ValueError(f"--speculative decodes at --ep 1 only (not {args.ep}): each ep rank would accept or reject "
+                         "the drafts on its own logits, with nothing keeping the ranks' tokens in step; valid: --ep 1")
     if getattr(args, "speculative", False) and (not cfg.mtp_depth or args.temperature != 0):
         raise ValueError(f"--speculative drafts with the model's multi-token prediction module and decodes greedily: "
                          f"model.mtp_depth = {cfg.mtp_depth}, --temperature {args.temperature}; valid: a model "

@@ -115,8 +115,9 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout_s: float = DEF
 
 def tp_worker(args: Any, solo: Callable[[Any], int], work: Callable[[Any, Any], None]) -> int:
     """The torchrun worker of a tensor-parallel command (eval, eval harness, generate): alone (WORLD_SIZE 1) it
-    runs `solo(args)` with tp = 1; under torchrun it joins the group, runs `work(args, Topology(tp=world))` and
-    ends through finish_worker, exit 2 with the rank named when the input is bad (FileNotFoundError, ValueError)."""
+    runs `solo(args)` with tp = ep = 1; under torchrun it joins the group, runs `work(args, Topology(tp=world / ep,
+    ep=ep))` and ends through finish_worker, exit 2 with the rank named when the input is bad (FileNotFoundError,
+    ValueError)."""
     from megazoo.parallel.topology import Topology
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -125,8 +126,9 @@ def tp_worker(args: Any, solo: Callable[[Any], int], work: Callable[[Any, Any], 
         if hasattr(args, "ep"):
             args.ep = 1
         return solo(args)
-    # --ep E (eval of an MoE model): E x tp workers, the experts split over E data-parallel ranks that all score
-    # the same batches (their all-to-alls need every rank to run the same forwards)
+    # --ep E (an MoE model's eval, eval harness, generate): E x tp workers, the routed experts split over E ranks
+    # (the ep group, laid out as dp); every one takes part in every forward, as the command arranges
+    # (eval/scoring.gpt_forward splits a scoring batch's rows over them; decoding runs every row on each)
     ep = getattr(args, "ep", 1)
     # This worker's GPU is its node-local rank's (torchrun's LOCAL_RANK), not GPU 0 for every rank.
     init_distributed(rank, world_size, init_method="env://", local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -4,7 +4,8 @@ The prompt is run once, filling the cache (models/generation/kv_cache.py); each 
 position. The vocabulary-sharded logits of the last position are all-gathered over tp (one row, small), and the
 draw uses a generator seeded identically on every rank, so all tp ranks pick the same token and their caches
 (each holding its own heads) stay in step. Used by `megazoo generate`, the trainer's closing sample
-(recipes/training/sample.py) and lm-eval's generate_until (eval/harness_model.py).
+(recipes/training/sample.py) and lm-eval's generate_until (eval/harness_model.py). Under expert parallelism
+each ep rank computes its own logits, and the token the first ep rank picks is broadcast over the ep group.
 
 Past the model's context (n_positions) the window slides: the cache is dropped and the last n_positions tokens
 are recomputed at every step, exactly what a cache-less loop over `ids[-n_positions:]` computes.
@@ -20,6 +21,7 @@ from megazoo.models.config import ModelConfig
 from megazoo.models.generation.kv_cache import KVCache
 from megazoo.models.generation.latent_cache import LatentCache
 from megazoo.models.transformer import GPT
+from megazoo.parallel.expert import from_first_rank
 from megazoo.parallel.tensor import gather_from_tp_region
 
 
@@ -79,11 +81,11 @@ def decode(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, temperatur
            forward: Callable[[torch.Tensor, KVCache], torch.Tensor] | None = None,
            cache: KVCache | LatentCache | None = None) -> list[int]:
     """prompt + up to max_new_tokens new ids. `stop(new_ids)` is asked after each token (e.g. "was it EOS?");
-    decoding ends when it says so, with that token kept. Collective under tp: every rank calls it alike.
+    decoding ends when it says so, with that token kept. Collective under tp and ep: every rank calls it alike.
     `forward(ids, cache)` -> full logits replaces `full_logits(model, ids, cache)` (the lm-eval adapter's rank 0
-    uses it to have the other tp ranks run the same forward). `cache`: an empty cache to fill (new_cache's by
-    default; a KVCache for latent attention decodes with full per-head keys and values, the reference), left
-    holding the last window for the caller to read (bytes_per_token)."""
+    uses it to have the other tp / ep ranks run the same forward: this rank alone picks the tokens). `cache`: an
+    empty cache to fill (new_cache's by default; a KVCache for latent attention decodes with full per-head keys
+    and values, the reference), left holding the last window for the caller to read (bytes_per_token)."""
     check_sampling(temperature, top_k, top_p)
     check_decodable(model)
     if not prompt:
@@ -103,7 +105,10 @@ def decode(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, temperatur
             ids_in = torch.tensor([fresh], dtype=torch.long)
             logits = (forward(ids_in, cache) if forward is not None else full_logits(model, ids_in, cache))
             logits = logits[:, -1, :].float().cpu()
-            nxt = int(pick(logits, temperature=temperature, top_k=top_k, top_p=top_p, draw=draw)[0, 0])
+            nxt = pick(logits, temperature=temperature, top_k=top_k, top_p=top_p, draw=draw)[0, 0]
+            if forward is None:  # every rank decodes: at ep > 1 the first ep rank's token on every rank
+                nxt = from_first_rank(nxt.to(model.topo.device), model.topo.ep_group)  # (comms.py says why)
+            nxt = int(nxt)
             ids.append(nxt)
             fresh = [nxt]
             if stop is not None and stop(ids[len(prompt):]):

@@ -4,6 +4,7 @@
 |-------------------|------------------------------------------------------|-------------------------------------|
 | exchange_counts   | all-to-all of per-expert token counts (equal splits) | none (counts have no gradient)      |
 | all_to_all_uneven | all-to-all with uneven splits: rows to each ep rank  | the same all-to-all, splits swapped |
+| from_first_rank   | broadcast from the ep group's first rank (decoding)  | none (token ids)                    |
 
 `all_to_all_uneven` moves rows (tokens) of a [N, ...] tensor: the first in_splits[0] rows go to ep rank 0, the
 next in_splits[1] to rank 1, ...; what arrives from rank j lands in rank order, out_splits[j] rows each. The
@@ -97,3 +98,13 @@ def all_to_all_uneven(x: torch.Tensor, out_splits: list[int], in_splits: list[in
         raise ValueError(f"all_to_all_uneven: splits {in_splits} -> {out_splits} do not fit {x.shape[0]} rows "
                          f"over {ep} ep ranks")
     return _AllToAllUneven.apply(x, list(out_splits), list(in_splits), group, ledger)
+
+
+def from_first_rank(x: torch.Tensor, group) -> torch.Tensor:
+    """x as the group's first rank holds it, on every rank of the group (in place; the identity for a None group).
+    Decoding at ep > 1 sends the token the first ep rank chose: each ep rank computes its own logits (its own copy
+    of the tokens routed over experts spread across the ranks), and a last-bit difference that picked another
+    token would put the ranks' next all-to-alls out of step. Collective: one broadcast."""
+    if group is not None:
+        dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group)
+    return x

@@ -83,7 +83,8 @@ def test_harness_equals_lm_evals_hf_model_on_the_export(setup, tmp_path):
                     assert close(mine[0], theirs[0]), (task, mine, theirs)
                 else:
                     assert close(mine[0][0], theirs[0][0]) and mine[0][1] == theirs[0][1], (task, mine, theirs)
-    for task, metric in (("lambada_openai", "acc,none"), ("mc_local", "acc,none"), ("wikitext", "word_perplexity,none")):
+    for task, metric in (("lambada_openai", "acc,none"), ("mc_local", "acc,none"), ("gen_local", "exact_match,none"),
+                         ("wikitext", "word_perplexity,none")):
         assert ours["results"][task][metric] == pytest.approx(hf["results"][task][metric], rel=1e-6)
     out = tmp_path / "harness.json"  # the CLI on the same checkpoint
     assert megazoo_cli(["eval", "harness", "--checkpoint", str(setup["ckpts"]), "--tasks", "mc_local", "--include-path",

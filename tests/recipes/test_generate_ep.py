@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 import transformers
 from harness import run_distributed
@@ -102,3 +103,17 @@ def test_deepseek_latent_cache_generate_at_ep2_and_tp2_ep2(tmp_path, capsys):
     assert ep1 == _transformers_text(hf) + "\n" and ep1.strip()
     assert text(1, 2) == [ep1[:-1]] * 2  # every rank decoded the same tokens
     assert text(2, 2) == [ep1[:-1]] * 4
+
+
+def test_speculative_at_ep2_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
+    """Self-speculative decoding keeps no agreement over the ep ranks (each would judge the drafts on its own
+    logits): --speculative with --ep 2 is refused in this process, naming what is valid."""
+    import megazoo.workers.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "launch_local", lambda *a, **k: pytest.fail("workers were started"))
+    hf = _deepseek_dir(tmp_path / "hf")
+    capsys.readouterr()  # transformers' save_pretrained progress
+    assert megazoo(["generate", "--hf", str(hf), "--prompt", PROMPT, "--max-new-tokens", "2", "--ep", "2",
+                    "--speculative"]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative decodes at --ep 1 only (not 2)" in err and "valid: --ep 1" in err and err.count("\n") == 1
