@@ -206,10 +206,10 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
 def overlap_sub_stages(gpt: GPT) -> list[Stage]:
     """One decoder chunk (models/transformer.GPT) as the forward/backward overlap's sub-stages
     (parallel/pipeline/fb_overlap.py): the embedding, each dense block and the final norm + head as single
-    computes; each MoE block as moe_sub_stages' route | dispatch | experts | combine | after, its attention half
+    computes; each MoE block as moe_sub_stages' route | counts | dispatch | experts | combine, its attention half
     and the router in the route compute, with what MoE.forward does beside the dispatch: the RouterStats and
     their all-reduces, the routing-bias load and the "layer"-scope losses (carried by the routing weights, whose
-    gradient always comes back through the combine); the shared experts and the residual in the after compute.
+    gradient always comes back through the combine); the shared experts and the residual in the combine compute.
     Each compute is its own autograd graph, so nothing of one may reach another but through the running tuple:
     the residual stream rides beside the routed rows, and the stats the model keeps for its "model"-scope loss
     and the metrics are detached (that loss must then have zero coefficients: refused otherwise)."""
