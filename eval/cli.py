@@ -25,7 +25,7 @@ import sys
 
 from megazoo.eval.harness import register as register_harness
 from megazoo.eval.inputs import DEFAULT_STRIDE, PROTOCOLS, ModelSource, check_inputs
-from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
+from megazoo.workers.tp_command import EP_HELP, run_here_or_relaunch, verify_before_workers
 
 TASKS = ("wikitext103", "lambada")
 
@@ -136,9 +136,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score only the first N windows / examples (quick checks)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows / examples per forward (default 4)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel processes for an MoE model (x --tp of them, torchrun; default 1): the "
-                             "routed experts split over them, every one scoring the same batches")
+    parser.add_argument("--ep", type=int, default=1, help=EP_HELP)
     parser.add_argument("--backend", choices=("megazoo", "transformers"), default="megazoo",
                         help="run the model through megazoo's GPT (default) or transformers (--hf only)")
 

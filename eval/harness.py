@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
+from megazoo.workers.tp_command import EP_HELP, check_ep, run_here_or_relaunch, verify_before_workers
 
 
 EXTRA_HINT = "megazoo eval harness needs lm-eval: pip install 'megazoo[eval]' (or pip install lm-eval)"
@@ -75,6 +75,7 @@ def check(args: argparse.Namespace, with_tasks: bool = True):
                              lora_base=args.lora_base)  # a LoRA run's: its adapters on the base it recorded
     if args.tp < 1 or opened.cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {opened.cfg.n_head}")
+    check_ep(args.ep, opened.cfg)
     return opened, tasks, task_manager(args.include_path, tasks) if with_tasks else None
 
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace, topo) -> dict | None:
     import lm_eval
     from lm_eval.utils import make_table
 
-    forward = TPForward(model) if topo.tp > 1 else None
+    forward = TPForward(model) if topo.world_size > 1 else None  # tp and / or ep: every rank runs each forward
     try:
         lm = MegazooLM.from_parts(model, opened.tokenizer, forward, batch_size=args.batch_size)
         seeds = {} if args.seed is None else dict(random_seed=args.seed, numpy_random_seed=args.seed,
@@ -150,7 +151,7 @@ def _write_output(output: dict, folder: Path, samples: bool) -> None:
 
 
 def _forwarded_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["--checkpoint", str(args.checkpoint), "--tasks", args.tasks, "--tp", str(args.tp),
+    argv = ["--checkpoint", str(args.checkpoint), "--tasks", args.tasks, "--tp", str(args.tp), "--ep", str(args.ep),
             "--batch-size", str(args.batch_size), "--bootstrap-iters", str(args.bootstrap_iters)]
     for flag, value in (("--tokenizer", args.tokenizer), ("--include-path", args.include_path),
                         ("--limit", args.limit), ("--json", args.json), ("--num-fewshot", args.num_fewshot),
@@ -184,6 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="TOK",
                         help="tokenizer spec (default: the one the checkpoint records)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
+    parser.add_argument("--ep", type=int, default=1, help=EP_HELP)
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward (default 8)")
     parser.add_argument("--include-path", default=None, metavar="DIR", help="more lm-eval task yamls (first)")
     parser.add_argument("--limit", type=float, default=None, metavar="N",

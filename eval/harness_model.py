@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from megazoo.eval.lm_eval_protocol import rolling_windows, score_pairs
-from megazoo.models.generation.generate import decode, full_logits
+from megazoo.models.generation.generate import decode, full_logits, new_cache
 from megazoo.models.generation.kv_cache import KVCache
 
 LOG = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ class TPForward:
 
 @torch.no_grad()
 def serve(model) -> None:
-    """Ranks > 0: run the forwards rank 0 announces, with a cache of their own heads, until STOP."""
-    device, cache = model.topo.device, KVCache(model.cfg.n_positions)
+    """Ranks > 0: run the forwards rank 0 announces, with a cache of their own heads, until STOP. The cache is
+    the kind rank 0's decoding fills (new_cache: latent attention's latent cache), so every rank computes alike."""
+    device, cache = model.topo.device, new_cache(model.cfg)
     while True:
         header = torch.empty(4, dtype=torch.long, device=device)
         dist.broadcast(header, src=0)

@@ -72,7 +72,11 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
         raise ValueError("--backend transformers runs in one process: use --tp 1")
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
-    check_ep(getattr(args, "ep", 1), cfg, args.backend)
+    from megazoo.workers.tp_command import check_ep
+
+    check_ep(getattr(args, "ep", 1), cfg)
+    if args.backend == "transformers" and getattr(args, "ep", 1) > 1:
+        raise ValueError(f"--backend transformers runs in one process: use --ep 1 (not {args.ep})")
     if tokenizer.vocab_size > cfg.vocab_size:  # a model may hold more ids than its tokenizer (padded, e.g. Qwen2)
         raise ValueError(f"the model's vocabulary ({cfg.vocab_size} ids, {model_dir}) does not match the tokenizer "
                          f"{tokenizer_dir} ({tokenizer.vocab_size} ids): pass the model's own --tokenizer")
@@ -82,22 +86,6 @@ def check_inputs(args: argparse.Namespace) -> ModelSource:
     if args.hf is not None and getattr(args, "lora_base", None):
         raise ValueError("--lora-base applies to --checkpoint of a LoRA run, not to --hf")
     return ModelSource(cfg, cfg.name, tokenizer, checkpoint, step, skipped, lora_base)
-
-
-def check_ep(ep: int, cfg, backend: str = "megazoo") -> None:
-    """--ep E: E expert-parallel processes, each holding n_experts / E of every MoE layer's routed experts."""
-    if ep == 1:
-        return
-    if ep < 1:
-        raise ValueError(f"--ep {ep} is invalid: it must be a positive integer (1: no expert parallelism)")
-    if not cfg.is_moe:
-        raise ValueError(f"--ep {ep} needs a mixture-of-experts model; {cfg.name} is dense (n_experts = 0): use --ep 1")
-    if cfg.n_experts % ep:
-        divisors = [d for d in range(1, cfg.n_experts + 1) if cfg.n_experts % d == 0]
-        raise ValueError(f"--ep {ep} must divide the model's n_experts = {cfg.n_experts}; valid: "
-                         f"{', '.join(map(str, divisors))}")
-    if backend == "transformers":
-        raise ValueError("--backend transformers runs in one process: use --ep 1")
 
 
 def _first_line_is_json_object(text: str) -> bool:

@@ -1,5 +1,5 @@
 """`megazoo generate (CKPT | --hf DIR) --prompt TEXT --max-new-tokens N [--chat [TEMPLATE]] [--temperature T]
-[--top-k K] [--top-p P] [--seed S] [--tp N] [--tokenizer TOK] [--lora-base CKPT]`: continue a prompt with a
+[--top-k K] [--top-p P] [--seed S] [--tp N] [--ep E] [--tokenizer TOK] [--lora-base CKPT]`: continue a prompt with a
 trained model, or answer it as a fine-tuned chat model; the text goes to stdout.
 
 CKPT is a run's `checkpoints/` folder (its latest good checkpoint) or one `step_N` directory; the tokenizer is
@@ -12,7 +12,8 @@ the template's end of turn, which is not printed.
 Decoding (models/generation/generate.py) uses a KV cache and stops early at the tokenizer's end-of-text id.
 Everything is checked in this process before any worker starts (exit 2 and one line naming the value); with
 --tp N > 1 the command relaunches itself under torchrun (`python -m megazoo.recipes.generate_cli`), every rank
-loads only its own shards and decodes in step, and rank 0 prints.
+loads only its own shards and decodes in step, and rank 0 prints; --ep E (an MoE model) runs E x N workers, each
+holding 1/E of the routed experts (the experts' memory is split; every rank decodes the same tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from megazoo.workers.tp_command import run_here_or_relaunch, verify_before_workers
+from megazoo.workers.tp_command import EP_HELP, check_ep, run_here_or_relaunch, verify_before_workers
 
 RECORDED = "recorded"  # --chat without a name: the template the checkpoint's fine-tuning run trained with
 
@@ -82,6 +83,7 @@ def _check(args: argparse.Namespace) -> Source:
         cfg, tokenizer = ckpt.cfg, ckpt.tokenizer
     if args.tp < 1 or cfg.n_head % args.tp:
         raise ValueError(f"--tp {args.tp} must be a positive divisor of the model's n_head = {cfg.n_head}")
+    check_ep(args.ep, cfg)
     if getattr(args, "speculative", False) and (not cfg.mtp_depth or args.temperature != 0):
         raise ValueError(f"--speculative drafts with the model's multi-token prediction module and decodes greedily: "
                          f"model.mtp_depth = {cfg.mtp_depth}, --temperature {args.temperature}; valid: a model "
@@ -136,7 +138,7 @@ def continuation(args: argparse.Namespace, topo, report=None) -> str:
         cache = new_cache(model.cfg)
         ids = decode(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                      top_p=args.top_p, seed=args.seed, cache=cache, stop=stop)
-        if getattr(args, "verbose", False) and topo.tp_rank == 0:
+        if getattr(args, "verbose", False) and topo.rank == 0:
             print(cache_line(model.cfg, cache), file=sys.stderr, flush=True)
     new = ids[len(prompt):]
     if new and new[-1] == eos:  # the end-of-text mark ends the text; it is not part of it
@@ -164,7 +166,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
     argv = [str(args.checkpoint)] if args.checkpoint is not None else ["--hf", str(args.hf)]
     argv += ["--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
              "--temperature", repr(args.temperature), "--top-k", str(args.top_k), "--top-p", repr(args.top_p),
-             "--seed", str(args.seed), "--tp", str(args.tp)] + (["--verbose"] if args.verbose else [])
+             "--seed", str(args.seed), "--tp", str(args.tp), "--ep", str(args.ep)]
+    argv += ["--verbose"] if args.verbose else []
     for flag, value in (("--tokenizer", args.tokenizer), ("--lora-base", args.lora_base), ("--chat", args.chat)):
         if value:
             argv += [flag, str(value)]
@@ -192,7 +195,7 @@ def _pin_checkpoint(args: argparse.Namespace) -> None:
 def _decode_and_print(args: argparse.Namespace, topo) -> None:
     lines = []
     text = continuation(args, topo, report=lines.append)
-    if topo.tp_rank == 0:
+    if topo.rank == 0:  # one print: under --ep several ranks are tp rank 0
         print(text, flush=True)
         for line in lines:
             print(line, flush=True)
@@ -228,6 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the token after next, the model verifies it (the same tokens as without; prints "
                              "the drafts accepted per step)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (torchrun; default 1)")
+    parser.add_argument("--ep", type=int, default=1, help=EP_HELP)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer spec (default: the one the checkpoint records)")
     parser.add_argument("--verbose", action="store_true",

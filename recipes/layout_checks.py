@@ -189,7 +189,8 @@ def _check_node_limit(recipe: Recipe, cfg: ModelConfig) -> None:
 def _check_fb_overlap(recipe: Recipe, cfg: ModelConfig) -> None:
     """parallel.fb_overlap: DualPipe-V's forward/backward overlap (parallel/pipeline/fb_overlap.py) hides the
     all-to-alls of expert parallelism, so it needs both. It runs the decoder chunks as sub-stages
-    (recipes/training/model_setup.overlap_sub_stages), which cover neither autocast nor what is listed below."""
+    (recipes/training/model_setup.overlap_sub_stages), which do not cover what is listed below (autocast they do:
+    each compute sub-stage runs under it)."""
     par, train = recipe.parallel, recipe.train
     if not par.fb_overlap:
         return
@@ -203,8 +204,6 @@ def _check_fb_overlap(recipe: Recipe, cfg: ModelConfig) -> None:
                           "fb_overlap = false")
     coefs = cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef or cfg.moe_seq_aux_loss_coef
     uncovered = [(f, v, valid) for f, v, bad, valid in (
-        ("train.precision", train.precision, train.precision not in ("fp32", "fp64"),
-         "'fp32' or 'fp64' (no autocast)"),
         ("train.activation_checkpointing", True, train.activation_checkpointing, "false"),
         ("train.fused_loss", train.fused_loss, train.fused_loss != "off", "'off'"),
         ("train.fp8", train.fp8, train.fp8 != "none", "'none'"),

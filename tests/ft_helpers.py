@@ -29,12 +29,13 @@ from megazoo.workers.replica_groups import GROUP_ENV, LIGHTHOUSE_ENV, RESTART_EN
 FT = {"enabled": True, "replica_groups": 2, "timeout_s": 10.0, "quorum_timeout_s": 3.0, "start_timeout_s": 20.0}
 
 
-def lighthouse() -> Lighthouse:
+def lighthouse(join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000) -> Lighthouse:
     """torchft's lighthouse in a child process, as `megazoo train` runs it. Not in the test process: its threads
     resolve host names, and a group forked while one of them held the resolver's lock crashed in getaddrinfo.
     A quorum waits up to join_timeout for a group that heartbeats but has not asked yet: 1 s, so that on a loaded
     machine a restarted group and a live one released by it meet in one quorum (only a failure or a join waits)."""
-    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000))
+    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=join_timeout_ms,
+                                         heartbeat_timeout_ms=heartbeat_timeout_ms))
 
 
 def ft_sections(run_dir: Path, steps: int, **extra) -> dict:
@@ -195,62 +196,14 @@ def _arm(trainer: Trainer, rank: int, die: tuple[int, str, int] | None, died: st
     trainer.train_step, trainer.engine.run = step, engine_run
 
 
-def _group_rank_main(group: int, rank: int, port: int, sections: dict, address: str, out: str,
-                     options: dict) -> None:
-    """One rank of a 2-rank replica group: its own torch.distributed world on its own TCPStore, as torchrun gives.
-    options: restarted (bool), die (see _arm), holds: [(step, file)] / ready (see _hold; ready is touched as the first quorum starts
-    rank is up)."""
-    torch.set_num_threads(1)
-    try:
-        from dataclasses import replace
-
-        from torch.distributed import TCPStore
-
-        from megazoo.parallel.topology import init_distributed
-        store = TCPStore("localhost", port, 2, is_master=rank == 0, wait_for_workers=False)
-        init_distributed(rank, 2, store, timeout_s=60)
-        env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
-               "MASTER_PORT": str(port), RESTART_ENV: "1" if options.get("restarted") else "0"}
-        recipe, spec = replica_setup(tiny_recipe(**sections), env)
-        res = resolve(recipe, world_size=2)
-        topo = Topology.of(replace(recipe.parallel, dp=recipe.parallel.dp // spec.groups))
-        trainer = Trainer(res, topo, replica_group=group)
-        _arm(trainer, rank, options.get("die"), out + ".died")
-        _hold(options.get("holds") or [])
-        if options.get("ready") is not None:
-            _ready_at_join(options["ready"])
-        result = replica_fit(trainer, spec, MetricsLog(res.recipe.run.dir, enabled=rank == 0), 0, None)
-        views = trainer.zero.state_views()
-        torch.save({"losses": result.losses, "full": trainer.full_state_dict(),
-                    "names": [f"{v.kind}:{v.name}:{v.start}" for v in views],
-                    "tensors": [v.tensor.clone() for v in views],
-                    "optimizer_steps": optimizer_steps(trainer.optimizer)}, out)
-    except BaseException:  # noqa: BLE001 - the test reads it
-        torch.save({"error": traceback.format_exc()}, out)
-    os._exit(0)
-
-
-def start_group_of_two(group: int, port: int, sections: dict, address: str, outs: list[Path],
-                       **options) -> list[mp.Process]:
-    _warm_up()
-    ctx = mp.get_context("fork")
-    options = {**options, "holds": [(step, str(path)) for step, path in options.get("holds") or ()],
-               "ready": str(options["ready"]) if options.get("ready") is not None else None}
-    procs = [ctx.Process(target=_group_rank_main, args=(group, r, port, sections, address, str(outs[r]), options))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    return procs
-
-
-# ---- groups of ranks without a port race, and a join marker (session 3) ------------------------------------------
+# ---- replica groups of several ranks (forked, no port race) -------------------------------------------------------
 def _ranks_main(group: int, rank: int, nproc: int, ports, sections: dict, address: str, out: str,
                 options: dict) -> None:
     """One rank of an `nproc`-rank replica group. Rank 0 binds its TCPStore on a port the kernel picks (port 0) and
     hands it to the others through `ports` (a pipe per peer): no port is chosen before it is bound, so no other
-    process on a busy machine can take it in between. options as _group_rank_main's, plus `joining`: the file
-    touched once every rank is at the group's first quorum request (_ready_at_join; a live group held on it then
-    meets it in its next quorum)."""
+    process on a busy machine can take it in between. options: restarted (bool), die (see _arm), holds
+    [(step, file)] (see _hold), `joining`: the file touched once every rank is at the group's first quorum request
+    (_ready_at_join; a live group held on it then meets it in its next quorum), snapshots (see start_ranks)."""
     torch.set_num_threads(1)
     try:
         from dataclasses import replace
@@ -338,7 +291,7 @@ def patient_lighthouse() -> Lighthouse:
     """A lighthouse that waits up to 3 s for a group that heartbeats but has not asked for this quorum yet (a
     process starved on a loaded machine), so a restarted group that is joining meets the live one in its next
     quorum instead of each forming one alone."""
-    return Lighthouse(LighthouseSettings(min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=2000))
+    return lighthouse(join_timeout_ms=3000, heartbeat_timeout_ms=2000)
 
 
 def assert_healed_bitwise_and_nothing_lost(results: list[dict], run_dir: Path, steps: int, kill_at: int, every: int,

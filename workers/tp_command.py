@@ -32,6 +32,25 @@ def verify_before_workers(args: Any, step_dir) -> None:
         verify_checkpoint(step_dir)
 
 
+EP_HELP = ("expert-parallel processes for an MoE model (x --tp of them, torchrun; default 1): each holds 1/E of "
+           "every MoE layer's routed experts")
+
+
+def check_ep(ep: int, cfg) -> None:
+    """--ep E (an MoE model's commands): E expert-parallel processes, each holding n_experts / E of every MoE
+    layer's routed experts. Checked before any worker starts, naming the value and what is valid."""
+    if ep == 1:
+        return
+    if ep < 1:
+        raise ValueError(f"--ep {ep} is invalid: it must be a positive integer (1: no expert parallelism)")
+    if not cfg.is_moe:
+        raise ValueError(f"--ep {ep} needs a mixture-of-experts model; {cfg.name} is dense (n_experts = 0): use --ep 1")
+    if cfg.n_experts % ep:
+        divisors = [d for d in range(1, cfg.n_experts + 1) if cfg.n_experts % d == 0]
+        raise ValueError(f"--ep {ep} must divide the model's n_experts = {cfg.n_experts}; valid: "
+                         f"{', '.join(map(str, divisors))}")
+
+
 def processes(args: Any) -> int:
     """The command's worker count: --tp x --ep (the commands without --ep: --tp)."""
     return args.tp * getattr(args, "ep", 1)

@@ -64,6 +64,13 @@ def capacity_slots(sorted_experts: torch.Tensor, counts: torch.Tensor, cap: int)
     return torch.where(rank < cap, sorted_experts * cap + rank, counts.numel() * cap)
 
 
+def combine_sorted(x: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The combine: each sorted row's expert output y (N, d) times its weight (N,), added into its token's row of
+    a (T, d) zero tensor in x's dtype. Also the forward/backward overlap's (recipes/training/model_setup.py), so
+    that the two run the same ops in the same dtypes (bit-equal under autocast)."""
+    return torch.zeros_like(x).index_add_(0, token, (y * weight[:, None]).to(x.dtype))
+
+
 class LocalDispatcher:
     """Every expert on this rank (ep = 1). `capacity_factor` 0: dropless."""
 
@@ -92,8 +99,7 @@ class LocalDispatcher:
             kept_counts = torch.full_like(counts, cap)
             dropped = counts.sum() - counts.clamp(max=cap).sum()
         y = self._experts(experts, x[token], kept_counts, cap if same_shapes else None)  # (N, d), by expert
-        out = torch.zeros_like(x).index_add_(0, token, (y * weight[:, None]).to(x.dtype))
-        return Dispatched(out, counts, dropped)
+        return Dispatched(combine_sorted(x, y, token, weight), counts, dropped)
 
     def _experts(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor, cap: int | None) -> torch.Tensor:
         return experts(rows, counts)

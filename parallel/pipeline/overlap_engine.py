@@ -5,9 +5,13 @@ micro-batches back to back with no transfer between them (DualPipe-V's steady st
 inbox, both outputs going to the outbox), it runs them as one overlapped pair: each one's all-to-alls travel while
 the other computes. Every other action runs alone, its all-to-alls waited right away.
 
-Differences from PipelineEngine, stated: a split backward (B with a later W) runs whole at B - the sub-stages
-already free the graph piece by piece, so W has nothing left and is a no-op; packed rows (segment ids) and
-autocast are not supported (refused); per-kind compute times are not recorded, only the whole schedule's.
+A split backward (a B with a later W: DualPipe-V's cool-down) is the zero-bubble one, sub-stage by sub-stage: B
+gives each compute's input gradients (split_backward.backward_input on that compute's graph) and W accumulates
+the weight gradients stashed for it (fb_overlap.weight_steps). Packed rows (segment ids) are not supported
+(refused). Autocast is entered around each compute sub-stage (fb_overlap.forward_steps). The busy time
+is per action, or per overlapped pair (kind "FB"), all-to-all waits included as in PipelineEngine, where a
+synchronous all-to-all sits inside the chunk's forward or backward; `events.wait_s` is the part of it spent
+blocked on all-to-alls. `events` holds the last run() only.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Callable
 import torch
 
 from megazoo.parallel.pipeline.engine import PipelineEngine
-from megazoo.parallel.pipeline.fb_overlap import Events, backward_steps, forward_steps, run, run_pair
+from megazoo.parallel.pipeline.fb_overlap import Events, backward_steps, forward_steps, run, run_pair, weight_steps
 from megazoo.parallel.pipeline.p2p import Step, is_local, post
 from megazoo.parallel.pipeline.schedules import stage_of
 
@@ -92,12 +96,16 @@ class OverlapPipelineEngine(PipelineEngine):
             raise ValueError(f"the forward/backward overlap needs every model chunk split into sub-stages "
                              f"(sub_stages()); chunks {missing} are not")
         self.events = Events()
+        # False: every action alone, each all-to-all waited right after its launch - the same sub-stages without
+        # the overlap (benchmarks/pipeline.py --overlap's control row: what the sub-staging itself costs)
+        self.pair = True
 
     def run(self, micro_batches: list[tuple[torch.Tensor, ...]], steps: list[Step], *, loss_scale: float = 1.0,
             autocast=contextlib.nullcontext, forward_only: bool = False,
             before_backward: Callable[[bool], None] | None = None) -> list[torch.Tensor]:
-        if autocast is not contextlib.nullcontext or any(len(mb) > 2 for mb in micro_batches):
-            raise ValueError("the forward/backward overlap runs without autocast and without packed rows")
+        if any(len(mb) > 2 for mb in micro_batches):
+            raise ValueError("the forward/backward overlap runs without packed rows (segment ids)")
+        self.events = Events()  # this run's: a log kept across steps would grow without end
         start = self.stats.start()
         m = len(micro_batches)
         saved: dict[tuple[int, int], tuple] = {}
@@ -110,7 +118,7 @@ class OverlapPipelineEngine(PipelineEngine):
             first, last = stage == 0, stage == self.stages - 1
             x = micro_batches[micro][0] if first else inbox.pop((micro, stage - 1, False))
             out, record = yield from forward_steps(self.sub_stages(self.chunks[chunk]), x, micro, self.events,
-                                                   grad=not forward_only)
+                                                   grad=not forward_only, autocast=autocast)
             loss = None
             if last:
                 out.requires_grad_(not forward_only)
@@ -122,7 +130,8 @@ class OverlapPipelineEngine(PipelineEngine):
                 box[(micro, stage, False)] = out.detach().contiguous()
             if not forward_only:
                 saved[(micro, chunk)] = (record, out, loss)
-                self.stats.max_live_micro_batches = max(self.stats.max_live_micro_batches, len(saved))
+                live = len(saved) + len(waiting)  # a split B's micro-batch is live until its W
+                self.stats.max_live_micro_batches = max(self.stats.max_live_micro_batches, live)
 
         def backward(micro: int, chunk: int):
             stage = self._stage(chunk)
@@ -133,7 +142,9 @@ class OverlapPipelineEngine(PipelineEngine):
                 grad = out.grad
             else:
                 grad = inbox.pop((micro, stage + 1, True))
-            dx = yield from backward_steps(record, grad, self.events)
+            dx = yield from backward_steps(record, grad, self.events, split=(micro, chunk) in split)
+            if (micro, chunk) in split:  # W runs later: the record holds the stashed weight gradients till then
+                waiting[(micro, chunk)] = record
             if not first:
                 box = inbox if is_local(stage, stage - 1, self.topo.pp, self.placement) else outbox
                 box[(micro, stage, True)] = dx.contiguous()
@@ -143,26 +154,38 @@ class OverlapPipelineEngine(PipelineEngine):
             return forward(micro, chunk) if kind == "F" else backward(micro, chunk)
 
         steps = overlap_plan(steps, self.topo.pp, self.topo.pp_rank, self.placement)
-        # The last action that accumulates parameter gradients (every B here: W is a no-op): ZeRO-1 reduces in it.
-        last_backward = max((k for k, st in enumerate(steps) if st.action and st.action[0] == "B"), default=-1)
-        paired = pairs(steps)
+        split = {st.action[1:] for st in steps if st.action and st.action[0] == "W"}  # (micro, chunk) with a W
+        waiting: dict[tuple[int, int], object] = {}  # split B done, its W not yet: the record with its stash
+
+        def accumulates(action) -> bool:  # into parameter gradients: a W, or a B without a W
+            return action[0] == "W" or (action[0] == "B" and action[1:] not in split)
+
+        # The last action that accumulates parameter gradients: ZeRO-1 reduces in it.
+        last_backward = max((k for k, st in enumerate(steps) if st.action and accumulates(st.action)), default=-1)
+        paired = pairs(steps) if self.pair else set()
         k = 0
         while k < len(steps):
             step = steps[k]
             buffers = self._transfer_buffers(step.transfers, outbox, inbox, micro_batches)
             post(step.transfers, buffers, self.topo.pp_ranks)
             buffers.clear()
-            if step.action is None or step.action[0] == "W":  # W: its B ran the whole backward
+            if step.action is None:
                 k += 1
                 continue
             both = [step.action] + ([steps[k + 1].action] if k in paired else [])
-            if before_backward is not None and any(a[0] == "B" for a in both):
+            if before_backward is not None and any(accumulates(a) for a in both):
                 before_backward(last_backward in (k, k + len(both) - 1))
-            if len(both) == 2:
+            tick = self.stats.start()
+            if step.action[0] == "W":
+                _, micro, chunk = step.action
+                weight_steps(waiting.pop((micro, chunk)), list(self.chunks[chunk].parameters()), self.events)
+            elif len(both) == 2:
                 run_pair(job(both[0]), job(both[1]))
             else:
                 run(job(both[0]))
+            self.stats.stop(tick, busy=True, kind="FB" if len(both) == 2 else both[0][0])
             k += len(both)
-        assert not outbox and not inbox and not saved, "the p2p plan left transfers or backwards undone"
+        assert not outbox and not inbox and not saved and not waiting, \
+            "the p2p plan left transfers, backwards or weight gradients undone"
         self.stats.stop(start, busy=False)
         return [losses[i] for i in range(m)] if losses else []

@@ -157,15 +157,15 @@ def _topological(start: Node) -> list[Node]:
     return topo
 
 
-def _weight_nodes(root: torch.Tensor, stage_input: torch.Tensor) -> list[tuple[Node, list[int]]] | None:
-    """Nodes on the input path with edges into parameter-only branches, with those edges' indices; None when
+def _weight_nodes(root: torch.Tensor, stage_inputs: list[torch.Tensor]) -> list[tuple[Node, list[int]]] | None:
+    """Nodes on the inputs' paths with edges into parameter-only branches, with those edges' indices; None when
     one such edge's node lies inside another's branch (keep the graph instead)."""
     topo = _topological(root.grad_fn)
-    input_node = get_gradient_edge(stage_input).node
+    input_nodes = {get_gradient_edge(x).node for x in stage_inputs}
     on_input, to_param = set(), set()
     for node in reversed(topo):  # children first
         children = [c for c, _ in node.next_functions if c is not None]
-        if node is input_node or any(c in on_input for c in children):
+        if node in input_nodes or any(c in on_input for c in children):
             on_input.add(node)
         elif getattr(node, "variable", None) is not None or any(c in to_param for c in children):
             to_param.add(node)  # a parameter's AccumulateGrad, or a node above one and off the input path
@@ -203,21 +203,24 @@ def _head_matmul(logits: torch.Tensor) -> Node | None:
     return node if d * vocab < tokens * (d + vocab) else None
 
 
-def backward_input(root: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor | None,
-                   logits: torch.Tensor | None = None,
-                   recomputing: bool = False) -> tuple[torch.Tensor | None, PendingWeightGradient]:
+def backward_input(root: torch.Tensor, grad: torch.Tensor | None,
+                   stage_input: torch.Tensor | list[torch.Tensor] | None, logits: torch.Tensor | None = None,
+                   recomputing: bool = False) -> tuple[torch.Tensor | list | None, PendingWeightGradient]:
     """B: d loss / d stage_input (None on the first stage, whose input is token ids: all its backward is W),
     the graph released and W's inputs stashed (module docstring). On the last stage (`root` the loss, `logits`
     what the loss read) the loss's own backward runs once, here: cross-entropy kernels may consume their saved
     probabilities in backward, so it cannot run twice. `recomputing`: the stage uses activation checkpointing
-    (the graph is kept, module docstring)."""
+    (the graph is kept, module docstring). A list of stage inputs (the forward/backward overlap's sub-stages,
+    fb_overlap.py) gives the list of their gradients."""
     if logits is not None:
         (grad,) = torch.autograd.grad(root, logits, grad)
         root = logits
-    nodes = None if stage_input is None or recomputing else _weight_nodes(root, stage_input)
+    several = isinstance(stage_input, (list, tuple))
+    inputs = list(stage_input) if several else ([] if stage_input is None else [stage_input])
+    nodes = None if not inputs or recomputing else _weight_nodes(root, inputs)
     if nodes is None:  # keep the graph: W is the whole backward (first stage) or re-traverses it
-        dx = None if stage_input is None else torch.autograd.grad(root, stage_input, grad, retain_graph=True)[0]
-        return dx, PendingWeightGradient(root, grad)
+        got = list(torch.autograd.grad(root, inputs, grad, retain_graph=True, allow_unused=True)) if inputs else []
+        return (got if several else (got[0] if got else None)), PendingWeightGradient(root, grad)
     edges, values, hooks, eager = [], [], [], []  # per parameter edge: its gradient source, filled below
     head = None if logits is None else _head_matmul(logits)
     for node, found in nodes:
@@ -238,14 +241,15 @@ def backward_input(root: torch.Tensor, grad: torch.Tensor | None, stage_input: t
 
                 hooks.append(node.register_prehook(stash))
     try:
-        dx, *got = torch.autograd.grad(root, [stage_input, *(edges[k] for k in eager)], grad, allow_unused=True)
+        got = torch.autograd.grad(root, [*inputs, *(edges[k] for k in eager)], grad, allow_unused=True)
     finally:
         for hook in hooks:
             hook.remove()
-    for k, g in zip(eager, got):
+    for k, g in zip(eager, got[len(inputs):]):
         values[k] = g
     groups = [[(edges[k], values[k]) for k in members] for members in _parameter_groups(edges)]
-    return dx, PendingWeightGradient(groups=groups)
+    dx = list(got[:len(inputs)])
+    return (dx if several else dx[0]), PendingWeightGradient(groups=groups)
 
 
 def backward_weight(pending: PendingWeightGradient, parameters: list[torch.nn.Parameter]) -> None:

@@ -95,13 +95,23 @@ def planned(res: Resolved, pp_stage: int) -> dict[str, float]:
     return out
 
 
+def attention_width(cfg) -> float:
+    """The attention core's width in models/flops.py's convention, 12 L s x width FLOPs per token: n_head x
+    head_dim (not d_model: Qwen3's 32 heads of 128 are twice its d_model 2048; the formula used d_model and
+    qwen3-30b-a3b's counted FLOPs were 11% over it), latent attention's n_head (qk + v) / 2."""
+    if cfg.mla:
+        return cfg.n_head * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+    return cfg.n_head * cfg.head_dim
+
+
 def formula_flops(res: Resolved, pp_stage: int) -> float:
-    """6 x this tp rank's matmul parameters of the stage x its tokens (seq_len / cp of each sequence) + 12 L s d / tp
-    attention per token (s: the whole sequence, which every query of a causal cp chunk sees on average)
-    (models/flops.py's convention), + one more forward (2 N + 4 L s d / tp) under activation checkpointing. MoE:
-    the routed experts' parameters count top-k / n_experts (active; shared experts count whole), at any ep. Latent
-    attention: n_head (qk + v) in place of 2 d in the attention term. Multi-token prediction: its blocks, its
-    projection and the head again on the head's rank."""
+    """6 x this tp rank's matmul parameters of the stage x its tokens (seq_len / cp of each sequence) + 12 L s w / tp
+    attention per token (s: the whole sequence, which every query of a causal cp chunk sees on average; w:
+    attention_width) (models/flops.py's convention), + one more forward (2 N + 4 L s w / tp)
+    under activation checkpointing. MoE: the routed experts' parameters count top-k / n_experts (active; shared
+    experts count whole), at any ep. torch's counter takes FlashAttention's backward as 2.5 forwards (it computes
+    the scores again), the convention 2: the counted FLOPs are above this by 1/6 of the attention term.
+    Multi-token prediction: its blocks, its projection and the head again on the head's rank."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
     held = rank_chunks(res.stage_layers, par.pp, pp_stage, placement(par.schedule))  # its virtual stages
     layers = [i for v in held for i in res.stage_layers[v]]
@@ -119,10 +129,7 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
                  if p.name.endswith(".weight") and ".ln_" not in p.name)
     head = (1 + depth) * res.padded_vocab * cfg.d_model // par.tp if last else 0  # the output projection
     tokens = t.micro_batch * t.grad_accum * t.seq_len // par.cp  # cp: this rank's chunks of every sequence
-    # q k^T and p v over the full square: 6 s x (query-key + value widths) a layer, 2 d each, or latent attention's
-    # n_head (qk_nope + qk_rope + v) (models/flops.py's MLA term)
-    widths = cfg.n_head * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) if cfg.mla else 2 * cfg.d_model
-    attention = 6.0 * (len(layers) + depth) * t.seq_len * widths / par.tp
+    attention = 12.0 * (len(layers) + depth) * t.seq_len * attention_width(cfg) / par.tp  # a window's mask: still s^2
     # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: without dropout after
     # it, the block's last matmul (mlp.c_proj, whose output nothing saves) is not run again.
     last_mm = sum(p.local_numel(par.tp) for p in params if p.name.endswith("mlp.c_proj.weight"))

@@ -53,14 +53,14 @@ An MoE model's blocks and its MTP modules: planner/moe.py (ActivationSpec.block,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from megazoo.models.config import ModelConfig
 from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layers
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
 from megazoo.recipes.planner.links import FP8_CHUNK_ELEMENTS, fp8_workspace  # noqa: F401 (the tests read them here)
-from megazoo.recipes.planner.moe import moe_workspace, mtp_terms
+from megazoo.recipes.planner.moe import moe_activation_terms, moe_workspace, mtp_terms
 from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
 from megazoo.recipes.planner.zero import PlanError
 
@@ -93,12 +93,13 @@ class ActivationSpec:
     attention_elements: float = 4.0
     latent_elements: float = 0.0
     # An MoE model's blocks (planner/moe.py moe_activation_terms; mlp_elements the shared experts'): bytes kept and
-    # the rows' input gradient per routing token, the local experts' c_fc weight gradient, the combine's backward
-    # per routing token. Its dense blocks (DeepSeek's first k): their MLP (dense_mlp_*; spec `block(False)`).
+    # the rows' input gradient per routing token, the local experts' c_fc weight gradient, the combine's and the
+    # experts' SwiGLU backward per routing token. Its dense blocks (DeepSeek's first k): dense_mlp_*, `block(False)`.
     moe_token_bytes: float = 0.0
     moe_rows_grad_bytes: float = 0.0
     moe_weight_grad_bytes: float = 0.0
     moe_combine_bytes: float = 0.0
+    moe_swiglu_bytes: float = 0.0
     fp8: str = "none"  # train.fp8: the blocks' attention and MLP projections in FP8 (fp8_workspace)
     dense_mlp_elements: float = 0.0
     dense_mlp_hidden: float = 0.0
@@ -112,7 +113,7 @@ class ActivationSpec:
         if moe or not self.moe_token_bytes:
             return self
         return replace(self, mlp_elements=self.dense_mlp_elements, mlp_hidden=self.dense_mlp_hidden,
-                       moe_token_bytes=0.0, moe_rows_grad_bytes=0.0, moe_weight_grad_bytes=0.0, moe_combine_bytes=0.0)
+                       **{f.name: 0.0 for f in fields(self) if f.name.startswith("moe_")})
 
     @staticmethod
     def for_model(cfg: ModelConfig, element_bytes: int = 2, mask_bytes: int = 1, flash_attention: bool = False,
@@ -122,14 +123,13 @@ class ActivationSpec:
         bf16 / fp16): the residual stream is fp32 and the matmuls keep 16-bit copies of their weights. `ep`: the
         expert-parallel degree (each rank's experts: n_experts / ep)."""
         from megazoo.models.flops import block_matmul_params
-        from megazoo.recipes.planner.moe import moe_activation_terms
 
         amp = autocast_fp32_params and element_bytes < 4
         h = cfg.d_model
         # GELU keeps its input and fc2's (d_ff each); SwiGLU keeps [gate; up] (2 d_ff), silu(gate) and the
         # product that is c_proj's input (d_ff each). At GPT-2's d_ff = 4h: 8, the paper's GELU + fc2 terms.
         mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.d_ff / h
-        hidden, moe, dense = cfg.d_ff / h, (0.0, 0.0, 0.0, 0.0), (0.0, 0.0)
+        hidden, moe, dense = cfg.d_ff / h, (0.0,) * 5, (0.0, 0.0)
         if cfg.is_moe:  # an MoE block's MLP is its shared experts'; dense blocks keep theirs (`block(False)`)
             dense = (0.0, 0.0) if all(map(cfg.moe_layer, range(cfg.n_layer))) else (mlp, hidden)
             hidden = cfg.moe_shared_experts * cfg.moe_shared_d_ff / h

@@ -57,11 +57,12 @@ def all_to_all_link_bytes(cfg, layout, layers, pp_rank: int, element_bytes: int,
 
 
 def moe_activation_terms(cfg, element_bytes: int, param_bytes: int,
-                         ep: int = 1) -> tuple[float, float, float, float]:
+                         ep: int = 1) -> tuple[float, float, float, float, float]:
     """What an MoE layer adds to a block's activations (the dense MLP's part is then its shared experts' only), as
     measured on the dry runs' fake steps (recipes/dry_run; the tensors alive at each peak named by the op that made
     them): (bytes kept per routing token, bytes of the routed rows' input gradient per routing token, bytes of the
-    local experts' c_fc weight gradient, bytes the combine's backward adds per routing token). A routing token is
+    local experts' c_fc weight gradient, bytes the combine's backward adds per routing token, bytes the experts'
+    SwiGLU backward adds per routing token). A routing token is
     one of this rank's s b / cp positions (/ tp under sequence parallelism: each tp rank routes its own). Kept for
     backward, per token (k = top-k, f = moe_d_ff, e bytes): the rows received by the dispatch all-to-all (the
     grouped matmul's input, k h), the rows received back by the combine's (the expert outputs its weighting needs,
@@ -73,23 +74,29 @@ def moe_activation_terms(cfg, element_bytes: int, param_bytes: int,
     by then; and the combine's backward (models/moe/dispatch.py: the expert outputs times their fp32 routing
     weights, cast back), which holds three fp32 rows a routed row - the gradient cast up, and its products with
     the weights and with the outputs - when the weighted rows' own k h e are gone (DeepSeek-V3's stages peak there:
-    2.8 GB at k 8, h 7168, 4,096 tokens)."""
+    2.8 GB at k 8, h 7168, 4,096 tokens); and the experts' SwiGLU backward (models/moe/experts.py, after c_proj's):
+    the product's gradient (k f, c_proj's input gradient, the product itself freed with c_proj's saved input),
+    d silu and d up (2 k f), c_proj's weight gradient of the local experts (f h: half of c_fc's), the combine's
+    received and weighted rows freed by then (- 2 k h): Mixtral's heaviest moment (f = 3.5 h; its recomputed
+    layer at mixtral-8x7b-ft's 4,096 tokens holds 1.66 GB of routed rows and expert activations there)."""
     if not cfg.is_moe:
-        return 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0, 0.0
     h, k, f = cfg.d_model, cfg.moe_top_k, cfg.moe_d_ff
     kept = k * (3 * h + 4 * f) * element_bytes + 4 * h + 12 * cfg.n_experts
     return (float(kept), float(k * h * element_bytes), float(cfg.n_experts // ep * 2 * f * h * param_bytes),
-            float(k * h * (3 * 4 - element_bytes)))
+            float(k * h * (3 * 4 - element_bytes)), float(2 * k * (f - h) * element_bytes))
 
 
 def moe_workspace(spec, s: int, b: int, t: int, sequence_parallel: bool) -> list[float]:
     """An MoE block's backward moments beyond its saved activations (moe_activation_terms): the experts' c_fc
     backward (its weight gradient, under sequence parallelism its clone for the all-reduce over tp, and the rows'
-    input gradient, the routed activations freed) and the combine's backward."""
+    input gradient, the routed activations freed), the combine's backward and the experts' SwiGLU backward
+    (c_proj's weight gradient: half c_fc's elements)."""
     routing = s * b / (t if sequence_parallel else 1)
     copies = 2 if sequence_parallel and t > 1 else 1
     experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
-    return [experts, routing * spec.moe_combine_bytes]
+    swiglu = spec.moe_weight_grad_bytes / 2 + routing * spec.moe_swiglu_bytes
+    return [experts, routing * spec.moe_combine_bytes, swiglu]
 
 
 def mtp_terms(cfg, spec, full: dict, heavy: dict, sbh: float, split: int, logits: float, head_grad: float,

@@ -16,14 +16,14 @@ import torch
 from megazoo.kernels import Kernels, resolve_kernels
 from megazoo.models.lora.adapters import attach_lora
 from megazoo.models.moe import MoE
-from megazoo.models.moe.dispatch import expert_parameter_names
+from megazoo.models.moe.dispatch import combine_sorted, expert_parameter_names
 from megazoo.models.moe.router import materialize_router_buffers
 from megazoo.models.transformer import GPT
 from megazoo.models.weights import init_parameter_, init_weights
 from megazoo.parallel.expert.zero import JointLedger, build_expert_split
 from megazoo.parallel.context import positions
 from megazoo.parallel.fault_tolerance.diloco import DiLoCo
-from megazoo.parallel.pipeline.fb_overlap import Compute, Exchange
+from megazoo.parallel.pipeline.fb_overlap import Compute, Stage
 from megazoo.parallel.pipeline.moe_stages import moe_sub_stages
 from megazoo.parallel.pipeline.partition import rank_chunks
 from megazoo.parallel.pipeline.schedules import placement
@@ -203,7 +203,7 @@ def build_optimizer(res: Resolved, topo: Topology, chunks: list[GPT], kernels: K
     return zero
 
 
-def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
+def overlap_sub_stages(gpt: GPT) -> list[Stage]:
     """One decoder chunk (models/transformer.GPT) as the forward/backward overlap's sub-stages
     (parallel/pipeline/fb_overlap.py): the embedding, each dense block and the final norm + head as single
     computes; each MoE block as moe_sub_stages' route | dispatch | experts | combine | after, its attention half
@@ -230,7 +230,7 @@ def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
         field, value, valid = refused[0]
         raise ValueError(f"parallel.fb_overlap: {field} = {value!r} is not built into the sub-staged decoder "
                          f"chunk (recipes/training/model_setup.overlap_sub_stages); valid: {valid}")
-    stages: list[Compute | Exchange] = []
+    stages: list[Stage] = []
     if gpt.with_embedding:
         def embed(ctx: dict, inputs: tuple) -> tuple:
             x = gpt.wte(inputs[0])
@@ -254,14 +254,13 @@ def overlap_sub_stages(gpt: GPT) -> list[Compute | Exchange]:
     return stages
 
 
-def _moe_block(name: str, block) -> list[Compute | Exchange]:
+def _moe_block(name: str, block) -> list[Stage]:
     moe: MoE = block.mlp
 
     def before(ctx: dict, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         x = inputs[0]
         x = x + block._drop(block.attn(block.ln_1(x)))
-        h = block.ln_2(x)
-        return h.reshape(-1, h.shape[-1]), x  # the rows to route, and the residual stream beside them
+        return block.ln_2(x), x  # (b, s, d): the rows to route, and the residual stream beside them
 
     def routed(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, weights, indices, scores = moe.route_rows(rows)
@@ -273,11 +272,17 @@ def _moe_block(name: str, block) -> list[Compute | Exchange]:
                                         seq_aux=None if stats.seq_aux is None else stats.seq_aux.detach())
         return moe.with_layer_losses(weights, stats), indices
 
-    def after(ctx: dict, rows: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple:
+    def after(ctx: dict, h: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple:
         out = out.view(x.shape)
         if moe.cfg.moe_shared_experts:
-            out = out + moe.shared_out(rows.view(x.shape))
+            out = out + moe.shared_out(h)
         return (x + block._drop(out),)
 
+    # the model dispatcher's own gather and combine (models/moe/dispatch.py), not the library's: the same ops
+    # both ways, so bf16 / fp16 runs are bit-equal with and without the overlap
+    def combine(rows: torch.Tensor, back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return combine_sorted(rows, back, order // weights.shape[1], weights.reshape(-1)[order])
+
     return moe_sub_stages(name, before, routed, moe.experts, after, moe.cfg.n_experts,
-                          getattr(moe.dispatcher, "group", None))  # None: ep = 1, nothing travels
+                          getattr(moe.dispatcher, "group", None),  # None: ep = 1
+                          gather=lambda rows, token: rows[token], combine=combine)

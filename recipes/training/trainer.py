@@ -11,7 +11,6 @@ at any step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -86,7 +85,7 @@ class Trainer:
         # One chunk (pp = 1) runs 1F1B whatever the recipe's schedule: each backward right after its forward.
         self.schedule = par.schedule if topo.pp > 1 else "1f1b"
         # parallel.fb_overlap: DualPipe-V's forward/backward overlap over the chunks' sub-stages (model_setup.py);
-        # recipes/layout_checks refused what they do not cover (autocast among them: fp32 / fp64 only)
+        # recipes/layout_checks refused what they do not cover; autocast is entered around each compute sub-stage
         engine, extra = ((OverlapPipelineEngine, {"sub_stages": overlap_sub_stages}) if par.fb_overlap
                          else (PipelineEngine, {}))
         self.engine = engine(self.chunks, topo, hidden_size=res.model.d_model,
@@ -97,7 +96,7 @@ class Trainer:
         groups = res.recipe.fault_tolerance.replica_groups if res.recipe.fault_tolerance.enabled else 1
         self.sampler = GlobalBatchSampler(len(self.data.train), res.global_batch, t.micro_batch, t.grad_accum,
                                           replica_group * topo.dp + topo.dp_rank, topo.dp * groups, seed=t.seed)
-        self.autocast = contextlib.nullcontext if par.fb_overlap else precision.autocast
+        self.autocast = precision.autocast
         self.scaler = precision.loss_scaler(res)
         self.consecutive_skips = 0
         self.progress: Progress | None = None  # set by the entry point: where this rank is, for stall reports

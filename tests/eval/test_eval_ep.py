@@ -28,7 +28,9 @@ def paths(data_dir, tmp_path_factory):
         shutil.copy(data_dir / "gpt2_bpe" / name, root / "moe_hf" / name)
         shutil.copy(data_dir / "gpt2_bpe" / name, root / "dense" / name)
     assert megazoo(["convert", "hf-to-megazoo", root / "moe_hf", "--out", root / "moe"]) == 0
-    return {"root": root, "moe": root / "moe", "dense": root / "dense", "bpe": data_dir / "gpt2_bpe",
+    assert megazoo(["convert", "hf-to-megazoo", root / "dense", "--out", root / "dense_ckpt"]) == 0
+    return {"root": root, "moe": root / "moe", "dense": root / "dense", "dense_ckpt": root / "dense_ckpt",
+            "bpe": data_dir / "gpt2_bpe",
             "lambada": data_dir / "lambada" / "lambada_test.jsonl"}
 
 
@@ -44,15 +46,44 @@ def test_ep2_equals_ep1(paths):
     assert ep2["num_correct"] == ep1["num_correct"] and ep2["num_examples"] == ep1["num_examples"] == 6
 
 
+def _command(command: str, source: list) -> list:
+    """The command line of `command` (eval, harness or generate) on `source`, --ep to follow."""
+    if command == "harness":
+        return ["eval", "harness", *source, "--tasks", "lambada_openai"]
+    if command == "generate":
+        return ["generate", *source, "--prompt", "The", "--max-new-tokens", 2]
+    return ["eval", "lambada", *source, "--data", DATA, "--limit", 2]
+
+
+DATA = "LAMBADA"  # replaced by the data file in the test
+
+
+@pytest.mark.parametrize("command", ["eval", "harness", "generate"])
 @pytest.mark.parametrize("model, ep, fragments", [
     ("moe", 3, ("--ep 3", "n_experts = 4", "valid: 1, 2, 4")),
     ("moe", 0, ("--ep 0", "positive integer")),
     ("dense", 2, ("--ep 2", "mixture-of-experts", "n_experts = 0")),
 ])
-def test_bad_ep_is_refused_before_any_worker(paths, capsys, model, ep, fragments):
-    source = ["--checkpoint", paths["moe"], "--tokenizer", paths["bpe"]] if model == "moe" else ["--hf", paths["dense"]]
-    assert megazoo(["eval", "lambada", *source, "--data", paths["lambada"], "--limit", 2, "--ep", ep]) == 2
+def test_bad_ep_is_refused_before_any_worker(paths, capsys, monkeypatch, command, model, ep, fragments):
+    """eval, eval harness and generate refuse a bad --ep alike, in this process: no worker is started."""
+    import megazoo.workers.supervisor as supervisor
+    from megazoo.recipes.cli import main
+
+    monkeypatch.setattr(supervisor, "launch_local", lambda *a, **k: pytest.fail("workers were started"))
+    source = {"moe": ["--checkpoint", paths["moe"], "--tokenizer", paths["bpe"]],
+              "dense": ["--checkpoint", paths["dense_ckpt"], "--tokenizer", paths["bpe"]]}[model]
+    if command == "generate":
+        source = [source[1], *source[2:]]  # generate takes the checkpoint as its argument
+    argv = [paths["lambada"] if a == DATA else a for a in _command(command, source)]
+    assert main([str(a) for a in [*argv, "--ep", ep]]) == 2
     err = capsys.readouterr().err
     for fragment in fragments:
         assert fragment in err, err
-    assert "rank" not in err  # the launcher's own check, not a worker's
+    assert "rank" not in err and err.count("\n") == 1  # one line, the launcher's own check, not a worker's
+
+
+def test_ep_with_the_transformers_backend_is_refused(paths, capsys):
+    assert megazoo(["eval", "lambada", "--hf", paths["root"] / "moe_hf", "--backend", "transformers", "--data",
+                    paths["lambada"], "--limit", 2, "--ep", 2]) == 2
+    err = capsys.readouterr().err
+    assert "--backend transformers runs in one process: use --ep 1 (not 2)" in err, err

@@ -7,13 +7,19 @@ Qwen3MoeForCausalLM) on the exported folder, on the local tasks of tests/lm_eval
   * `megazoo eval lambada|wikitext103 --protocol lm-eval`: lm-eval's lambada_openai accuracy and perplexity and
     wikitext word perplexity (1e-6 relative);
   * `--protocol megatron` (the default): the checkpoint through megazoo's GPT equals the exported folder through
-    transformers (`--hf DIR --backend transformers`) on the same windows and examples.
+    transformers (`--hf DIR --backend transformers`) on the same windows and examples;
+  * at ep 2 (each rank holding two of the four experts, reading only its own from the checkpoint): `megazoo eval
+    harness --ep 2` under torchrun, and both protocols' eval run as the torchrun workers run it (two forked ranks
+    calling the workers' `evaluate` with their Topology), give the same numbers against lm-eval's hf model.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 from harness import run_distributed
@@ -27,7 +33,7 @@ from megazoo.recipes.resolve import resolve
 from megazoo.recipes.training.trainer import Trainer
 
 offline()
-TASKS = ["lambada_openai", "wikitext", "mc_local"]
+TASKS = ["lambada_openai", "wikitext", "mc_local", "gen_local"]
 MOE = {"preset": "qwen3-moe-tiny", "n_layer": 2, "vocab_size": 4096, "n_positions": 64, "n_experts": 4,
        "moe_dense_layers": [], "moe_aux_loss_coef": 0.01, "dropout": 0.0, "attn_dropout": 0.0}
 
@@ -71,7 +77,9 @@ def test_harness_equals_lm_evals_hf_model_on_the_export(setup, tmp_path):
         assert len(ours["samples"][task]) == len(hf["samples"][task]) > 0
         for a, b in zip(ours["samples"][task], hf["samples"][task]):
             for mine, theirs in zip(a["resps"], b["resps"]):
-                if task == "wikitext":  # a page's summed log-likelihood
+                if task == "gen_local":  # greedy text
+                    assert mine == theirs
+                elif task == "wikitext":  # a page's summed log-likelihood
                     assert close(mine[0], theirs[0]), (task, mine, theirs)
                 else:
                     assert close(mine[0][0], theirs[0][0]) and mine[0][1] == theirs[0][1], (task, mine, theirs)
@@ -108,3 +116,60 @@ def test_megatron_protocol_equals_transformers_on_the_export(setup, tmp_path, ta
     assert ours[key] == pytest.approx(theirs[key], rel=1e-5)
     if task == "lambada":
         assert ours["accuracy"] == theirs["accuracy"]
+
+
+def test_harness_at_ep2_equals_lm_evals_hf_model(setup, tmp_path):
+    """`megazoo eval harness --ep 2` (torchrun, two workers each holding two experts; rank 0 drives lm-eval and the
+    other rank runs every forward, the generate_until task's cached ones included) == lm-eval's hf model."""
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "megazoo.recipes.cli", "eval", "harness", "--checkpoint",
+                          str(setup["ckpts"]), "--tasks", ",".join(TASKS), "--include-path", str(setup["tasks"]),
+                          "--bootstrap-iters", "0", "--batch-size", "4", "--ep", "2", "--output-path", str(out),
+                          "--log-samples"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("lambada_openai") == 1  # lm-eval's table, printed once (rank 0)
+    hf = setup["hf"]
+    for task in TASKS:
+        mine = [json.loads(line) for line in (out / f"samples_{task}.jsonl").read_text().splitlines()]
+        assert [m["doc_id"] for m in mine] == [t["doc_id"] for t in hf["samples"][task]]
+        for a, b in zip(mine, hf["samples"][task]):
+            for ours, theirs in zip(a["resps"], b["resps"]):
+                if task == "gen_local":
+                    assert ours == theirs
+                elif task == "wikitext":
+                    assert close(ours[0], theirs[0]), (task, ours, theirs)
+                else:
+                    assert close(ours[0][0], theirs[0][0]) and ours[0][1] == theirs[0][1], (task, ours, theirs)
+    results = json.loads((out / "results.json").read_text())["results"]
+    for task, metric in (("lambada_openai", "acc,none"), ("mc_local", "acc,none"), ("gen_local", "exact_match,none"),
+                         ("wikitext", "word_perplexity,none")):
+        assert results[task][metric] == pytest.approx(hf["results"][task][metric], rel=1e-6)
+
+
+def _workers_eval(argv: list[str], ep: int) -> list[dict]:
+    """`megazoo eval ARGV --ep EP` as its torchrun workers run it: each of EP forked ranks calls the workers'
+    `evaluate` with the Topology they build (workers/local.tp_worker); returns every rank's result."""
+    from megazoo.eval.cli import evaluate, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", *argv, "--ep", str(ep)])
+    return run_distributed(lambda: evaluate(args, Topology.build(dp=ep, tp=1, ep=ep)), ep)
+
+
+def test_both_protocols_at_ep2_equal_lm_eval_and_transformers(setup, tmp_path):
+    root, hf = setup["root"], setup["hf"]["results"]
+    ckpt = ["--checkpoint", str(setup["ckpts"])]
+    lambada = _workers_eval(["lambada", *ckpt, "--data", str(root / "lambada_slice.jsonl"), "--protocol", "lm-eval"], 2)
+    wiki = _workers_eval(["wikitext103", *ckpt, "--data", str(root / "wiki_slice.raw"), "--protocol", "lm-eval"], 2)
+    for rank in range(2):  # every rank scored every example: the same numbers on both
+        assert lambada[rank]["ep"] == 2 and lambada[rank]["accuracy"] == hf["lambada_openai"]["acc,none"]
+        assert lambada[rank]["ppl"] == pytest.approx(hf["lambada_openai"]["perplexity,none"], rel=1e-6)
+        assert wiki[rank]["word_perplexity"] == pytest.approx(hf["wikitext"]["word_perplexity,none"], rel=1e-6)
+    for task, data in (("lambada", "lambada_slice.jsonl"), ("wikitext103", "wiki_slice.raw")):
+        ours = _workers_eval([task, *ckpt, "--data", str(root / data)], 2)[0]
+        theirs = _eval(task, ["--hf", str(root / "hf"), "--backend", "transformers"], root / data,
+                       tmp_path / f"{task}.json")
+        assert ours["protocol"] == "megatron" and ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-5)
+        if task == "lambada":
+            assert ours["accuracy"] == theirs["accuracy"]

@@ -2,7 +2,7 @@
 overlap's sub-stages (recipes/training/model_setup.overlap_sub_stages): a shrunk deepseek-tiny (MLA, a dense first
 layer, sigmoid_bias routing with its load, a shared expert, "layer"-scope aux and z losses), fp64, pp 2 x dp 2
 with ep 2, DualPipe-V over 4 virtual stages, through OverlapPipelineEngine equals the ordinary PipelineEngine
-running GPT.forward: losses, every parameter gradient and the routing load to 1e-10, with all-to-alls of both
+running GPT.forward: losses, every parameter gradient and the routing load bit for bit, with all-to-alls of both
 directions overlapped; and the cases the sub-stages do not cover are refused by name."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megazoo.recipes.training.model_setup import overlap_sub_stages
 CFG = dataclasses.replace(get_preset("deepseek-tiny"), n_layer=4, d_model=32, n_head=2, n_kv_head=2, d_ff=48, vocab_size=64,
                           n_positions=32, n_experts=4, moe_d_ff=16, moe_n_group=2, moe_topk_group=1,
                           moe_aux_loss_scope="layer", moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
-F64, M, B, S, TOL = torch.float64, 4, 2, 8, 1e-10
+F64, M, B, S, TOL = torch.float64, 4, 2, 8, 0.0  # bit for bit: the same ops, gradients summed in the same order
 
 
 def _chunks(topo: Topology) -> list[GPT]:
@@ -97,14 +97,18 @@ MOE = {"preset": "llama-tiny", "n_layer": 4, "d_model": 32, "n_head": 4, "n_kv_h
        "attn_dropout": 0.0, "moe_aux_loss_scope": "layer", "moe_aux_loss_coef": 0.05, "moe_z_loss_coef": 0.01}
 
 
-def _train(fb_overlap: bool):
+# under autocast: a shared expert (its gradient meets the routed rows' at the block's MoE input) and top-3
+AUTOCAST_MOE = {**MOE, "moe_shared_experts": 1, "moe_top_k": 3}
+
+
+def _train(fb_overlap: bool, precision: str = "fp64", zero: int = 0, model: dict = MOE):
     from recipe_helpers import tiny_resolved
 
     from megazoo.recipes.training.trainer import Trainer
-    res = tiny_resolved(model=MOE, parallel={"fb_overlap": fb_overlap, "pp": 2, "dp": 2, "ep": 2,
+    res = tiny_resolved(model=model, parallel={"fb_overlap": fb_overlap, "pp": 2, "dp": 2, "ep": 2,
                                              "schedule": "dualpipev"},
-                        train={"steps": 2, "micro_batch": 2, "grad_accum": 4, "precision": "fp64",
-                               "fused_loss": "off"})
+                        train={"steps": 2, "micro_batch": 2, "grad_accum": 4, "precision": precision,
+                               "fused_loss": "off"}, zero={"stage": zero})
     trainer = Trainer(res, Topology.of(res.recipe.parallel))
     metrics = [trainer.train_step(step) for step in range(2)]
     params = {f"{c}.{n}": p.detach().clone() for c, chunk in enumerate(trainer.chunks)
@@ -114,7 +118,7 @@ def _train(fb_overlap: bool):
 
 def test_trainer_with_fb_overlap_equals_the_trainer_without_it():
     """Two fp64 optimizer steps of the Trainer (ZeRO's reductions, the MoE metrics' hooks, the layer-scope losses)
-    with parallel.fb_overlap on equal them with it off: losses, MoE figures and every parameter to 1e-10."""
+    with parallel.fb_overlap on equal them with it off: losses, MoE figures and every parameter bit for bit."""
     on, off = run_distributed(_train, 4, True), run_distributed(_train, 4, False)
     for (engine, metrics, params), (plain, ref_metrics, ref_params) in zip(on, off):
         assert engine == "OverlapPipelineEngine" and plain == "PipelineEngine"
@@ -126,3 +130,21 @@ def test_trainer_with_fb_overlap_equals_the_trainer_without_it():
         for name, want in ref_params.items():
             torch.testing.assert_close(params[name], want, rtol=0, atol=TOL, msg=name)
         assert metrics[0]["loss"] != metrics[1]["loss"]  # the steps trained
+
+
+@pytest.mark.parametrize("precision, zero", [("bf16", 0), ("bf16", 1), ("fp16", 0)])
+def test_trainer_with_fb_overlap_under_autocast_equals_the_trainer_without_it(precision, zero):
+    """bf16 / fp16 autocast (each compute sub-stage under the recipe's autocast; fp16 with its loss scaler), a
+    shared expert and top-3: two Trainer steps with fb_overlap on equal them with it off bit for bit - the same
+    ops in the same dtypes, each gradient summed in the same order, only run in another order."""
+    on, off = (run_distributed(_train, 4, overlap, precision, zero, AUTOCAST_MOE) for overlap in (True, False))
+    for (engine, metrics, params), (plain, ref_metrics, ref_params) in zip(on, off):
+        assert engine == "OverlapPipelineEngine" and plain == "PipelineEngine"
+        for got, ref in zip(metrics, ref_metrics):
+            for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_max"):
+                assert got[key] == ref[key], (key, got[key], ref[key])
+        assert params.keys() == ref_params.keys()
+        for name, want in ref_params.items():
+            assert params[name].dtype == want.dtype
+            torch.testing.assert_close(params[name], want, rtol=0, atol=0, msg=name)
+        assert metrics[0]["loss"] != metrics[1]["loss"]

@@ -1,6 +1,6 @@
 """parallel.fb_overlap (DualPipe-V's forward/backward overlap under ep) is refused, naming field, value and what is
-valid, with another schedule, without ep, and where the sub-staged decoder chunks do not cover the run (autocast,
-activation checkpointing, the fused loss, a capacity factor, dropout, sequence parallelism, ...); accepted
+valid, with another schedule, without ep, and where the sub-staged decoder chunks do not cover the run (activation
+checkpointing, the fused loss, a capacity factor, dropout, sequence parallelism, ...); accepted
 otherwise."""
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ OVERLAP = {"fb_overlap": True, "pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev
 
 @pytest.mark.parametrize("model, train, parallel, message", [
     ({}, {"activation_checkpointing": True}, {}, "train.activation_checkpointing = True"),
-    ({}, {"precision": "bf16"}, {}, "train.precision = 'bf16'"),
     ({"moe_capacity_factor": 1.5}, {}, {}, "model.moe_capacity_factor = 1.5"),
     ({"dropout": 0.1}, {}, {}, "model.dropout = 0.1"),
     ({"moe_aux_loss_coef": 0.01}, {}, {}, "model.moe_aux_loss_scope = 'model'"),
@@ -46,9 +45,12 @@ def test_fb_overlap_refuses_what_the_sub_stages_do_not_cover(model, train, paral
                             parallel={**OVERLAP, **parallel}, train={**COVERED, **train}))
 
 
-def test_fb_overlap_is_accepted_where_the_sub_stages_cover_it():
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16", "fp16"])
+def test_fb_overlap_is_accepted_where_the_sub_stages_cover_it(precision):
+    """Autocast included: each compute sub-stage runs under it (tests/recipes/test_fb_overlap_decoder.py)."""
     res = resolve(tiny_recipe(model={**MOE, "dropout": 0.0, "attn_dropout": 0.0, "moe_aux_loss_scope": "layer",
-                                     "moe_aux_loss_coef": 0.01}, parallel=OVERLAP, train=COVERED))
+                                     "moe_aux_loss_coef": 0.01}, parallel=OVERLAP,
+                              train={**COVERED, "precision": precision}))
     assert res.recipe.parallel.fb_overlap
 
 

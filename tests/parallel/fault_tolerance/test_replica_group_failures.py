@@ -7,7 +7,6 @@ group is SIGKILLed again during its heal (applying the state; inside the transfe
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,12 @@ import torch
 
 
 from ft_helpers import (assert_healed_bitwise_and_nothing_lost, end_group_after_a_death, finish, ft_sections,
-                        lighthouse, metrics, published_files, start_group_of_two, wait_for)
+                        lighthouse, metrics, published_files, start_ranks, wait_for)
 
 pytest.importorskip("torchft")
 STEPS = 14
 KILL_AT = 4  # the step in whose middle rank 1 of group 1 dies
 EVERY = 3  # periodic checkpoints: group 1 has published step_3 before it dies
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _alone(run_dir: Path) -> int:
@@ -59,23 +52,23 @@ def test_a_rank_killed_mid_step_its_group_rejoins_and_heals_bitwise(tmp_path, la
     holds = [(KILL_AT + 2, first_ready)] * kill_during_heal + [(STEPS - 5, ready)]
     house = lighthouse()
     try:
-        group0 = start_group_of_two(0, free_port(), sections, house.address, outs[0], holds=holds)
-        group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], die=(1, "step", KILL_AT))
+        group0 = start_ranks(0, sections, house.address, outs[0], holds=holds)
+        group1 = start_ranks(1, sections, house.address, outs[1], die=(1, "step", KILL_AT))
         end_group_after_a_death(group1, 1, 60)
         before = published_files(tmp_path, 1)
         lines_before = metrics(tmp_path, 1)
         # the launcher's restart takes seconds; meanwhile group 0's step counter keeps rising, alone
         wait_for(lambda: _alone(tmp_path) >= 2, 60, "group 0 to train 2 steps alone")
         if kill_during_heal:  # the restarted group dies during its heal (in the transfer, or applying the state)
-            end_group_after_a_death(start_group_of_two(1, free_port(), sections, house.address, outs[1],
-                                                       restarted=True, die=(0, heal_death, 0), ready=first_ready), 0, 60)
+            end_group_after_a_death(start_ranks(1, sections, house.address, outs[1], restarted=True,
+                                                die=(0, heal_death, 0), joining=first_ready), 0, 60)
             # group 0 goes on: the step it shared with the dying group is not committed, and it trains that step
             # again with the live groups (itself) before the next restart is even started
             died = float(Path(str(outs[1][0]) + ".died").read_text())
             wait_for(lambda: any(m["time"] > died for m in metrics(tmp_path, 0)), 60,
                      "group 0 to go on after the failed heal")
             assert [m["replicas_live"] for m in metrics(tmp_path, 0) if m["time"] > died][:1] == [1]
-        group1 = start_group_of_two(1, free_port(), sections, house.address, outs[1], restarted=True, ready=ready)
+        group1 = start_ranks(1, sections, house.address, outs[1], restarted=True, joining=ready)
         results = finish(group0 + group1, [o for pair in outs for o in pair])
     finally:
         house.stop()

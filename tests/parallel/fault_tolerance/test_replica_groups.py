@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 import pytest
 import torch
 
-from ft_helpers import finish, ft_sections, lighthouse, metrics, start_group, start_group_of_two, wait_for
+from ft_helpers import finish, ft_sections, lighthouse, metrics, start_group, start_ranks, wait_for
 from harness import run_distributed
 from recipe_helpers import tiny_recipe
 
@@ -156,12 +155,6 @@ def test_lighthouse_death_falls_back_to_the_normal_restart_path(reference, tmp_p
     assert [m["loss"] for m in metrics(run_dir, 0)] == [m["loss"] for m in reference_metrics[0]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run(sections, outs, resume=False):
     house = lighthouse()
     try:
@@ -184,7 +177,7 @@ def test_groups_of_two_zero2_ranks_train_what_plain_zero2_dp4_trains(tmp_path):
     house = lighthouse()
     outs = [[tmp_path / f"g{g}r{r}.pt" for r in range(2)] for g in range(2)]
     try:
-        procs = [p for g in range(2) for p in start_group_of_two(g, free_port(), sections, house.address, outs[g])]
+        procs = [p for g in range(2) for p in start_ranks(g, sections, house.address, outs[g])]
         results = finish(procs, [o for pair in outs for o in pair])
     finally:
         house.stop()

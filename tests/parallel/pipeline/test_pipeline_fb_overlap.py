@@ -12,7 +12,8 @@ import torch
 from harness import run_distributed
 from megazoo.parallel.expert.dispatch import dispatch_combine
 from megazoo.parallel.pipeline.engine import PipelineEngine
-from megazoo.parallel.pipeline.fb_overlap import Events, backward_steps, forward_steps, overlapped, run, run_pair
+from megazoo.parallel.pipeline.fb_overlap import (Events, backward_steps, forward_steps, overlapped, run, run_pair,
+                                                  weight_steps)
 from megazoo.parallel.pipeline.moe_stages import moe_sub_stages
 from megazoo.parallel.pipeline.overlap_engine import OverlapPipelineEngine, overlap_plan, pairs
 from megazoo.parallel.pipeline.p2p import check_plan, plan_for
@@ -128,10 +129,13 @@ def test_overlapped_pair_equals_plain_autograd_and_overlaps():
             torch.testing.assert_close(staged[name], plain[name], rtol=0, atol=TOL, msg=f"rank {rank} {name}")
         seen = overlapped(Events(log))
         # Both directions: F's dispatch travels under B's computes, and B's gradient all-to-alls under F's.
-        assert (1, "layer0.dispatch", "F", 0, "layer1.combine") in seen, seen
+        assert (1, "layer0.dispatch", "F", 0, "layer1.experts") in seen, seen
         assert any(p == "B" and m == 0 and other == 1 for m, _, p, other, _ in seen), seen
+        # The per-expert counts' all-to-all is asynchronous too: micro 1's travels under micro 0's backward.
+        assert (1, "layer0.counts", "F", 0, "layer1.combine") in seen, seen
         launches = [e for e in log if e[0] == "launch"]
-        assert len(launches) == 16  # 2 micro-batches x 2 layers x (dispatch, combine) x (F, B)
+        # 2 micro-batches x 2 layers x (dispatch, combine) x (F, B), and the counts once per layer's F
+        assert len(launches) == 16 + 4 and sum(e[2].endswith(".counts") for e in launches) == 4
 
 
 def _pipeline(m: int, overlap: bool):
@@ -177,6 +181,10 @@ def test_dualpipev_overlap_equals_plain_dualpipev_and_dense_at_pp2_ep2():
             for i, loss in enumerate(losses):
                 assert abs(loss - dense_losses[(dp_rank, i)]) < TOL
         assert n_pairs >= 1
+        # DualPipe-V's split backwards (a W in the plan) ran as B then W, sub-stage by sub-stage
+        splits = [st.action for st in plan_for("dualpipev", m, 2, pp_rank, 2) if st.action and st.action[0] == "W"]
+        w_computes = [e for e in log if e[0] == "compute" and e[3] == "W"]
+        assert splits and len(w_computes) == 3 * len(splits)  # route, experts, combine of each split chunk
         seen = overlapped(Events(log))
         assert any(p == "F" for _, _, p, _, _ in seen) and any(p == "B" for _, _, p, _, _ in seen), seen
     # Gradients: non-expert ones averaged over dp (the trainer's all-reduce), expert ones held by their ep rank,
@@ -217,7 +225,41 @@ def test_the_overlapped_pairs_are_dualpipev_steady_rounds_on_the_checked_plan(pp
         assert len(found) >= 2 * (m - 2 * pp + r + 1), (r, len(found))
 
 
-def test_the_overlap_engine_refuses_chunks_without_sub_stages_autocast_and_packed_rows():
+@pytest.mark.parametrize("first", [False, True])
+def test_a_split_backward_gives_input_gradients_at_b_and_weight_gradients_at_w(first):
+    """The zero-bubble split inside the sub-stages (one process, every expert local): B returns the chunk input's
+    gradient and leaves every parameter's .grad untouched; W then fills them; both exactly equal the unsplit
+    sub-staged backward (and plain autograd to 1e-12). `first`: token ids in, no input gradient (each compute
+    keeps its graph for W)."""
+    x, y = _data(0, 1)[0]
+    if not first:
+        x = torch.randn(B, S, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    plain, events = ToyMoE([0, 1], first), Events()
+    leaf = x.clone().requires_grad_(not first)
+    _loss(plain(leaf), y).backward()
+
+    def backward(split: bool):
+        model = ToyMoE([0, 1], first)
+        out, record = run(forward_steps(model.sub_stages(), x, 0, events))
+        out.requires_grad_()
+        _loss(out, y).backward()
+        return model, record, run(backward_steps(record, out.grad, events, split=split))
+
+    whole, _, dx_whole = backward(False)
+    staged, record, dx = backward(True)
+    assert all(p.grad is None for p in staged.parameters()) and len(record.pending) == 6  # 3 computes x 2 layers
+    assert (dx is None) == first and (first or torch.equal(dx, dx_whole))
+    if not first:
+        torch.testing.assert_close(dx, leaf.grad, rtol=0, atol=TOL)
+    weight_steps(record, list(staged.parameters()), events)
+    for (name, got), want, ref in zip(staged.named_parameters(), whole.parameters(), plain.parameters()):
+        assert torch.equal(got.grad, want.grad), name
+        torch.testing.assert_close(got.grad, ref.grad, rtol=0, atol=TOL, msg=name)
+    assert [e[2] for e in events.log if e[3] == "W"] == [f"layer{j}.{c}" for j in (1, 0)
+                                                           for c in ("combine", "experts", "route")]
+
+
+def test_the_overlap_engine_refuses_chunks_without_sub_stages_and_packed_rows():
     topo = Topology.solo()
     with pytest.raises(ValueError, match=r"chunks \[0\] are not"):
         OverlapPipelineEngine([torch.nn.Linear(D, D)], topo, hidden_size=D, activation_dtype=torch.float64,
@@ -226,10 +268,8 @@ def test_the_overlap_engine_refuses_chunks_without_sub_stages_autocast_and_packe
                                    loss_fn=_loss)
     steps = plan_for("1f1b", 1, 1, 0)
     x, y = _data(0, 1)[0]
-    with pytest.raises(ValueError, match="without autocast and without packed rows"):
+    with pytest.raises(ValueError, match="without packed rows"):
         engine.run([(x, y, torch.zeros_like(x))], steps)
-    with pytest.raises(ValueError, match="without autocast"):
-        engine.run([(x, y)], steps, autocast=lambda: torch.autocast("cpu"))
     # One process, every expert local (ep = 1: the exchanges pass through): equals the ordinary module.
     (loss,) = engine.run([(x, y)], steps)
     plain = ToyMoE([0], True)

@@ -62,10 +62,14 @@ def test_qwen3_30b_a3b_peak_within_5_percent_of_the_planner(checkpointing):
     """Without checkpointing every MoE layer keeps its routed rows (3 k h: the two all-to-alls' outputs and the
     weighted rows), the experts' k (2 f + f + f) and the router's fp32 input: the planner was 16% under before its
     MoE term. With checkpointing the 2-layer step peaks in the loss's backward, before any layer is recomputed:
-    the planner counted a recomputed layer on top (-5.9% with the MoE term alone)."""
+    the planner counted a recomputed layer on top (-5.9% with the MoE term alone).
+    FLOPs: the formula's attention is 12 L s x n_head head_dim (Qwen3: 32 x 128 = 2 d_model); with d_model it was
+    11% under the counted. What remains (+2.0% / +2.3%) is FlashAttention's backward computing the scores again
+    (torch's counter: 2.5 forwards, the convention 2)."""
     row = _role_row("recipes/qwen3-30b-a3b-full-ft.toml",
                     [*SETS, f"train.activation_checkpointing={str(checkpointing).lower()}"])
     assert abs(row["relative_difference"]) <= 0.05, row["relative_difference"]
+    assert 0 < row["flops"] - row["formula_flops"] <= 0.03 * row["formula_flops"], (row["flops"], row["formula_flops"])
 
 
 def test_qwen3_235b_a22b_middle_stage_within_5_percent_of_the_planner():
@@ -98,12 +102,16 @@ def test_mixtral_zero_links_and_flops_are_ep_aware():
 
 def test_mixtral_8x22b_at_its_128_ranks():
     """recipes/mixtral-8x22b.toml's step at its full world size (tp 2 + SP x pp 8 x dp 8 = ep 8, ZeRO-1), 8 of its
-    56 layers (one a stage), 2 micro-batches, the middle stage: the MoE all-to-all bytes per link class equal the
-    planner's exactly, and so do the model states. (Its peak is 9% over the planner: the CPU dry run's silu
-    backward holds ~8 rows x expert-width temporaries; not modelled, MOE.md.)"""
-    row = _role_row("recipes/mixtral-8x22b.toml", ["model.n_layer=8", "train.grad_accum=2", "train.global_batch=16"],
-                    stage=1)
-    assert row["all_to_all_link_bytes"] == row["planned_all_to_all_link_bytes"]
-    assert row["planned_all_to_all_link_bytes"]["intra"] > 0 and row["planned_all_to_all_link_bytes"]["inter"] > 0
-    for part in ("params", "grads", "optimizer"):
-        assert row["by_category"][part] == pytest.approx(row["planned_by_category"][part], rel=1e-3), part
+    56 layers (one a stage), 2 micro-batches, every role (stages 0, 1 and 7): the MoE all-to-all bytes per link
+    class equal the planner's exactly, and so do the model states; the peak is within 5% of the planner's. It was
+    +6% to +9% while the dry run's FLOP counter ran silu's backward as its decomposition (8 rows x expert width
+    alive; parallel/simulation/fake_world._RunWhole); with the experts' SwiGLU backward moment in the planner
+    (moe_activation_terms) it is +1.9% / +2.4% / +3.2%."""
+    res = load("recipes/mixtral-8x22b.toml", ["model.n_layer=8", "train.grad_accum=2", "train.global_batch=16"])
+    for role in roles(res):
+        row = report(res, [run_role(res, role)], 80, 0.0)["roles"][0]
+        assert row["all_to_all_link_bytes"] == row["planned_all_to_all_link_bytes"]
+        assert row["planned_all_to_all_link_bytes"]["intra"] > 0 and row["planned_all_to_all_link_bytes"]["inter"] > 0
+        for part in ("params", "grads", "optimizer"):
+            assert row["by_category"][part] == pytest.approx(row["planned_by_category"][part], rel=1e-3), part
+        assert abs(row["relative_difference"]) <= 0.05, (role.pp_stage, row["relative_difference"])
