@@ -97,15 +97,16 @@ class ModelConfig:
     moe_every: int = 1
     moe_dense_layers: tuple[int, ...] = ()
     # Router (models/moe/router.py, always in fp32 or wider): "softmax" scores over all experts, top-k, then
-    # renormalised to sum 1 when moe_norm_topk_prob (Mixtral, Qwen3-MoE) or kept as they are (Qwen2-MoE);
+    # renormalised to sum 1 when moe_norm_topk_prob (Mixtral, Qwen3-MoE) or kept as they are (Qwen2-MoE), and for
+    # DeepSeek-V2 within moe_topk_group of moe_n_group groups (a group scored by its best) and scaled;
     # "sigmoid_bias" (DeepSeek-V3): sigmoid scores, chosen over scores + a per-expert bias (a buffer moved after
     # each step by moe_bias_update_rate x sign(mean load - load)), optionally within moe_topk_group of moe_n_group
     # expert groups, weights renormalised when moe_norm_topk_prob and scaled by moe_routed_scaling_factor.
     moe_router: str = "softmax"
     moe_norm_topk_prob: bool = True
-    moe_n_group: int = 1  # DeepSeek's n_group: the experts in this many equal groups (sigmoid_bias only)
+    moe_n_group: int = 1  # DeepSeek's n_group: the experts in this many equal groups (V2's softmax, V3's sigmoid_bias)
     moe_topk_group: int = 1  # DeepSeek's topk_group: a token's experts come from this many groups
-    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (sigmoid_bias only)
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek-V2 / V3)
     # DeepSeek-V3's node-limited routing (sigmoid_bias only): the experts lie on moe_nodes nodes (expert e on node
     # e // (n_experts / moe_nodes), as expert parallelism places them: the resolver checks the layout does) and
     # a token's experts come from at most moe_max_nodes of them, those with the highest sums of their
@@ -324,16 +325,14 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
         value = getattr(cfg, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"model.{field} = {value!r} is invalid: it must be a number >= 0")
-    if cfg.moe_router != "sigmoid_bias":
-        changed = [f for f, default in (("moe_n_group", 1), ("moe_topk_group", 1), ("moe_routed_scaling_factor", 1.0),
-                                        ("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0),
+    if cfg.moe_router != "sigmoid_bias":  # softmax: the groups and the scale too (DeepSeek-V2), not the rest
+        changed = [f for f, default in (("moe_bias_update_rate", 0.0), ("moe_seq_aux_loss_coef", 0.0),
                                         ("moe_nodes", 1), ("moe_max_nodes", 0))
                    if getattr(cfg, f) != default]
         if changed:
             raise ValueError(f"model.{', model.'.join(changed)} set but model.moe_router = {cfg.moe_router!r}: "
                              "they belong to moe_router = 'sigmoid_bias'")
-        return
-    if cfg.moe_seq_aux_loss_coef and cfg.moe_aux_loss_scope != "model":
+    elif cfg.moe_seq_aux_loss_coef and cfg.moe_aux_loss_scope != "model":
         raise ValueError("model.moe_seq_aux_loss_coef needs model.moe_aux_loss_scope = 'model' (the layer scope's "
                          f"injection is not built for it), got {cfg.moe_aux_loss_scope!r}")
     n, g, e = cfg.moe_n_group, cfg.moe_topk_group, cfg.n_experts
@@ -345,7 +344,8 @@ def _check_sigmoid_bias(cfg: ModelConfig) -> None:
     if cfg.moe_top_k > g * (e // n):
         raise ValueError(f"model.moe_top_k = {cfg.moe_top_k} is more than the {g * (e // n)} experts of "
                          f"model.moe_topk_group = {g} groups of {e // n}; valid: 1..{g * (e // n)}")
-    check_node_limit(cfg)
+    if cfg.moe_router == "sigmoid_bias":
+        check_node_limit(cfg)
 
 
 # The fields that change parameter shapes or names: two configs that differ in one of them cannot share weights.

@@ -1,6 +1,14 @@
-"""Hugging Face DeepseekV3ForCausalLM (DeepSeek-V3, Kimi K2) <-> megazoo: the configs both ways, the key map and
-`FAMILY`, the registry's family (models/hf/families.py; it lives here as models/hf/ is a full room). A megazoo config is this family's when it has latent
-attention (model.kv_lora_rank > 0, models/deepseek/mla.py).
+"""Hugging Face DeepseekV3ForCausalLM (DeepSeek-V3, Kimi K2) and DeepseekV2ForCausalLM (DeepSeek-V2, V2-Lite) <->
+megazoo: the configs both ways, the key map and `FAMILY`, the registry's family (models/hf/families.py; it lives here
+as models/hf/ is a full room). A megazoo config is this family's when it has latent attention (model.kv_lora_rank >
+0, models/deepseek/mla.py): deepseek_v2 when its experts are softmax-routed, deepseek_v3 otherwise.
+
+The two model types share the decoder, the key map and the config fields; `VARIANTS` holds what differs. DeepSeek-V2
+routes by softmax, top-k not renormalised (transformers' DeepseekV2TopkRouter ignores norm_topk_prob), times
+routed_scaling_factor, either over all experts (topk_method "greedy") or within topk_group of n_group groups scored
+by their best probability ("group_limited_greedy"); it has no routing bias (no e_score_correction_bias tensor) and
+no multi-token prediction layers. Its rotary part rotates interleaved pairs as a complex product, the same function
+as DeepseekV3's rope_interleave, so the same row permutation holds.
 
 Under model.layers.<i>. (embedding, final norm, head, block norms and dense MLPs as models/hf/llama.py):
 
@@ -73,6 +81,12 @@ def written_entries(cfg: ModelConfig) -> list[Entry]:
     return _main_entries(cfg.replace(mtp_depth=0)) + mtp_entries(cfg, _main_entries, copies=True)
 
 
+# What the two model types differ in (module docstring): the transformers classes and the routing they compute.
+VARIANTS = {"deepseek_v3": dict(config="DeepseekV3Config", architecture="DeepseekV3ForCausalLM", router="sigmoid_bias"),
+            "deepseek_v2": dict(config="DeepseekV2Config", architecture="DeepseekV2ForCausalLM", router="softmax")}
+V2_TOPK = ("greedy", "group_limited_greedy")
+
+
 def _main_entries(cfg: ModelConfig) -> list[Entry]:
     out = []
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -97,7 +111,7 @@ def _main_entries(cfg: ModelConfig) -> list[Entry]:
                              split_fn=lambda t, r=rope_rows: [_permute_rope(cfg, *r, True, t)]))
         else:
             out.append(Entry(p.name, hf, shapes))
-        if module == "mlp.router":
+        if module == "mlp.router" and cfg.moe_router == "sigmoid_bias":  # DeepSeek-V2 has no routing bias
             out.append(Entry(f"h.{index}.{BIAS}", (f"{layer}mlp.gate.e_score_correction_bias",), ((cfg.n_experts,),)))
     return out
 
@@ -112,9 +126,10 @@ def _expert_names(cfg: ModelConfig, layer: str, module: str, shape) -> tuple:
 
 
 def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
-    """ModelConfig of an HF DeepseekV3 config; refuses what our decoder does not compute."""
-    if hf_config.model_type != "deepseek_v3":
-        raise ValueError(f"HF model_type {hf_config.model_type!r} is not deepseek_v3")
+    """ModelConfig of an HF DeepseekV3 / DeepseekV2 config; refuses what our decoder does not compute."""
+    model_type = hf_config.model_type
+    if model_type not in VARIANTS:
+        raise ValueError(f"HF model_type {model_type!r} is not {' or '.join(VARIANTS)}")
     rope = llama._rope_parameters(hf_config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     unsupported = []
@@ -130,7 +145,7 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
                            or rope.get("factor") is None or (rope.get("mscale_all_dim") and rope.get("mscale") is None)):
         unsupported.append("yarn with attention_factor, truncate=false, no factor, or mscale_all_dim without mscale")
     if unsupported:
-        raise ValueError(f"unsupported deepseek_v3 variant: {'; '.join(unsupported)}")
+        raise ValueError(f"unsupported {model_type} variant: {'; '.join(unsupported)}")
     layers, dense = hf_config.num_hidden_layers, hf_config.first_k_dense_replace or 0
     fields = {}
     if dense < layers:
@@ -139,12 +154,14 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
                       moe_first_dense=dense, moe_router="sigmoid_bias", moe_norm_topk_prob=bool(hf_config.norm_topk_prob),
                       moe_n_group=hf_config.n_group or 1, moe_topk_group=hf_config.topk_group or 1,
                       moe_routed_scaling_factor=float(hf_config.routed_scaling_factor))
+        if model_type == "deepseek_v2":
+            fields.update(_v2_routing(hf_config))
     if kind == "yarn":
         fields.update(rope_scaling="yarn", rope_factor=float(rope["factor"]),
                       rope_original_positions=int(rope["original_max_position_embeddings"]),
                       rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
                       rope_mscale=float(rope.get("mscale") or 1.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
-    common = llama.decoder_fields_from_hf(hf_config, "deepseek_v3", name, rope)
+    common = llama.decoder_fields_from_hf(hf_config, model_type, name, rope)
     common["n_kv_head"] = common["n_head"]  # latent attention: every head its own keys and values
     return ModelConfig(**common, mlp_bias=False, qkv_bias=False, proj_bias=False,
                        kv_lora_rank=hf_config.kv_lora_rank, q_lora_rank=hf_config.q_lora_rank or 0,
@@ -152,29 +169,54 @@ def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:
                        v_head_dim=hf_config.v_head_dim, **fields)
 
 
+def _v2_routing(hf_config) -> dict:
+    """DeepSeek-V2's router fields (module docstring); refuses the topk_method and norm_topk_prob it does not use."""
+    method = hf_config.topk_method
+    if method not in V2_TOPK:
+        raise ValueError(f"unsupported deepseek_v2 variant: topk_method={method!r} (supported: {', '.join(V2_TOPK)})")
+    if hf_config.norm_topk_prob:
+        raise ValueError("unsupported deepseek_v2 variant: norm_topk_prob=true (transformers' DeepseekV2 never "
+                         "renormalises the top-k weights, so the flag would mean two models)")
+    grouped = method == "group_limited_greedy"
+    return dict(moe_router="softmax", moe_norm_topk_prob=False, moe_n_group=hf_config.n_group if grouped else 1,
+                moe_topk_group=hf_config.topk_group if grouped else 1)
+
+
+def model_type(cfg: ModelConfig) -> str:
+    """The HF model_type a latent-attention config is written as: deepseek_v2 for softmax-routed experts."""
+    return "deepseek_v2" if cfg.n_experts and cfg.moe_router == "softmax" else "deepseek_v3"
+
+
 def exports(cfg: ModelConfig) -> str | None:
-    """"deepseek_v3" for a latent-attention config (ValueError for what DeepseekV3 does not compute), else None."""
+    """model_type(cfg) for a latent-attention config (ValueError for what that model type does not compute), else
+    None."""
     if not cfg.mla:
         return None
+    kind = model_type(cfg)
     wrong = []
     if cfg.mlp != "swiglu" or cfg.mlp_bias:
         wrong.append(f"model.mlp = {cfg.mlp!r}, mlp_bias = {cfg.mlp_bias}")
     if cfg.n_experts:
-        if cfg.moe_router != "sigmoid_bias":
-            wrong.append(f"model.moe_router = {cfg.moe_router!r} (DeepseekV3: 'sigmoid_bias')")
+        if cfg.moe_router not in ("sigmoid_bias", "softmax"):
+            wrong.append(f"model.moe_router = {cfg.moe_router!r} (DeepseekV3: 'sigmoid_bias', DeepseekV2: 'softmax')")
+        if kind == "deepseek_v2" and cfg.moe_norm_topk_prob:
+            wrong.append("model.moe_norm_topk_prob = true with moe_router = 'softmax' (DeepseekV2 never renormalises)")
+        if kind == "deepseek_v2" and cfg.mtp_depth:
+            wrong.append(f"model.mtp_depth = {cfg.mtp_depth} (DeepseekV2 has no multi-token prediction layers)")
         if cfg.moe_every != 1 or cfg.moe_dense_layers or cfg.moe_shared_gate:
-            wrong.append("model.moe_every / moe_dense_layers / moe_shared_gate (DeepseekV3: only the first k dense)")
+            wrong.append("model.moe_every / moe_dense_layers / moe_shared_gate (DeepSeek: only the first k dense)")
         if cfg.moe_shared_experts < 1 or cfg.moe_shared_d_ff != cfg.moe_d_ff:
-            wrong.append("shared experts other than n_shared_experts of moe_d_ff each (DeepseekV3 always has them)")
+            wrong.append("shared experts other than n_shared_experts of moe_d_ff each (DeepSeek always has them)")
     if wrong:
-        raise ValueError(f"model {cfg.name}: HF deepseek_v3 does not compute {'; '.join(wrong)}")
-    return "deepseek_v3"
+        raise ValueError(f"model {cfg.name}: HF {kind} does not compute {'; '.join(wrong)}")
+    return kind
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None):
     import transformers
 
-    exports(cfg)
+    variant = VARIANTS[exports(cfg)]
+    v2 = variant["router"] == "softmax"
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "yarn":
         rope = dict(rope, rope_type="yarn", factor=cfg.rope_factor, original_max_position_embeddings=cfg.rope_original_positions,
@@ -186,17 +228,19 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int | None] | None = None)
                n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
                routed_scaling_factor=cfg.moe_routed_scaling_factor) if cfg.n_experts else \
         dict(first_k_dense_replace=cfg.n_layer, n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1)
-    fields = llama.decoder_fields_to_hf(cfg, "DeepseekV3ForCausalLM", rope, special)
+    if v2:
+        moe["topk_method"] = V2_TOPK[cfg.moe_n_group > 1]
+    fields = llama.decoder_fields_to_hf(cfg, variant["architecture"], rope, special)
     fields["num_key_value_heads"] = cfg.n_head
-    return transformers.DeepseekV3Config(
-        **fields, attention_bias=False, rope_interleave=True, kv_lora_rank=cfg.kv_lora_rank,
+    own = {} if v2 else dict(rope_interleave=True, num_nextn_predict_layers=cfg.mtp_depth)
+    return getattr(transformers, variant["config"])(
+        **fields, attention_bias=False, kv_lora_rank=cfg.kv_lora_rank,
         q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, num_nextn_predict_layers=cfg.mtp_depth,
-        **moe)
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, **own, **moe)
 
 
 FAMILY = Family(
-    name="DeepSeek-V3", model_types=("deepseek_v3",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    name="DeepSeek", model_types=("deepseek_v3", "deepseek_v2"), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     exports=exports, entries=entries,
     tied_head=lambda cfg: ("lm_head.weight", llama.TOP_LEVEL["wte.weight"]) if cfg.tie_embeddings else None,
     # the MTP layers' copies of the embedding and head: checked on reading (converter.megazoo_tensors), not kept

@@ -5,7 +5,9 @@ softmax over many experts loses the small differences that decide the top-k, so 
 moe_router_dtype, transformers' float softmax) routes in fp32. transformers scores in fp32 even in an fp64 model,
 and so do we, so an fp64 export check matches it to 1e-10. Scoring "softmax" (Mixtral, Qwen2-MoE, Qwen3-MoE):
 probabilities over all experts, the top-k of them, renormalised to sum 1 when norm_topk_prob (Mixtral always;
-Qwen3-MoE by config) or kept as they are (Qwen2-MoE). torch.topk picks the experts; equal probabilities keep torch.topk's order on every rank and layout,
+Qwen3-MoE by config) or kept as they are (Qwen2-MoE, DeepSeek-V2), then scaled by routed_scaling_factor
+(DeepSeek-V2); DeepSeek-V2's group_limited_greedy keeps a token's experts in topk_group of n_group groups, a group
+scored by its best probability (transformers' DeepseekV2TopkRouter). torch.topk picks the experts; equal probabilities keep torch.topk's order on every rank and layout,
 since every layout scores the same token with the same fp32 arithmetic.
 
 Scoring "sigmoid_bias" (DeepSeek-V3, Kimi K2; transformers' DeepseekV3TopkRouter): scores = sigmoid(logits);
@@ -50,10 +52,14 @@ def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", norm_topk_
     if scoring != "softmax":
         raise ValueError(f"model.moe_router = {scoring!r} is not built; valid: 'softmax', 'sigmoid_bias'")
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, indices = torch.topk(probs, top_k, dim=-1)
+    if n_group > 1:  # DeepSeek-V2's group_limited_greedy: a group's score is its best probability
+        indices = torch.topk(_limit(probs.detach(), n_group, topk_group, 1), top_k, dim=-1).indices
+        weights = probs.gather(1, indices)
+    else:
+        weights, indices = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, indices, probs
+    return (weights * scaling if scaling != 1.0 else weights), indices, probs
 
 
 def _limit(choice: torch.Tensor, groups: int, kept: int, best: int) -> torch.Tensor:

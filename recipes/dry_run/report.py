@@ -110,7 +110,8 @@ def formula_flops(res: Resolved, pp_stage: int) -> float:
     attention_width) (models/flops.py's convention), + one more forward (2 N + 4 L s w / tp)
     under activation checkpointing. MoE: the routed experts' parameters count top-k / n_experts (active; shared
     experts count whole), at any ep. torch's counter takes FlashAttention's backward as 2.5 forwards (it computes
-    the scores again), the convention 2: the counted FLOPs are above this by 1/6 of the attention term."""
+    the scores again), the convention 2: the counted FLOPs are above this by 1/6 of the attention term.
+    Multi-token prediction: its blocks, its projection and the head again on the head's rank."""
     cfg, t, par = res.model, res.recipe.train, res.recipe.parallel
     held = rank_chunks(res.stage_layers, par.pp, pp_stage, placement(par.schedule))  # its virtual stages
     layers = [i for v in held for i in res.stage_layers[v]]

@@ -46,7 +46,7 @@ def test_generate_needs_one_model(tmp_path, capsys):
     assert "give the model as CKPT (a megazoo checkpoint) or --hf DIR, one of the two" in capsys.readouterr().err
     (hf / "config.json").write_text('{"model_type": "bert"}')
     assert megazoo(["generate", "--hf", str(hf), "--prompt", "x", "--max-new-tokens", "1"]) == 2
-    assert "model_type 'bert' cannot be converted; valid: deepseek_v3, gpt2, llama, qwen2, mistral" in capsys.readouterr().err
+    assert "model_type 'bert' cannot be converted; valid: deepseek_v3, deepseek_v2, gpt2, llama, qwen2, mistral" in capsys.readouterr().err
 
 
 CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

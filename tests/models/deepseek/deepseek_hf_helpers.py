@@ -1,4 +1,5 @@
-"""Tiny random transformers DeepseekV3ForCausalLM models (no download) that the DeepSeek tests share: "qlora"
+"""Tiny random transformers DeepseekV3ForCausalLM (and DeepseekV2ForCausalLM: v2_config) models (no download) that
+the DeepSeek tests share: "qlora"
 (q compression, group-limited routing 4 groups / top 2, routed scale 2.5, first layer dense, 2 shared experts,
 default rope) and "plain_q" (no q compression, as V2-Lite, and YaRN with mscale != mscale_all_dim, so both the
 cos / sin factor and the softmax-scale correction act; the sequence runs past the original context)."""
@@ -19,6 +20,8 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
 
 
 def hf_config(kind: str):
+    if kind.startswith("v2_"):
+        return v2_config(kind)
     return transformers.DeepseekV3Config(
         vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
@@ -26,6 +29,21 @@ def hf_config(kind: str):
         qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2,
         first_k_dense_replace=1, max_position_embeddings=64, rms_norm_eps=1e-5,
         rope_parameters=YARN if kind == "plain_q" else dict(rope_type="default", rope_theta=10000.0))
+
+
+def v2_config(kind: str):
+    """transformers' DeepseekV2: "v2_lite" as V2-Lite (no q compression, softmax top-k over all experts, scale 1, YaRN);
+    "v2_grouped" as V2 (q compression, top-3 by group_limited_greedy in 2 of 4 groups, routed scale 2.5)."""
+    lite = kind == "v2_lite"
+    return transformers.DeepseekV2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+        routed_scaling_factor=1.0 if lite else 2.5, kv_lora_rank=24, q_lora_rank=None if lite else 16,
+        qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=1 if lite else 4, topk_group=1 if lite else 2,
+        topk_method="greedy" if lite else "group_limited_greedy", norm_topk_prob=False,
+        num_experts_per_tok=2 if lite else 3,  # the group limit (by the best) only bites where top-k > topk_group
+        first_k_dense_replace=1, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_parameters=YARN if lite else dict(rope_type="default", rope_theta=10000.0))
 
 
 @functools.lru_cache(maxsize=None)

@@ -112,7 +112,7 @@ def test_model_type_no_family_converts(hf_dir, ckpt, dcp_dir, tmp_path, capsys):
     source = _copy(hf_dir, tmp_path)
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    valid = "model_type 'bert' cannot be converted; valid: deepseek_v3, gpt2, llama"
+    valid = "model_type 'bert' cannot be converted; valid: deepseek_v3, deepseek_v2, gpt2, llama"
     _refused(capsys, tmp_path, ["hf-to-megazoo", str(source)], valid)
     _refused(capsys, tmp_path, ["dcp-to-megazoo", str(dcp_dir), "--config", str(source)], valid)
 

@@ -81,7 +81,7 @@ def test_model_type_no_family_converts_is_refused(bf16_dir, tmp_path, capsys):
     (source / "config.json").write_text(json.dumps({"model_type": "bert"}))
     assert cli.main(["convert", "hf-to-megazoo", str(source), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "model_type 'bert' cannot be converted; valid: deepseek_v3, gpt2, llama, qwen2, mistral" in err
+    assert "model_type 'bert' cannot be converted; valid: deepseek_v3, deepseek_v2, gpt2, llama, qwen2, mistral" in err
     assert not (tmp_path / "out").exists()
 
 

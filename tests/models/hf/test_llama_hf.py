@@ -161,7 +161,7 @@ def test_convert_cli_round_trip(family, tmp_path, capsys):
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "bert"}')
     assert _cli(["convert", "hf-to-megazoo", str(bad), "--out", str(tmp_path / "o")]) == 2
-    assert "model_type 'bert' cannot be converted; valid: deepseek_v3, gpt2, llama, qwen2, mistral" in capsys.readouterr().err
+    assert "model_type 'bert' cannot be converted; valid: deepseek_v3, deepseek_v2, gpt2, llama, qwen2, mistral" in capsys.readouterr().err
 
 
 def _pp2_logits(cfg, full):

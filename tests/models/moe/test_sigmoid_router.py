@@ -126,7 +126,8 @@ def test_update_expert_bias_moves_against_the_load():
     ({"moe_n_group": 8}, "groups of 2 or more"),
     ({"moe_n_group": 2, "moe_topk_group": 3}, "moe_topk_group = 3 is larger than model.moe_n_group = 2"),
     ({"moe_n_group": 4, "moe_topk_group": 1}, "moe_top_k = 3 is more than the 2 experts"),
-    ({"moe_router": "softmax", "moe_n_group": 2}, "they belong to moe_router = 'sigmoid_bias'"),
+    ({"moe_router": "softmax", "moe_bias_update_rate": 0.001}, "they belong to moe_router = 'sigmoid_bias'"),
+    ({"moe_router": "softmax", "moe_n_group": 3}, "moe_n_group = 3 must divide model.n_experts = 8"),  # DeepSeek-V2's
     ({"moe_bias_update_rate": -1.0}, "moe_bias_update_rate = -1.0 is invalid"),
     ({"moe_seq_aux_loss_coef": 1e-4, "moe_aux_loss_scope": "layer"}, "moe_seq_aux_loss_coef needs"),
     ({"moe_router": "softmax", "moe_seq_aux_loss_coef": 1e-4}, "they belong to moe_router = 'sigmoid_bias'"),

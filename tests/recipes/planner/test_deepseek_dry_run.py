@@ -60,6 +60,11 @@ def test_full_world_dry_run_on_fake_cuda_equals_the_planner(reports, name):
     # elements a row, 6 passes (dispatch and combine, forward, backward and the recomputed forward), 2 micro-batches;
     # ep consecutive ranks over nodes of 8: 7 peers on this rank's node, the rest across
     for row in rows:
+        # FLOPs counted vs the formula's (recipes/dry_run/report.formula_flops: latent attention's widths, the MTP
+        # block and head on the last stage) over by 1.8% to 8.0% (partly the attention's backward computing the
+        # scores again, formula_flops' docstring; the rest not explained); by 27%, 25% and 12% on deepseek-v3's
+        # stages 0, 1 and 15 without them
+        assert abs(row["flops"] - row["formula_flops"]) <= 0.10 * row["formula_flops"], row["pp_stage"]
         per_peer = (1 + mtp * (row["pp_stage"] == 15)) * 6 * MICRO_BATCHES * (4096 * 8 // ep) * 7168 * 2
         assert abs(row["relative_difference"]) <= 0.05, (row["pp_stage"], row["relative_difference"])
         assert row["all_to_all_link_bytes"] == row["planned_all_to_all_link_bytes"], row["pp_stage"]

@@ -95,7 +95,7 @@ def test_bad_from_hf_is_refused_before_any_process(folders, tmp_path):
     with pytest.raises(RecipeError, match="model.from_hf = .*has no config.json"):
         _recipe({"from_hf": str(tmp_path)}, {}, {})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(RecipeError, match="model_type 'bert' cannot be converted; valid: deepseek_v3, gpt2, llama"):
+    with pytest.raises(RecipeError, match="model_type 'bert' cannot be converted; valid: deepseek_v3, deepseek_v2, gpt2, llama"):
         _recipe({"from_hf": str(tmp_path)}, {}, {})
     with pytest.raises(RecipeError, match="and so does checkpoint.load"):
         _recipe({"from_hf": str(folders / "hf")}, {}, {}, load=str(folders / "ckpt"))
