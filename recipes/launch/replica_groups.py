@@ -82,13 +82,15 @@ def serve_lighthouse(recipe: Recipe, port: int) -> int:
                           "fault_tolerance.enabled = true (--set fault_tolerance.enabled=true)")
     if not 0 <= port < 65536:
         raise RecipeError(f"--lighthouse-port {port} is invalid; valid: 1 .. 65535 (0: any free port)")
+    # The handlers go in before the address is printed: whoever reads it may stop us at once, and a SIGTERM that
+    # met the default handler would end this process by the signal (-15), not stop the lighthouse and exit 143.
+    stopped: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
     house = Lighthouse(lighthouse_settings(recipe, port))
     print(f"megazoo: torchft lighthouse at {house.address} (pid {house.proc.pid}); start each replica group's nodes "
           f"with --lighthouse {house.address}", file=sys.stderr, flush=True)
     print(house.address, flush=True)
-    stopped: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
     try:
         while house.alive() and not stopped:
             time.sleep(0.2)  # a signal ends the sleep early
