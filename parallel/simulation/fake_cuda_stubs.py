@@ -161,7 +161,24 @@ def _sdpa_as_a_gpu_picks(stub: StubCuda):
 
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("scaled_dot_product_attention", sdpa, "AutogradCUDA")
+    for op in WHOLE_ON_A_GPU:
+        lib.impl(op, _no_kernel(op), "CUDA")
     return lib
+
+
+# aten ops with a CPU kernel and a CompositeImplicitAutograd one (all of them in torch 2.13), which a GPU build
+# runs as its CUDA kernel: a CPU build has no CUDA kernel, so on fake CUDA the dispatcher ran the decomposition
+# (silu_backward: sigmoid, 1 - sigmoid, two products, a sum; 5 temporaries of its input's size at once beside the
+# kernel's one output, in every SwiGLU's backward: +1.2 GB at mixtral-8x7b-ft's experts). A CUDA registration makes
+# the dispatcher send the op whole to fake tensors (their shape-only implementation); its body never runs.
+WHOLE_ON_A_GPU = ("silu_backward", "mish_backward")
+
+
+def _no_kernel(op: str):
+    def kernel(*args, **kwargs):
+        raise RuntimeError(f"fake CUDA: aten.{op} has no CUDA kernel in this CPU build of torch; it runs on fake "
+                           "tensors only")
+    return kernel
 
 
 @contextlib.contextmanager

@@ -270,7 +270,7 @@ class StageActivations:
 
 def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, stage_layers: list[int],
                       *, checkpointing: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
-                      virtual: int = 1, spec: ActivationSpec | None = None,
+                      virtual: int = 1, spec: ActivationSpec | None = None, head_trained: bool = True,
                       vocab: int | None = None, cp: int = 1, sequence_parallel: bool = False,
                       chunk_layers: list[int] | None = None, fused_loss: bool = False) -> list[StageActivations]:
     """Activation bytes of every pipeline stage (`stage_layers`: blocks per pp rank; `chunk_layers`: blocks per
@@ -279,7 +279,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     checkpointed inputs, and the final norm's input, are s / tp long. Each rank's peak walks its action list
     (schedule_memory.py), every chunk with its own blocks, embedding and head. `fused_loss`
     (parallel/tensor/linear_cross_entropy.py): the last stage keeps dh and dW (e bytes) in place of the logits,
-    their fp32 copy, the head's input and its weight's cast; forward's chunk of logits and fp32 dW are transient."""
+    their fp32 copy, the head's input and its weight's cast; forward's chunk of logits and fp32 dW are transient.
+    `head_trained` False (LoRA: the base frozen): the head's backward makes no weight gradient."""
     spec = spec or ActivationSpec.for_model(cfg)
     s, b, h, a, e = seq_len // cp, micro_batch, cfg.d_model, cfg.n_head, spec.element_bytes
     vocab = vocab or cfg.padded_vocab(tp)
@@ -311,15 +312,15 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     rows, chunk_rows = s * b, max(1, CE_CHUNK_ELEMENTS // (vocab // tp))
     chunk = 4 * min(rows, chunk_rows) * vocab / tp if spec.fused_ce and not fused_loss else 0.0
     ce_forward, ce_backward = 2 * chunk, (2 if rows > chunk_rows else 1) * chunk
+    head_grad = (4 if spec.weight_copies else e) * vocab / tp * h  # the head's weight gradient as autograd makes it
     mtp_kept, mtp_moment, mtp_kinds = mtp_terms(  # MTP on the last stage (planner/moe.py): never a fused loss
-        cfg, spec, full, heavy, sbh, split, loss, (4 if spec.weight_copies else e) * vocab / tp * h, checkpointing)
+        cfg, spec, full, heavy, sbh, split, loss, head_grad, checkpointing)
     if fused_loss:  # (dh: the e sbh beside the final norm's input, in place of the head's input) + dW
         loss = e * vocab / tp * h
         # forward's peak inside the loss (parallel/tensor/linear_cross_entropy.py), beside dW's fp32 accumulator:
         # the chunk's fp32 logits with (below fp32) their 16-bit product, then d logits; or, once the logits are
         # freed, d logits with their 16-bit dW product; or at the end dW's 16-bit cast (no larger than that).
-        # The product never meets the fp32 chunk (deleted first); the 405B recipe's last stage peaks at the
-        # product (its 16-layer dry run: 3.71 GB; planned 4.30 before, 3.76 now). chunk_rows_for's rows.
+        # The product never meets the fp32 chunk (deleted first); 405B's last stage peaks at it (chunk_rows_for).
         from megazoo.parallel.tensor.linear_cross_entropy import chunk_rows_for  # torch: `plan --help` loads none
 
         c, below, wide = chunk_rows_for(s * b, vocab // tp), e if e < 4 else 0, max(e, 4)
@@ -348,9 +349,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         else:  # B released the graph: the store's x and dY per linear; the head's weight gradient, or its
             # input and d logits where those are smaller (an untied head under sequence parallelism gathers
             # inside its backward: always its weight gradient, fp32 under autocast)
-            head = min(d_logits + e * sbh, e * vocab / tp * h)
-            if sequence_parallel and not cfg.tie_embeddings:
-                head = (4 if spec.weight_copies else e) * vocab / tp * h
+            sp_head = sequence_parallel and not cfg.tie_embeddings
+            head = head_grad if sp_head else min(d_logits + e * sbh, e * vocab / tp * h)
             after_b = (n - n_moe) * d_block[False] + n_moe * d_block[True] + (head if last else 0.0)
         workspace = 0.0
         if n:  # one block's backward at its heaviest moment (block_workspace); last stage: the head's freed by then
@@ -370,13 +370,13 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
             # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
             workspace = loss_backward + (max(specs[m].mlp_elements for m in present(stage)) * e * sbh / tp if n else 0.0)
-        # The peak adds one recomputed layer under checkpointing (StageActivations.total_bytes), yet the loss's
-        # backward runs before any is recomputed: for MoE models (large recomputed layers; qwen3-30b-a3b's dry run
-        # peaks there) that moment is net of it. Dense models keep the double count, standing in for ZeRO-2's head
-        # gradient buckets in the 405B last stage's recomputed backward (0.75 GB; netting it: 23% under).
+        # The peak adds one recomputed layer under checkpointing (total_bytes), yet the loss's backward runs before
+        # any is: for MoE models (qwen3-30b-a3b's dry run peaks there) that moment is net of it. Dense models keep the
+        # double count, standing in for ZeRO-2's head gradient buckets in 405B's recomputed backward (netting: -23%).
         again = recompute if n and n_moe else 0.0
-        if last and schedule not in SPLIT_BACKWARD:  # the unsplit backward frees d logits before the blocks' (the
-            workspace = max(workspace, loss_backward - again)  # 405B dry run's last stage)
+        if last and schedule not in SPLIT_BACKWARD:  # the unsplit backward frees d logits before the blocks' (405B);
+            head_bw = 0.0 if fused_loss or not head_trained else loss_backward - ce_backward + head_grad - loss  # its
+            workspace = max(workspace, loss_backward - again, head_bw - again)  # head's dW, logits freed (V3)
         if last:  # the loss's forward runs on top of everything the chunk holds, as its backward does
             workspace = max(workspace, ce_forward, loss_forward)
         return ChunkBytes(forward, after_b, workspace), extra + out

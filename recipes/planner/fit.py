@@ -195,6 +195,7 @@ def layout_activations(cfg: ModelConfig, layout: Layout, shard, spec: Activation
                              [len(st.layers) for st in shard.stages], checkpointing=layout.checkpointing,
                              micro_batches=layout.grad_accum, schedule=layout.schedule, virtual=layout.virtual,
                              spec=spec, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
+                             head_trained=layout.lora is None,
                              chunk_layers=chunks, fused_loss=layout.fused_loss)
 
 

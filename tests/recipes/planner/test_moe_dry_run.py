@@ -11,10 +11,12 @@ embedding's gradient, outside the MoE term: +23%, open.)"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from megazoo.recipes.dry_run.cuda import run_jobs
 from megazoo.recipes.dry_run.report import report, to_text
 from megazoo.recipes.dry_run.run import load, roles, run_role
 from megazoo.recipes.planner.fit import recipe_layout
@@ -115,3 +117,38 @@ def test_mixtral_8x22b_at_its_128_ranks():
         for part in ("params", "grads", "optimizer"):
             assert row["by_category"][part] == pytest.approx(row["planned_by_category"][part], rel=1e-3), part
         assert abs(row["relative_difference"]) <= 0.05, (role.pp_stage, row["relative_difference"])
+
+
+def test_mixtral_8x7b_ft_whole_on_fake_cuda_within_5_percent():
+    """recipes/mixtral-8x7b-ft.toml whole (32 layers, 16 ranks: dp 16 = ep 8 x edp 2, ZeRO-3, checkpointing), one
+    micro-batch, on fake CUDA (~18 s of CPU): the peak, in the last block's recomputed experts' SwiGLU backward, is
+    within 5% of the planner (56.24 vs 55.69 GB, +1.0%). At 2 layers (the second job) it is +8.3%: ZeRO-3's
+    depth-independent transients (the root unit's gradient buffers 0.52 GB, a block's gather buffer 0.44 GB,
+    reductions in flight 0.12 GB, against the planner's 0.13 GB of buffers) are a large share of a small total
+    there; the MoE part of that peak equals the planner's (1.66 GB, /work/notes/MIX.md). That 2-layer step is the
+    same on fake CUDA as on the CPU (to 14 kB): a CPU build of torch has no CUDA kernel for silu's backward, and
+    fake CUDA ran its decomposition (5 more rows x expert width; parallel/simulation/fake_cuda_stubs.py)."""
+    whole = {"recipe": "recipes/mixtral-8x7b-ft.toml", "gpu_memory_gb": 80,
+             "sets": ["model.from_hf=", "train.grad_accum=1", "train.global_batch=16"]}
+    two = dict(whole, sets=[*whole["sets"], "model.n_layer=2"], also_cpu=True)
+    reps = run_jobs([whole, two])
+    assert all("error" not in rep for rep in reps), reps
+    (row,) = reps[0]["roles"]
+    assert abs(row["relative_difference"]) <= 0.05, row["relative_difference"]
+    assert abs(row["flops"] - row["formula_flops"]) <= 0.02 * row["formula_flops"]
+    (fake,), (cpu,) = reps[1]["roles"], reps[1]["cpu"]["roles"]
+    assert fake["measured_peak_bytes"] == pytest.approx(cpu["measured_peak_bytes"], rel=1e-4)  # (14 kB apart)
+
+
+def test_deepseek_v3_last_stage_without_checkpointing_peaks_in_the_heads_backward():
+    """deepseek-v3's last stage at its 2,048 ranks (19 blocks, one a stage after the first; 2 micro-batches; no
+    MTP), not checkpointed: it peaks in the head's backward, its weight gradient (V x h = 1.85 GB) beside d logits
+    (1.06 GB) once the logits and the cross-entropy's chunks are freed. The planner had the loss's backward only
+    (d logits, the head input's gradient, the chunks, beside the logits): +4.7%; with the head's moment -0.4%."""
+    layers = json.dumps([[0, 1, 2, 3]] + [[i] for i in range(4, 19)])
+    res = load("deepseek-v3", ["model.n_layer=19", f"parallel.layers={layers}", "model.mtp_depth=0",
+                               "train.grad_accum=2", "train.global_batch=256", "parallel.node_size=8",
+                               "train.activation_checkpointing=false"])
+    (role,) = [r for r in roles(res) if r.pp_stage == 15]
+    row = report(res, [run_role(res, role)], 80, 0.0)["roles"][0]
+    assert abs(row["relative_difference"]) <= 0.02, row["relative_difference"]
