@@ -33,15 +33,15 @@ TASKS = ("wikitext103", "lambada")
 
 def _logits_fn(args: argparse.Namespace, source: ModelSource, topo):
     from megazoo.eval.scoring import gpt_logits_fn, hf_logits_fn
-    from megazoo.models.hf.families import load_hf_causal_lm, read_hf_dir
-    from megazoo.models.hf.gpt2 import gpt_from_full_state
-    from megazoo.models.loading import load_gpt, open_checkpoint
+    from megazoo.models.hf.families import load_hf_causal_lm
+    from megazoo.models.loading import load_gpt, load_gpt_from_hf, open_checkpoint
 
     if args.backend == "transformers":  # the family's own *ForCausalLM (models/hf/families.py)
         return hf_logits_fn(load_hf_causal_lm(args.hf, topo.device))
+    # Each rank reads only its own shards of each parameter (its tp slices, its ep experts; no consolidated copy of
+    # the model), from the HF folder's files or the checkpoint's.
     if args.hf is not None:
-        return gpt_logits_fn(gpt_from_full_state(*read_hf_dir(args.hf), topo))
-    # Each rank reads only its own shards of each parameter (no consolidated copy of the model).
+        return gpt_logits_fn(load_gpt_from_hf(args.hf, topo))
     # A LoRA run's checkpoint: its adapters on the base it recorded (or --lora-base), as the run computed.
     opened = open_checkpoint(source.checkpoint, need_tokenizer=False, need_base=True,
                              lora_base=getattr(args, "lora_base", None))

@@ -29,8 +29,8 @@ from megazoo.models.transformer import GPT
 from megazoo.parallel.checkpoint.consolidate import resolve_checkpoint
 from megazoo.parallel.checkpoint.io import CheckpointError, read_common, verify_checkpoint
 from megazoo.parallel.checkpoint.load import load_views
-from megazoo.parallel.checkpoint.views import whole_param_views
-from megazoo.parallel.tensor import named_shards
+from megazoo.parallel.checkpoint.views import StateView, whole_param_views
+from megazoo.parallel.tensor import ShardSpec, named_shards, unique_named_shards
 from megazoo.parallel.tensor.lora import is_lora_parameter
 from megazoo.parallel.topology import Topology
 
@@ -115,4 +115,23 @@ def load_gpt(ckpt: OpenCheckpoint, topology: Topology, dtype: torch.dtype = torc
     else:
         load_views(ckpt.base, [v for v in views if not is_lora_parameter(v.name)], kinds=("param",))
         load_views(ckpt.path, [v for v in views if is_lora_parameter(v.name)], kinds=("param",))
+    return model.eval()
+
+
+def load_gpt_from_hf(hf_dir: str | Path, topology: Topology, dtype: torch.dtype = torch.float32, weights=None) -> GPT:
+    """This rank's whole (pp = 1) GPT of a Hugging Face folder of any family, in eval mode: its tp shards and its
+    ep experts (and DeepSeek-V3's routing bias) read straight from the files by `model.from_hf`'s reader
+    (models/hf/converter.fill_views_from_hf), so no rank reads another's experts or holds the whole state.
+    `weights`: the folder's HFWeights (a caller counting what is read); else opened here."""
+    from megazoo.models.hf.converter import fill_views_from_hf
+    from megazoo.models.hf.families import read_hf_config
+    from megazoo.models.hf.safetensors_files import HFWeights
+
+    family, cfg, _ = read_hf_config(hf_dir)
+    model = GPT(cfg, topology, device=topology.device, dtype=dtype)
+    unique, _ = unique_named_shards(model)  # a tied head: filled through the embedding's name
+    views = [view for name, param, spec in unique for view in whole_param_views(name, spec, param, None, False)]
+    views += [StateView(name, ShardSpec(tuple(buf.shape)), "param", 0, buf.numel(), buf.view(-1), False)
+              for name, buf in model.named_buffers() if name.endswith("router.expert_bias")]
+    fill_views_from_hf(weights if weights is not None else HFWeights(hf_dir), family, cfg, views, kinds=("param",))
     return model.eval()

@@ -108,15 +108,10 @@ def continuation(args: argparse.Namespace, topo, report=None) -> str:
 
     source = _check(args)
     tokenizer = source.tokenizer
-    if source.ckpt is not None:
-        from megazoo.models.loading import load_gpt
+    from megazoo.models.loading import load_gpt, load_gpt_from_hf
 
-        model = load_gpt(source.ckpt, topo)
-    else:
-        from megazoo.models.hf.families import read_hf_dir
-        from megazoo.models.hf.gpt2 import gpt_from_full_state
-
-        model = gpt_from_full_state(*read_hf_dir(args.hf), topo)
+    # each rank reads only its own tp slices and ep experts, from the checkpoint or the HF folder
+    model = load_gpt(source.ckpt, topo) if source.ckpt is not None else load_gpt_from_hf(args.hf, topo)
     eos, marker = tokenizer.eod_id, None
     if source.template is None:
         prompt = tokenizer.encode(args.prompt)

@@ -42,8 +42,6 @@ Not mapped: attention_bias (DeepSeek has none; refused).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from megazoo.models.config import ModelConfig
@@ -120,9 +118,7 @@ def _expert_names(cfg: ModelConfig, layer: str, module: str, shape) -> tuple:
     mats = ("gate_proj", "up_proj") if module.endswith("c_fc") else ("down_proj",)
     names = tuple(f"{layer}mlp.experts.{e}.{m}.weight" for e in range(cfg.n_experts) for m in mats)
     rows = shape[1] // len(mats)
-    return (names, ((rows, shape[2]),) * len(names), False,
-            functools.partial(moe_families._join_experts, cfg.n_experts),
-            functools.partial(moe_families._split_experts, len(mats)))
+    return names, ((rows, shape[2]),) * len(names), False, None, None, len(mats)  # stacked as moe_families.py
 
 
 def config_from_hf(hf_config, name: str | None = None) -> ModelConfig:

@@ -45,7 +45,7 @@ def mtp_entries(cfg: ModelConfig, family_entries: Callable[[ModelConfig], list[E
         out += [Entry(ours + name, (layer + OWN[name],), ((d, 2 * d) if name == "eh_proj.weight" else (d,),))
                 for name in ("hnorm.weight", "enorm.weight", "eh_proj.weight")]
         out += [Entry(ours + "block." + e.ours[len(f"h.{index}."):], e.hf, e.hf_shapes, e.transpose, e.join_fn,
-                      e.split_fn) for e in deeper if e.ours.startswith(f"h.{index}.")]
+                      e.split_fn, e.stacked) for e in deeper if e.ours.startswith(f"h.{index}.")]
         out.append(Entry(ours + "norm.weight", (layer + OWN["norm.weight"],), ((d,),)))
         if copies:
             head = "wte.weight" if cfg.tie_embeddings else "lm_head.weight"

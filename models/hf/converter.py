@@ -185,7 +185,11 @@ def read_local(weights: HFWeights, entry, spec: ShardSpec, start: int, stop: int
     local = spec.local_shape
     row = math.prod(local[1:])
     lo, hi = start // row, -(-stop // row)
-    if entry.join_fn is not None or entry.split_fn is not None:  # a custom key map: the whole tensor, then cut
+    if entry.stacked and spec.dim in (None, 0):  # stacked experts: only the experts of rows [lo, hi) (ep's own)
+        k = entry.stacked
+        rows = torch.cat([entry.join([weights.read(n) for n in entry.hf[a * k:b * k]])
+                          for a, b in _local_rows(spec, lo, hi)])
+    elif entry.join_fn is not None or entry.split_fn is not None or entry.stacked:  # the whole tensor, then cut
         full = entry.join([weights.read(n) for n in entry.hf])
         if full.shape[0] < spec.global_shape[0]:
             full = torch.cat([full, full.new_zeros(spec.global_shape[0] - full.shape[0], *full.shape[1:])])

@@ -52,11 +52,17 @@ class Entry:
     transpose: bool = False  # a lone HF tensor stored (in, out): GPT-2's Conv1D
     join_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = field(default=None, compare=False)
     split_fn: Callable[[torch.Tensor], list[torch.Tensor]] | None = field(default=None, compare=False)
+    # Stacked experts: our dim-0 index e is `stacked` consecutive HF tensors (hf[e*k:(e+1)*k], rows concatenated),
+    # so a rank holding some experts reads only theirs (converter.read_local); 0: not stacked.
+    stacked: int = 0
 
     def join(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Our tensor from the HF ones (in `hf` order)."""
         if self.join_fn is not None:
             return self.join_fn(tensors)
+        if self.stacked:
+            k = self.stacked
+            return torch.stack([torch.cat(tensors[i:i + k]) for i in range(0, len(tensors), k)])
         if self.transpose:
             return tensors[0].t().contiguous()
         return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
@@ -65,6 +71,9 @@ class Entry:
         """The HF tensors (in `hf` order) from ours."""
         if self.split_fn is not None:
             return self.split_fn(tensor)
+        if self.stacked:
+            rows = [s[0] for s in self.hf_shapes[:self.stacked]]
+            return [p.contiguous() for expert in tensor.unbind(0) for p in expert.split(rows)]
         if self.transpose:
             return [tensor.t().contiguous()]
         return [p.contiguous() for p in tensor.split([s[0] for s in self.hf_shapes])]

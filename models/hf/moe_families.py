@@ -25,14 +25,11 @@ self_attn.q_norm / k_norm <-> attn.q_norm / k_norm). What is new is the MoE bloc
 The files hold one tensor per expert in every transformers version: transformers 5 fuses them into
 experts.gate_up_proj (E, 2 f, d) / experts.down_proj (E, d, f) only in memory, and its save_pretrained writes
 the per-expert form back (tests/models/moe/test_moe_hf.py compares our export with it), so the map reads and writes that form.
-An expert entry stacks its experts' tensors (its own join) and unstacks them (its own split).
+An expert entry stacks its experts' tensors ([gate_e; up_e] or down_e per expert e: Entry.stacked), so a rank
+holding some of the experts (ep) reads only theirs.
 """
 
 from __future__ import annotations
-
-import functools
-
-import torch
 
 from megazoo.models.config import ModelConfig
 from megazoo.models.hf import llama
@@ -81,15 +78,6 @@ def _row_sizes(cfg: ModelConfig, module: str, rows: int) -> list[int]:
             "mlp.shared.c_fc": [rows // 2] * 2}.get(module, [])
 
 
-def _join_experts(n_experts: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-    per_expert = len(tensors) // n_experts  # [gate_e; up_e] rows of expert e, or its lone down_e, stacked over e
-    return torch.stack([torch.cat(tensors[e * per_expert:(e + 1) * per_expert]) for e in range(n_experts)])
-
-
-def _split_experts(per_expert: int, tensor: torch.Tensor) -> list[torch.Tensor]:
-    return [p.contiguous() for expert in tensor.unbind(0) for p in expert.chunk(per_expert)]
-
-
 def family_entries(family: str, cfg: ModelConfig) -> list[Entry]:
     """Every megazoo parameter of `cfg` with the HF tensors of `family` it is made of (the module docstring)."""
     out = []
@@ -99,9 +87,7 @@ def family_entries(family: str, cfg: ModelConfig) -> list[Entry]:
         if module in EXPERT_MODULES:
             per_expert = len(names) // cfg.n_experts
             rows = p.shape[1] // per_expert
-            out.append(Entry(p.name, names, ((rows, p.shape[2]),) * len(names),
-                             join_fn=functools.partial(_join_experts, cfg.n_experts),
-                             split_fn=functools.partial(_split_experts, per_expert)))
+            out.append(Entry(p.name, names, ((rows, p.shape[2]),) * len(names), stacked=per_expert))
             continue
         sizes = _row_sizes(cfg, module, p.shape[0])
         shapes = tuple((size, *p.shape[1:]) for size in sizes) if sizes else (p.shape,)

@@ -54,8 +54,9 @@ def test_local_slices_equal_the_converted_shards(folder, tp):
 
 
 def test_moe_local_slices_equal_the_converted_shards(tmp_path):
-    """The MoE key map (stacked experts by the entry's own join) cut for every tp rank and flat range. Its expert
-    entries read the layer's whole expert tensors first (read_local's custom-join branch), so no byte bound."""
+    """The MoE key map (stacked experts: Entry.stacked) cut for every tp rank and flat range; an expert tensor
+    split over ep 2 or 4 (the layout of models/moe/block.py) read by each ep rank from its own experts' HF
+    tensors only: about its own bytes, never another rank's expert."""
     torch.manual_seed(0)
     config = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=8,
                                          shared_expert_intermediate_size=16, num_hidden_layers=1, num_experts=4,
@@ -65,7 +66,7 @@ def test_moe_local_slices_equal_the_converted_shards(tmp_path):
     family, cfg, _ = read_hf_config(tmp_path)
     full = dict(megazoo_tensors(HFWeights(tmp_path), family, cfg))
     entries = {e.ours: e for e in family.entries(cfg)}
-    assert entries["h.0.mlp.experts.c_fc.weight"].join_fn is not None
+    assert entries["h.0.mlp.experts.c_fc.weight"].stacked == 2  # [gate_e; up_e] per expert e
     for tp in (1, 2):
         for p in parameter_layout(cfg, tp):
             tensor = full[p.name]
@@ -78,3 +79,17 @@ def test_moe_local_slices_equal_the_converted_shards(tmp_path):
                 for start, stop in [(0, n), (n // 3 + 1, n // 2 + 3)]:
                     got = read_local(HFWeights(tmp_path), entries[p.name], spec, start, stop)
                     assert torch.equal(got, want[start:stop]), (p.name, tp, rank, start, stop)
+    for name in ("h.0.mlp.experts.c_fc.weight", "h.0.mlp.experts.c_proj.weight"):
+        for ep in (2, 4):
+            for rank in range(ep):
+                spec = ShardSpec(tuple(full[name].shape), 0, 1, rank, ep)
+                want = shard_of(full[name], spec).reshape(-1)
+                n, row = want.numel(), want.numel() // spec.local_shape[0]
+                for start, stop in [(0, n), (row // 2 + 1, n - 3)]:
+                    weights, names = HFWeights(tmp_path), []
+                    weights.read = lambda name, read=weights.read, names=names: names.append(name) or read(name)
+                    got = read_local(weights, entries[name], spec, start, stop)
+                    assert torch.equal(got, want[start:stop]), (name, ep, rank, start, stop)
+                    mine = {f".experts.{e}." for e in range(rank * 4 // ep, (rank + 1) * 4 // ep)}
+                    assert names and all(any(m in n for m in mine) for n in names), (name, ep, rank, names)
+                    assert weights.bytes_read == n * 4, (name, ep, rank, weights.bytes_read)
