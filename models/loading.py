@@ -123,7 +123,7 @@ def load_gpt_from_hf(hf_dir: str | Path, topology: Topology, dtype: torch.dtype 
     ep experts (and DeepSeek-V3's routing bias) read straight from the files by `model.from_hf`'s reader
     (models/hf/converter.fill_views_from_hf), so no rank reads another's experts or holds the whole state.
     `weights`: the folder's HFWeights (a caller counting what is read); else opened here."""
-    from megazoo.models.hf.converter import fill_views_from_hf
+    from megazoo.models.hf.converter import check_copies, fill_views_from_hf
     from megazoo.models.hf.families import read_hf_config
     from megazoo.models.hf.safetensors_files import HFWeights
 
@@ -133,5 +133,7 @@ def load_gpt_from_hf(hf_dir: str | Path, topology: Topology, dtype: torch.dtype 
     views = [view for name, param, spec in unique for view in whole_param_views(name, spec, param, None, False)]
     views += [StateView(name, ShardSpec(tuple(buf.shape)), "param", 0, buf.numel(), buf.view(-1), False)
               for name, buf in model.named_buffers() if name.endswith("router.expert_bias")]
-    fill_views_from_hf(weights if weights is not None else HFWeights(hf_dir), family, cfg, views, kinds=("param",))
+    weights = weights if weights is not None else HFWeights(hf_dir)
+    check_copies(weights, family, cfg)  # as the whole-state load refused them (a differing tied head, MTP copies)
+    fill_views_from_hf(weights, family, cfg, views, kinds=("param",))
     return model.eval()

@@ -65,9 +65,9 @@ def check_hf_names(weights: HFWeights, family: Family, cfg: ModelConfig) -> None
                          f"e.g. {extra[:8]}")
 
 
-def megazoo_tensors(weights: HFWeights, family: Family, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, full tensor) of every parameter, read from the HF files one entry at a time."""
-    check_hf_names(weights, family, cfg)
+def check_copies(weights: HFWeights, family: Family, cfg: ModelConfig) -> None:
+    """Copies the key map reads once (a tied head stored anyway, the MTP layers' shared embedding and head) equal
+    the tensors they copy: read only where the folder holds such a copy."""
     tied = family.tied_head(cfg)
     if tied and tied[0] in weights.names() and not torch.equal(weights.read(tied[0]), weights.read(tied[1])):
         raise ValueError(f"{tied[0]} differs from {tied[1]} but model {cfg.name} ties its output head to the "
@@ -78,6 +78,12 @@ def megazoo_tensors(weights: HFWeights, family: Family, cfg: ModelConfig) -> Ite
         main = {e.ours: e.hf[0] for e in family.entries(cfg) if e.ours in ("wte.weight", "lm_head.weight")}
         check_shared_copies(weights.read, cfg, main["wte.weight"], main.get("lm_head.weight", main["wte.weight"]),
                             present=set(weights.names()))
+
+
+def megazoo_tensors(weights: HFWeights, family: Family, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, full tensor) of every parameter, read from the HF files one entry at a time."""
+    check_hf_names(weights, family, cfg)
+    check_copies(weights, family, cfg)
     for entry in family.entries(cfg):
         yield entry.ours, entry.join([weights.read(name) for name in entry.hf])
 

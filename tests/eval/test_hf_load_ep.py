@@ -85,3 +85,24 @@ def test_hf_load_at_ep2_reads_only_this_ranks_experts_and_equals_ep1(folder, tp)
         if tp == 1:
             assert read == total - others  # each tensor once, all but the other rank's experts
         assert eval_experts == mine and eval_read == read  # eval --hf: the same reader, the same bytes
+
+
+def test_a_tied_head_stored_unequal_is_refused(tmp_path):
+    """A folder whose config ties the head but that stores a different lm_head.weight is refused, as the whole
+    state load refused it (converter.check_copies); stored equal, it loads."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                 tie_word_embeddings=True)).save_pretrained(str(tmp_path))
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in state
+    for head, ok in ((state["model.embed_tokens.weight"].clone(), True), (torch.zeros(96, 32), False)):
+        save_file({**state, "lm_head.weight": head}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        if ok:
+            load_gpt_from_hf(tmp_path, Topology.solo())
+        else:
+            with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+                load_gpt_from_hf(tmp_path, Topology.solo())
