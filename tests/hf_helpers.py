@@ -113,3 +113,19 @@ def save_family_dir(family: str, path):
     tiny_family_model(family).save_pretrained(str(path))
     tiny_hf_tokenizer().save_pretrained(str(path))
     return path
+
+
+def transformers_greedy_text(hf_dir, prompt: str, new_tokens: int) -> str:
+    """transformers' greedy generate() on an HF folder (eager attention, fp32), decoded up to its first eos: what
+    `megazoo generate` must print for the same prompt."""
+    import transformers
+
+    from megazoo.data.tokenizers.loading import load_tokenizer
+    tokenizer = load_tokenizer(f"hf:{hf_dir}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    ids, eos = tokenizer.encode(prompt), tokenizer.eod_id
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(eos)] if eos in out else out)

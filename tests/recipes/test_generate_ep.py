@@ -19,25 +19,14 @@ import pytest
 import torch
 import transformers
 from harness import run_distributed
-from hf_helpers import random_hf_model, save_family_dir, tiny_hf_tokenizer
+from hf_helpers import random_hf_model, save_family_dir, tiny_hf_tokenizer, transformers_greedy_text
 
-from megazoo.data.tokenizers.loading import load_tokenizer
 from megazoo.parallel.topology import Topology
 from megazoo.recipes.cli import main as megazoo
 
 PROMPT = "def main():\n    return"
 NEW = 10
 
-
-def _transformers_text(hf_dir) -> str:
-    tokenizer = load_tokenizer(f"hf:{hf_dir}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-    prompt, eos = tokenizer.encode(PROMPT), tokenizer.eod_id
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos)[0, len(prompt):].tolist()
-    return tokenizer.decode(out[:out.index(eos)] if eos in out else out)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +48,7 @@ def test_mixtral_generate_ep2_prints_what_ep1_and_transformers_print(tmp_path, c
     capfd.readouterr()
     assert megazoo(["generate", "--hf", str(hf), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     ep1 = capfd.readouterr().out
-    assert ep1 == _transformers_text(hf) + "\n" and ep1.strip()
+    assert ep1 == transformers_greedy_text(hf, PROMPT, NEW) + "\n" and ep1.strip()
     args = _parser().parse_args([str(ckpt), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--ep", "2"])
     assert _parser().parse_args(_forwarded_argv(args)).ep == 2
     capfd.readouterr()
@@ -100,7 +89,7 @@ def test_deepseek_latent_cache_generate_at_ep2_and_tp2_ep2(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "(latent cache: (kv_lora_rank 24 + qk_rope_head_dim 8) x 3 layers" in captured.err  # the latent cache
     ep1 = captured.out
-    assert ep1 == _transformers_text(hf) + "\n" and ep1.strip()
+    assert ep1 == transformers_greedy_text(hf, PROMPT, NEW) + "\n" and ep1.strip()
     assert text(1, 2) == [ep1[:-1]] * 2  # every rank decoded the same tokens
     assert text(2, 2) == [ep1[:-1]] * 4
 

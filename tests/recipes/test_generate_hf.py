@@ -5,27 +5,14 @@ transformers' own greedy generate() on the folder, stopped at the tokenizer's en
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
-from hf_helpers import save_family_dir
+from hf_helpers import save_family_dir, transformers_greedy_text
 
-from megazoo.data.tokenizers.loading import load_tokenizer
 from megazoo.recipes.cli import main as megazoo
 
 PROMPT = "def main():\n    return"
 NEW = 10
 
-
-def _transformers_text(hf_dir) -> str:
-    tokenizer = load_tokenizer(f"hf:{hf_dir}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-    prompt = tokenizer.encode(PROMPT)
-    eos = tokenizer.eod_id
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos)[0, len(prompt):].tolist()
-    return tokenizer.decode(out[:out.index(eos)] if eos in out else out)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -37,7 +24,7 @@ def test_generate_hf_equals_the_converted_checkpoint_and_transformers(family, tm
     ours = capsys.readouterr().out
     assert megazoo(["generate", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == ours
-    assert ours == _transformers_text(hf) + "\n" and ours.strip()
+    assert ours == transformers_greedy_text(hf, PROMPT, NEW) + "\n" and ours.strip()
 
 
 def test_generate_needs_one_model(tmp_path, capsys):

@@ -71,3 +71,26 @@ def hf_dir(kind: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"deepseek-{kind}-")) / f"tiny-deepseek-{kind}"
     hf_model(kind).save_pretrained(str(path))
     return path
+
+
+def megazoo_logits(topo, cfg, full) -> torch.Tensor:
+    """Our decoder built from the full HF state at `topo`, on IDS, its vocabulary gathered over tp."""
+    from megazoo.models.hf.gpt2 import gpt_from_full_state
+    from megazoo.parallel.tensor import gather_from_tp_region
+    model = gpt_from_full_state(cfg, full, topo)
+    with torch.no_grad():
+        return gather_from_tp_region(model(IDS), topo.tp_group)[..., :V]
+
+
+LAYOUTS = {"tp1": None, "tp2": dict(dp=1, tp=2), "tp2-sp": dict(dp=1, tp=2, sequence_parallel=True),
+           "ep2": dict(dp=2, ep=2)}
+
+
+def logits_at(layout: str, cfg, full) -> list[torch.Tensor]:
+    """megazoo_logits at one of LAYOUTS: one process, or every rank of two gloo processes."""
+    from harness import run_distributed
+
+    from megazoo.parallel.topology import Topology
+    if LAYOUTS[layout] is None:
+        return [megazoo_logits(Topology.solo(), cfg, full)]
+    return run_distributed(lambda: megazoo_logits(Topology.build(**LAYOUTS[layout]), cfg, full), 2)

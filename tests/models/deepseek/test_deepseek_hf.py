@@ -11,24 +11,15 @@ import pytest
 import torch
 import transformers
 from cli_helpers import megazoo
-from deepseek_hf_helpers import IDS, V, hf_dir, hf_logits, hf_model
-from harness import run_distributed
+from deepseek_hf_helpers import IDS, hf_dir, hf_logits, hf_model, logits_at, megazoo_logits
 from hf_helpers import safetensors_state, tiny_hf_tokenizer
 
 from megazoo.models.deepseek import hf as deepseek
 from megazoo.models.hf.families import family_of_config, read_hf_dir
-from megazoo.models.hf.gpt2 import gpt_from_full_state
 from megazoo.models.hf.safetensors_files import HFWeights
-from megazoo.parallel.tensor import gather_from_tp_region
 from megazoo.parallel.topology import Topology
 
 KINDS = ("qlora", "plain_q")
-
-
-def _logits(topo: Topology, cfg, full):
-    model = gpt_from_full_state(cfg, full, topo)
-    with torch.no_grad():
-        return gather_from_tp_region(model(IDS), topo.tp_group)[..., :V]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -45,14 +36,7 @@ def test_config_both_ways_and_counts(kind):
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2-sp", "ep2"])
 def test_logits_equal_transformers(kind, layout):
     cfg, full = read_hf_dir(hf_dir(kind))
-    if layout == "tp1":
-        outs = [_logits(Topology.solo(), cfg, full)]
-    elif layout == "ep2":
-        outs = run_distributed(lambda: _logits(Topology.build(dp=2, ep=2), cfg, full), 2)
-    else:
-        sp = layout == "tp2-sp"
-        outs = run_distributed(lambda: _logits(Topology.build(dp=1, tp=2, sequence_parallel=sp), cfg, full), 2)
-    for logits in outs:
+    for logits in logits_at(layout, cfg, full):
         deviation = (logits - hf_logits(kind)).abs().max().item()
         assert deviation < 1e-5, f"{kind} {layout}: max |logit difference| {deviation:.2e}"
 
@@ -65,7 +49,7 @@ def test_rope_permutation_is_needed():
     for entry in deepseek.entries(cfg):
         if entry.ours.endswith(("q_b.weight", "kv_a.weight")):
             raw[entry.ours] = torch.cat([weights.read(n) for n in entry.hf])
-    deviation = (_logits(Topology.solo(), cfg, raw) - hf_logits("qlora")).abs().max().item()
+    deviation = (megazoo_logits(Topology.solo(), cfg, raw) - hf_logits("qlora")).abs().max().item()
     assert deviation > 1e-3, deviation
 
 

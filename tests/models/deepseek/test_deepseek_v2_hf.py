@@ -13,24 +13,15 @@ import pytest
 import torch
 import transformers
 from cli_helpers import megazoo
-from deepseek_hf_helpers import IDS, V, hf_dir, hf_logits, hf_model
-from harness import run_distributed
+from deepseek_hf_helpers import IDS, hf_dir, hf_logits, hf_model, logits_at, megazoo_logits
 from hf_helpers import safetensors_state
 
 from megazoo.models.presets import get_preset
 from megazoo.models.deepseek import hf as deepseek
 from megazoo.models.hf.families import family_of_config, read_hf_dir
-from megazoo.models.hf.gpt2 import gpt_from_full_state
-from megazoo.parallel.tensor import gather_from_tp_region
 from megazoo.parallel.topology import Topology
 
 KINDS = ("v2_lite", "v2_grouped")
-
-
-def _logits(topo: Topology, cfg, full):
-    model = gpt_from_full_state(cfg, full, topo)
-    with torch.no_grad():
-        return gather_from_tp_region(model(IDS), topo.tp_group)[..., :V]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -52,13 +43,7 @@ def test_config_both_ways_and_counts(kind):
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
 def test_logits_equal_transformers(kind, layout):
     cfg, full = read_hf_dir(hf_dir(kind))
-    if layout == "tp1":
-        outs = [_logits(Topology.solo(), cfg, full)]
-    elif layout == "ep2":
-        outs = run_distributed(lambda: _logits(Topology.build(dp=2, ep=2), cfg, full), 2)
-    else:
-        outs = run_distributed(lambda: _logits(Topology.build(dp=1, tp=2), cfg, full), 2)
-    for logits in outs:
+    for logits in logits_at(layout, cfg, full):
         deviation = (logits - hf_logits(kind)).abs().max().item()
         assert deviation < 1e-5, f"{kind} {layout}: max |logit difference| {deviation:.2e}"
 
@@ -69,7 +54,7 @@ def test_group_limit_and_scale_change_the_logits():
     cfg, full = read_hf_dir(hf_dir("v2_grouped"))
     want = hf_logits("v2_grouped")
     for change in (dict(moe_n_group=1, moe_topk_group=1), dict(moe_routed_scaling_factor=1.0)):
-        deviation = (_logits(Topology.solo(), cfg.replace(**change), full) - want).abs().max().item()
+        deviation = (megazoo_logits(Topology.solo(), cfg.replace(**change), full) - want).abs().max().item()
         assert deviation > 1e-3, (change, deviation)
 
 
