@@ -60,7 +60,7 @@ from megazoo.parallel.pipeline.partition import rank_chunks, uniform_stage_layer
 from megazoo.parallel.pipeline.schedules import SPLIT_BACKWARD
 from megazoo.parallel.pipeline.schedules import placement as placement_of
 from megazoo.recipes.planner.links import FP8_CHUNK_ELEMENTS, fp8_workspace  # noqa: F401 (the tests read them here)
-from megazoo.recipes.planner.moe import moe_activation_terms, moe_workspace, mtp_terms
+from megazoo.recipes.planner.moe import moe_activation_terms, moe_workspace, mtp_terms, store_terms, input_pass
 from megazoo.recipes.planner.schedule_memory import ChunkBytes, peak_live, rank_peak
 from megazoo.recipes.planner.zero import PlanError
 
@@ -191,8 +191,7 @@ def checkpoint_bytes(s: int, b: int, h: int, spec: ActivationSpec = ActivationSp
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual: int = 1) -> float:
-    """Micro-batches whose activations pipeline stage `rank` holds at its peak, in whole stages (v chunks of a
-    micro-batch count 1), from the schedule's action list (schedule_memory.walk)."""
+    """Micro-batches stage `rank` holds at its peak, in whole stages (v chunks of one count 1): schedule_memory.walk."""
     return peak_live(schedule, micro_batches, pp, rank, virtual) / virtual
 
 
@@ -327,7 +326,8 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
         fused_forward = wide * vocab / tp * h + max((wide + below) * c * vocab / tp,
                                                      below * (c * vocab / tp + vocab / tp * h))
     grad_in = e * sbh / split  # a gradient arriving at a stage, (b, s, d)
-    d_block = {m: weight_gradient_inputs(s, b, h, tp, specs[m], sequence_parallel) for m in specs}
+    d_block = {m: weight_gradient_inputs(s, b, h, tp, specs[m], sequence_parallel)  # + MLA's and MoE's (moe.py)
+               + store_terms(cfg, specs[m], s, b, tp, sequence_parallel, m) for m in specs}
 
     def chunk_bytes(stage: int, recompute: float) -> tuple[ChunkBytes, float]:
         """`recompute`: the layer recomputed on this chunk's rank (its largest), which the rank's total counts."""
@@ -367,9 +367,9 @@ def stage_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
                             - (recompute if n else 0.0))
         if last and schedule in SPLIT_BACKWARD:
             # split B (split_backward.py) runs the loss's and the blocks' input gradients in one pass that frees
-            # nothing of the head before the last block's MLP gradient temporaries exist: they add up (measured
+            # nothing of the head before the last block's MLP (or MoE) temporaries exist: they add up (measured
             # on test_schedule_memory.py's pipelines: ZB-H1's last stage is +12% over the planner otherwise)
-            workspace = loss_backward + (max(specs[m].mlp_elements for m in present(stage)) * e * sbh / tp if n else 0.0)
+            workspace = loss_backward + input_pass(specs, present(stage), s, b, h, tp, sequence_parallel)
         # The peak adds one recomputed layer under checkpointing (total_bytes), yet the loss's backward runs before
         # any is: for MoE models (qwen3-30b-a3b's dry run peaks there) that moment is net of it. Dense models keep the
         # double count, standing in for ZeRO-2's head gradient buckets in 405B's recomputed backward (netting: -23%).

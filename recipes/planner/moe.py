@@ -12,7 +12,8 @@ recomputed forward (6). The ep group: ep consecutive grad ranks (dp-major, cp in
 numbered as parallel/topology.Topology.rank_at numbers the mesh (pp, dp, cp, tp), tp innermost.
 
 Also the activation planner's DeepSeek-V3 terms (recipes/planner/activations.py): an MoE block's routed rows and its
-backward moments (moe_activation_terms, moe_workspace), and the multi-token prediction modules on the last stage
+backward moments (moe_activation_terms, moe_workspace), what an MoE or latent-attention block leaves in the
+zero-bubble schedules' weight-gradient store (store_terms), and the multi-token prediction modules on the last stage
 (mtp_terms).
 """
 
@@ -97,6 +98,52 @@ def moe_workspace(spec, s: int, b: int, t: int, sequence_parallel: bool) -> list
     experts = copies * spec.moe_weight_grad_bytes + routing * (spec.moe_rows_grad_bytes - spec.moe_token_bytes)
     swiglu = spec.moe_weight_grad_bytes / 2 + routing * spec.moe_swiglu_bytes
     return [experts, routing * spec.moe_combine_bytes, swiglu]
+
+
+def input_pass(specs: dict, kinds: list, s: int, b: int, h: int, t: int, sequence_parallel: bool) -> float:
+    """The heaviest moment of a split backward's input-gradient pass (B) through a block of one of `kinds` (0.0 for
+    none), beyond its saved activations: its MLP's gradient temporaries as its backward starts (mlp_elements h / t
+    per token), or an MoE block's own moments (moe_workspace: DeepSeek-V3's last stage under zb_h1 peaks in the
+    combine's, 2.35 GB of fp32 rows, while the loss's backward and the waiting micro-batches' stores are held)."""
+    moments = [0.0]
+    for m in kinds:
+        moments.append(specs[m].mlp_elements * specs[m].element_bytes * s * b * h / t)
+        if specs[m].moe_token_bytes:
+            moments += moe_workspace(specs[m], s, b, t, sequence_parallel)
+    return max(moments)
+
+
+def store_terms(cfg, spec, s: int, b: int, t: int, sequence_parallel: bool, moe: bool) -> float:
+    """Bytes a block of kind `moe` keeps from its split backward's B to its W (parallel/pipeline/split_backward.py)
+    beyond activations.weight_gradient_inputs, which counts plain heads (QKV and the output projection, h wide)
+    and a dense MLP (an MoE block's: its shared experts'). Latent attention (models/deepseek/mla.py) stashes X and
+    dY of its own linears instead: q_a (h -> q_lora) and kv_a (h -> r + rope) on this rank's positions (s / tp
+    under sequence parallelism), q_b (q_lora -> n qk / t; without q_lora c_q, h -> n qk / t, which under sequence
+    parallelism gathers inside its backward: its weight gradient), kv_b (r -> n (nope + v) / t) and the output
+    projection (n v / t -> h) on the whole sequence. An MoE block adds its router's matmul (fp32 x, h, and dY, E,
+    per routing token) and the experts' weight gradients: the grouped matmul is no F.linear matmul, so B computes
+    them (eager edges, c_fc's and c_proj's of the local experts, in the compute dtype: 3 f h n_local); without
+    shared experts the dense formula's MLP linears do not exist (its x / dY of width h)."""
+    e, h, split = spec.element_bytes, cfg.d_model, t if sequence_parallel else 1
+    grad_bytes = 4 if spec.weight_copies else e
+    full, local = s * b * e, s * b * e / split
+    delta = 0.0
+    if cfg.mla:
+        n, qk, v = cfg.n_head, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        r, rope, q_lora = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank
+        plain = full * (h / t + h) + (grad_bytes * 3 * h * h / t if sequence_parallel else full * (h + 3 * h / t))
+        latent = local * (h + r + rope) + full * (r + n * (cfg.qk_nope_head_dim + v) / t) + full * (n * v / t + h)
+        if q_lora:
+            latent += local * (h + q_lora) + full * (q_lora + n * qk / t)
+        else:
+            latent += grad_bytes * h * n * qk / t if sequence_parallel else full * (h + n * qk / t)
+        delta += latent - plain
+    if moe and spec.moe_token_bytes:
+        param_bytes = spec.residual  # moe_weight_grad_bytes' dtype: 4 under autocast of fp32 parameters, else e
+        delta += s * b / split * 4 * (h + cfg.n_experts) + 1.5 * spec.moe_weight_grad_bytes * e / param_bytes
+        if not cfg.moe_shared_experts:
+            delta -= full * (1 if sequence_parallel else 2) * h
+    return delta
 
 
 def mtp_terms(cfg, spec, full: dict, heavy: dict, sbh: float, split: int, logits: float, head_grad: float,
