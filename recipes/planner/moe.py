@@ -123,7 +123,8 @@ def store_terms(cfg, spec, s: int, b: int, t: int, sequence_parallel: bool, moe:
     projection (n v / t -> h) on the whole sequence. An MoE block adds its router's matmul (fp32 x, h, and dY, E,
     per routing token) and the experts' weight gradients: the grouped matmul is no F.linear matmul, so B computes
     them (eager edges, c_fc's and c_proj's of the local experts, in the compute dtype: 3 f h n_local); without
-    shared experts the dense formula's MLP linears do not exist (its x / dY of width h)."""
+    shared experts the dense formula's MLP linears do not exist (its x / dY of width h). Plain heads at their own
+    widths: grouped-query K and V (n_kv_head), n_head head_dim != h (Qwen3)."""
     e, h, split = spec.element_bytes, cfg.d_model, t if sequence_parallel else 1
     grad_bytes = 4 if spec.weight_copies else e
     full, local = s * b * e, s * b * e / split
@@ -138,6 +139,12 @@ def store_terms(cfg, spec, s: int, b: int, t: int, sequence_parallel: bool, moe:
         else:
             latent += grad_bytes * h * n * qk / t if sequence_parallel else full * (h + n * qk / t)
         delta += latent - plain
+    elif cfg.n_kv_head * cfg.head_dim != cfg.d_model or cfg.n_head * cfg.head_dim != cfg.d_model:
+        # grouped-query heads (K and V n_kv_head wide) or heads not d_model wide: QKV's dY (or its weight gradient
+        # under sequence parallelism) and the output projection's x at their own widths
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        qkv = grad_bytes * h * (q + 2 * kv - 3 * h) / t if sequence_parallel else full * (q + 2 * kv - 3 * h) / t
+        delta += qkv + full * (q - h) / t
     if moe and spec.moe_token_bytes:
         param_bytes = spec.residual  # moe_weight_grad_bytes' dtype: 4 under autocast of fp32 parameters, else e
         delta += s * b / split * 4 * (h + cfg.n_experts) + 1.5 * spec.moe_weight_grad_bytes * e / param_bytes
