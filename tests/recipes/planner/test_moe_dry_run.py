@@ -154,17 +154,10 @@ def test_deepseek_v3_last_stage_without_checkpointing_peaks_in_the_heads_backwar
     assert abs(row["relative_difference"]) <= 0.02, row["relative_difference"]
 
 
-def test_deepseek_v3_last_stage_under_zb_h1_holds_moe_and_latent_stores(monkeypatch):
-    """deepseek-v3's last stage under zb_h1 (19 blocks at its 2,048 ranks, one MoE block with latent attention a
-    stage; 4 micro-batches, not checkpointed). Between B and W each micro-batch's store (split_backward.py) keeps
-    X and dY of MLA's q_a / q_b / kv_a / kv_b / o at their latent and head widths, the router's fp32 X and dY, the
-    experts' weight gradients (the grouped matmul's: eager) and the head's X and d logits: equal to the planner's
-    store (moe.store_terms over weight_gradient_inputs) to 0.01%. The peak is the last micro-batch's B in the
-    combine's backward beside the three waiting stores: +29% before (plain heads, dense MLP, no MoE moment)."""
+def _record_stores(monkeypatch) -> list[int]:
+    """The bytes each split backward's B leaves for its W (the pipeline engine's backward_input, spied on): one
+    entry per micro-batch, appended as the dry run goes."""
     import megazoo.parallel.pipeline.engine as engine
-    from megazoo.recipes.planner.activations import ActivationSpec, weight_gradient_inputs
-    from megazoo.recipes.planner.moe import store_terms
-
     held, original = [], engine.backward_input
 
     def spy(*args, **kwargs):
@@ -173,6 +166,20 @@ def test_deepseek_v3_last_stage_under_zb_h1_holds_moe_and_latent_stores(monkeypa
         return dx, pending
 
     monkeypatch.setattr(engine, "backward_input", spy)
+    return held
+
+
+def test_deepseek_v3_last_stage_under_zb_h1_holds_moe_and_latent_stores(monkeypatch):
+    """deepseek-v3's last stage under zb_h1 (19 blocks at its 2,048 ranks, one MoE block with latent attention a
+    stage; 4 micro-batches, not checkpointed). Between B and W each micro-batch's store (split_backward.py) keeps
+    X and dY of MLA's q_a / q_b / kv_a / kv_b / o at their latent and head widths, the router's fp32 X and dY, the
+    experts' weight gradients (the grouped matmul's: eager) and the head's X and d logits: equal to the planner's
+    store (moe.store_terms over weight_gradient_inputs) to 0.01%. The peak is the last micro-batch's B in the
+    combine's backward beside the three waiting stores: +29% before (plain heads, dense MLP, no MoE moment)."""
+    from megazoo.recipes.planner.activations import ActivationSpec, weight_gradient_inputs
+    from megazoo.recipes.planner.moe import store_terms
+
+    held = _record_stores(monkeypatch)
     layers = json.dumps([[0, 1, 2, 3]] + [[i] for i in range(4, 19)])
     res = load("deepseek-v3", ["model.n_layer=19", f"parallel.layers={layers}", "model.mtp_depth=0",
                                "train.grad_accum=4", "train.global_batch=512", "parallel.node_size=8",
@@ -193,18 +200,10 @@ def test_mixtral_8x22b_zb_h1_store_has_grouped_query_widths(monkeypatch):
     checkpointed, stage 1: each micro-batch's store is the router's fp32 X and dY, the experts' eager weight
     gradients, the attention projection's X and dY and QKV's eager weight gradient at its grouped-query width
     (q 3072 + k, v 1024 rows at tp 2), no shared-MLP linears: the planner's to 1e-4 (before: +8%, 843 vs 780 MB)."""
-    import megazoo.parallel.pipeline.engine as engine
     from megazoo.recipes.planner.activations import ActivationSpec, weight_gradient_inputs
     from megazoo.recipes.planner.moe import store_terms
 
-    held, original = [], engine.backward_input
-
-    def spy(*args, **kwargs):
-        dx, pending = original(*args, **kwargs)
-        held.append(sum(t.nbytes for t in pending.held_tensors() if t is not None))
-        return dx, pending
-
-    monkeypatch.setattr(engine, "backward_input", spy)
+    held = _record_stores(monkeypatch)
     res = load("recipes/mixtral-8x22b.toml", ["model.n_layer=8", "train.grad_accum=2", "train.global_batch=16",
                                               "parallel.schedule=zb_h1", "train.activation_checkpointing=false"])
     (role,) = [r for r in roles(res) if r.pp_stage == 1]
